@@ -1,0 +1,23 @@
+"""prefixkv: a lossless LLM inference engine (paged KV cache, radix prefix sharing, chunked-prefill
+continuous batching). ``from prefixkv import LLM, SamplingParams``."""
+
+from prefixkv.outputs import CompletionOutput, Logprob, RequestOutput
+from prefixkv.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The engine pulls in torch and transformers; load it on first use.
+    if name in ("LLM", "LLMEngine"):
+        from prefixkv import engine
+
+        return getattr(engine, name)
+    if name == "AsyncEngine":
+        from prefixkv.async_engine import AsyncEngine
+
+        return AsyncEngine
+    raise AttributeError(f"module 'prefixkv' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "LLMEngine", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

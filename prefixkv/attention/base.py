@@ -1,0 +1,87 @@
+"""The attention backend interface and the one KV-cache layout.
+
+KV layout (read by the torch reference and by the CUDA kernels alike)::
+
+    kv_cache: [num_layers, 2, num_blocks + 1, num_kv_heads, block_size, head_dim]
+              axis 1: 0 = keys, 1 = values
+              block `num_blocks` (the last one) is a reserved dummy block: padding rows
+              (CUDA-graph buckets) write there and nothing ever reads it.
+
+    kv_cache[layer] -> [2, num_blocks + 1, num_kv_heads, block_size, head_dim]
+
+A token's KV lives at *slot* ``block_id * block_size + offset``; ``slot_mapping`` gives the slot
+of every token scheduled this step.
+
+Batch layout (one flattened batch of ``num_tokens`` query tokens)::
+
+    seq 0 (decode) | seq 1 (decode) | ... | seq D-1 | seq D (prefill chunk ...) | seq D+1 ...
+    <- num_decode_seqs seqs, 1 query token each ->   <- prefill seqs, query_len >= 1 each ->
+
+A sequence's query tokens are its *last* ``query_len`` tokens: query token ``i`` of sequence ``s``
+sits at position ``seq_lens[s] - query_len[s] + i`` and attends causally to positions
+``0 .. seq_lens[s] - query_len[s] + i`` (cached prefix + earlier chunks + itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def kv_cache_shape(
+    num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int
+) -> tuple[int, ...]:
+    """Shape of the whole KV cache; ``num_blocks`` excludes the dummy block (added here)."""
+    return (num_layers, 2, num_blocks + 1, num_kv_heads, block_size, head_dim)
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs shared by every layer. Sequences are ordered decodes first."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, slot of each query token's new KV
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length incl. this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks_per_seq] int32, padded with 0
+    num_decode_seqs: int  # the first num_decode_seqs sequences have query_len == 1
+    max_seq_len: int
+    max_query_len: int
+    # CPU copies for Python-side loops of the reference backend (never read by kernels).
+    seq_lens_cpu: list[int] | None = None
+    query_start_loc_cpu: list[int] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+class AttentionBackend:
+    """Paged attention over the KV layout above.
+
+    ``forward`` first writes this step's ``k``/``v`` into ``kv_cache_layer`` at ``slot_mapping``
+    (so a sequence attends to its own new tokens), then computes causal attention of every query
+    token against its sequence's context read through ``block_tables``. It never writes any slot
+    not named in ``slot_mapping`` (copy-on-write relies on that), and the output equals dense
+    causal softmax attention in the input dtype, accumulated in at least fp32.
+    """
+
+    name = "base"
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache_layer: torch.Tensor,  # [2, num_blocks + 1, num_kv_heads, block_size, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        raise NotImplementedError
+
+    def copy_blocks(self, kv_cache: torch.Tensor, src_dst: torch.Tensor) -> None:
+        """Copy whole blocks in every layer; ``src_dst`` is [num_copies, 2] int64 (src, dst)."""
+        if src_dst.numel() == 0:
+            return
+        src, dst = src_dst[:, 0], src_dst[:, 1]
+        kv_cache[:, :, dst] = kv_cache[:, :, src]

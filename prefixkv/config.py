@@ -1,0 +1,90 @@
+"""Frozen engine configuration, validated on construction.
+
+Values only known at run time (number of KV blocks, eos ids, the model's shape) live in
+``RuntimeInfo``, kept apart from what the user asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
+SUPPORTED_DEVICES = ("cpu", "cuda")
+
+
+def _require(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {msg}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Explicit number of KV blocks; None derives it from kv_cache_memory_bytes.
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
+                 "block_size", f"must be an int in [1, 1024], got {self.block_size!r}")
+        if self.num_kv_blocks is not None:
+            _require(isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1,
+                     "num_kv_blocks", f"must be a positive int, got {self.num_kv_blocks!r}")
+        _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_waiting_requests: int = 4096
+    # A waiting request that has been passed over for this many steps is admitted in arrival
+    # order ahead of requests with longer cached prefixes (aging: nobody starves).
+    max_wait_steps: int = 64
+    # "continuous" admits new requests every step; "static" admits only once the running
+    # batch has drained (the classic static-batching baseline, for ablations).
+    policy: str = "continuous"
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+                 "max_num_batched_tokens", f"must be a positive int, got {self.max_num_batched_tokens!r}")
+        _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
+                 "max_num_seqs", f"must be a positive int, got {self.max_num_seqs!r}")
+        _require(self.max_waiting_requests >= 1, "max_waiting_requests", "must be >= 1")
+        _require(self.max_wait_steps >= 0, "max_wait_steps", "must be >= 0")
+        _require(self.policy in ("continuous", "static"), "policy",
+                 f"must be 'continuous' or 'static', got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None = the embedded SmolLM2-135M-Instruct
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    seed: int = 0
+    enforce_eager: bool = False
+    attention_backend: str | None = None  # None = "torch" on cpu, "cuda" on cuda
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.device in SUPPORTED_DEVICES, "device",
+                 f"must be one of {SUPPORTED_DEVICES}, got {self.device!r}")
+        _require(self.dtype in SUPPORTED_DTYPES, "dtype",
+                 f"must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None:
+            _require(isinstance(self.max_model_len, int) and self.max_model_len >= 1,
+                     "max_model_len", f"must be a positive int, got {self.max_model_len!r}")
+
+
+@dataclass
+class RuntimeInfo:
+    """Discovered at start-up: not configuration."""
+
+    num_kv_blocks: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    vocab_size: int

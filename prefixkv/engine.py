@@ -1,0 +1,391 @@
+"""``LLMEngine`` (add_request / step / abort) and the offline ``LLM`` API."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from prefixkv.attention import get_backend
+from prefixkv.config import CacheConfig, EngineConfig, RuntimeInfo, SchedulerConfig
+from prefixkv.model.loader import DTYPES, load_model, resolve_model
+from prefixkv.outputs import CompletionOutput, Logprob, RequestOutput
+from prefixkv.request import Request, RequestStatus
+from prefixkv.runner.model_runner import ModelRunner
+from prefixkv.sampling_params import SamplingParams
+from prefixkv.scheduler import Scheduler
+from prefixkv.tokenizer import IncrementalDetokenizer, Tokenizer
+
+PromptType = str | Sequence[int]
+
+
+@dataclass
+class _SeqState:
+    """Output-side state of one sequence: detokenized text, stop-string hold-back, deltas."""
+
+    detok: IncrementalDetokenizer
+    text: str = ""
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[Logprob] = field(default_factory=list)
+
+
+@dataclass
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: dict[int, Request] = field(default_factory=dict)  # sample_index -> sequence
+    states: dict[int, _SeqState] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.states) == self.params.n and all(s.finish_reason for s in self.states.values())
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: 'cuda' requested but torch sees no CUDA device")
+        if config.dtype == "float64" and config.device != "cpu":
+            raise ValueError("dtype: float64 is supported on cpu only")
+        self.model_path = resolve_model(config.model)
+        self.tokenizer = Tokenizer.from_pretrained(str(self.model_path))
+        dtype = DTYPES[config.dtype]
+        self.model, self.hf_config = load_model(self.model_path, config.dtype, config.device)
+        shape = self.model.shape
+        max_len = config.max_model_len or shape.max_position_embeddings
+        if shape.sliding_window:
+            max_len = min(max_len, shape.sliding_window)
+        bs = config.cache.block_size
+        num_blocks = config.cache.num_kv_blocks or max(
+            1, config.cache.kv_cache_memory_bytes // ModelRunner.bytes_per_block(self.model, bs, dtype))
+        self.info = RuntimeInfo(num_kv_blocks=num_blocks, max_model_len=max_len,
+                                eos_token_ids=list(self.tokenizer.eos_token_ids), vocab_size=shape.vocab_size)
+        backend = get_backend(config.attention_backend or ("torch" if config.device == "cpu" else "cuda"))
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        self.runner = ModelRunner(self.model, backend, num_blocks, bs, config.device, dtype, self.info.eos_token_ids)
+        self._rng = random.Random(config.seed)
+        self._arrivals = itertools.count()
+        self._groups: dict[str, _Group] = {}
+        self.check_integrity_each_step = False
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        v = self.info.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < v for t in ids):
+            raise ValueError(f"prompt: token ids must be ints in [0, {v})")
+        return None, ids
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
+        """Validate and queue a request; raises ValueError naming the bad field (nothing changes)."""
+        params = params or SamplingParams()
+        params.validate(self.info.vocab_size)
+        if request_id in self._groups:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        if self.scheduler.num_waiting >= self.config.scheduler.max_waiting_requests:
+            raise OverflowError(f"the waiting queue is full ({self.scheduler.num_waiting} requests)")
+        text, ids = self.tokenize_prompt(prompt)
+        max_len = self.info.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within the model's "
+                             f"context of {max_len} tokens")
+        need_blocks = -(-(len(ids) + 1) // self.config.cache.block_size)
+        if need_blocks > self.info.num_kv_blocks:
+            raise ValueError(f"prompt: {len(ids)} tokens need {need_blocks} KV blocks but the cache has only "
+                             f"{self.info.num_kv_blocks}")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Request(request_id, ids, params, next(self._arrivals), seed, max_len)
+        group = _Group(request_id, text, ids, params)
+        group.seqs[0] = req
+        self.scheduler.add_request(req)
+        self._groups[request_id] = group
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request; its KV blocks are freed at once. False if it is unknown or done."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return False
+        for seq in group.seqs.values():
+            self.scheduler.finish_request(seq, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._groups)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step and one forward pass. Returns a RequestOutput for every request that
+        produced something (deltas for streaming; ``finished`` when done)."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        self.num_steps += 1
+        model_out = self.runner.execute(out)
+        changed = self.scheduler.update(out, model_out.sampled)
+        for s, lps in zip(out.scheduled, model_out.logprobs):
+            if lps:
+                self._record_logprobs(s.req, lps)
+        touched: dict[str, _Group] = {}
+        for seq in changed:
+            group = self._groups.get(seq.request_id)
+            if group is None:
+                continue
+            group.seqs[seq.sample_index] = seq
+            self._process_token(group, seq)
+            touched[group.request_id] = group
+        outputs = [self._make_output(g) for g in touched.values()]
+        for g in touched.values():
+            if g.finished:
+                del self._groups[g.request_id]
+        if self.check_integrity_each_step:
+            self.scheduler.check_integrity()
+        return outputs
+
+    def _record_logprobs(self, req: Request, lps) -> None:
+        group = self._groups.get(req.request_id)
+        if group is None:
+            return
+        seq_ids = [req.seq_id] if len(lps) == 1 else [f"{req.request_id}#{k}" for k in range(len(lps))]
+        for seq_id, (chosen, top) in zip(seq_ids, lps):
+            seq = self.scheduler.requests.get(seq_id)
+            if seq is not None:
+                seq.logprobs.append((chosen, top))
+
+    def _state(self, group: _Group, seq: Request) -> _SeqState:
+        st = group.states.get(seq.sample_index)
+        if st is None:
+            st = _SeqState(IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids,
+                                                  skip_special_tokens=group.params.skip_special_tokens))
+            group.states[seq.sample_index] = st
+        return st
+
+    def _process_token(self, group: _Group, seq: Request) -> None:
+        """Detokenize a sequence's new token and apply the stop conditions."""
+        st = self._state(group, seq)
+        p = group.params
+        tok = seq.token_ids[-1]
+        n_out = seq.num_output_tokens
+        finish: tuple[RequestStatus, int | str | None] | None = None
+        if not p.ignore_eos and tok in self.info.eos_token_ids and n_out > p.min_tokens - 1:
+            finish = (RequestStatus.FINISHED_STOPPED, None)
+        elif tok in p.stop_token_ids and n_out > p.min_tokens - 1:
+            finish = (RequestStatus.FINISHED_STOPPED, tok)
+        else:
+            prev = len(st.text)
+            st.text += st.detok.add(tok)
+            if p.stop:
+                hit = _find_stop(st.text, p.stop, prev)
+                if hit is not None:
+                    idx, stop = hit
+                    st.text = st.text[:idx]
+                    finish = (RequestStatus.FINISHED_STOPPED, stop)
+        if finish is None and p.max_tokens is not None and n_out >= p.max_tokens:
+            finish = (RequestStatus.FINISHED_LENGTH, None)
+        if finish is None and seq.num_tokens >= self.info.max_model_len:
+            finish = (RequestStatus.FINISHED_LENGTH, None)
+        if finish is not None:
+            status, reason = finish
+            if reason is None or isinstance(reason, int):
+                st.text += st.detok.flush()
+            st.finish_reason, st.stop_reason = status.value, reason
+            self.scheduler.finish_request(seq, status)
+        if seq.logprobs and len(st.logprobs) < len(seq.logprobs):
+            for chosen, top in seq.logprobs[len(st.logprobs):]:
+                st.logprobs.append(Logprob(seq.token_ids[seq.num_prompt_tokens + len(st.logprobs)], chosen, top))
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        outs = []
+        for idx in sorted(group.states):
+            st = group.states[idx]
+            seq = group.seqs[idx]
+            sendable = len(st.text) if st.finish_reason else len(st.text) - _holdback(st.text, group.params.stop)
+            sendable = max(sendable, st.num_sent_chars)
+            delta = st.text[st.num_sent_chars:sendable]
+            st.num_sent_chars = sendable
+            ids = seq.output_token_ids
+            delta_ids = ids[st.num_sent_tokens:]
+            st.num_sent_tokens = len(ids)
+            outs.append(CompletionOutput(
+                index=idx, token_ids=list(ids), text=st.text if st.finish_reason else st.text[:sendable],
+                finish_reason=st.finish_reason, stop_reason=st.stop_reason,
+                logprobs=list(st.logprobs) if group.params.logprobs is not None else None,
+                delta_text=delta, delta_token_ids=delta_ids))
+        first = group.seqs[0]
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, group.finished,
+                             num_cached_tokens=first.num_cached_tokens)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def stats(self) -> dict[str, Any]:
+        kv = self.scheduler.kv
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_kv_blocks": kv.num_blocks,
+            "num_kv_blocks_used": kv.num_used_blocks,
+            "num_kv_blocks_cached": kv.pool.num_evictable,
+            "prefix_queried_tokens": kv.num_queried_tokens,
+            "prefix_hit_tokens": kv.num_hit_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+
+def _find_stop(text: str, stops: list[str], prev_len: int) -> tuple[int, str] | None:
+    """Earliest stop string that ends in the newly added text."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, prev_len - len(s) + 1))
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
+
+
+def _holdback(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that could begin a stop string."""
+    n = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), n, -1):
+            if text.endswith(s[:k]):
+                n = k
+                break
+    return n
+
+
+class LLM:
+    """Offline batch inference, as users know it from vLLM::
+
+        llm = LLM(model=None, device="cpu", dtype="float32")
+        outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int = 1 << 30,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        attention_backend: str | None = None,
+        enforce_eager: bool = False,
+        scheduling_policy: str = "continuous",
+        enable_chunked_prefill: bool = True,
+        max_waiting_requests: int = 1 << 20,
+    ) -> None:
+        cfg = EngineConfig(
+            model=model, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed,
+            enforce_eager=enforce_eager, attention_backend=attention_backend,
+            cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                              kv_cache_memory_bytes=kv_cache_memory_bytes,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                      policy=scheduling_policy, enable_chunked_prefill=enable_chunked_prefill,
+                                      max_waiting_requests=max_waiting_requests),
+        )
+        self.engine = LLMEngine(cfg)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts: must not be empty")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        # validate everything before queueing anything
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                sp.validate(self.engine.info.vocab_size)
+                self.engine.tokenize_prompt(p)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        added = []
+        try:
+            for rid, p, sp in zip(ids, prompts, params):
+                self.engine.add_request(rid, p, sp)
+                added.append(rid)
+        except BaseException:
+            for rid in added:
+                self.engine.abort(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[r] for r in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages: must be a non-empty list")
+        convs = [messages] if isinstance(messages[0], dict) else messages
+        prompts = []
+        for i, conv in enumerate(convs):
+            try:
+                prompts.append(self.tokenizer.apply_chat_template(conv, add_generation_prompt=True))
+            except ValueError as e:
+                raise ValueError(f"messages[{i}]: {e}") from None
+        return self.generate(prompts, sampling_params, use_tqdm)

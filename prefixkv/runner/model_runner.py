@@ -1,0 +1,169 @@
+"""Turns a SchedulerOutput into tensors, runs the model and samples.
+
+Per step: apply copy-on-write block copies, build input_ids / positions / slot_mapping /
+block_tables / seq_lens, run the forward pass (logits only for rows that sample), sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from prefixkv.attention import AttentionBackend, AttentionMetadata, kv_cache_shape
+from prefixkv.model.llama import LlamaModel
+from prefixkv.request import Request
+from prefixkv.runner.sampler import SamplingBatch, SamplerOutput, mix_seed, sample
+from prefixkv.scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelOutput:
+    # sampled[i]: tokens for scheduled[i] (num_samples of them)
+    sampled: list[list[int]]
+    # logprobs[i][k]: (chosen logprob, [(token, logprob), ...]) for sample k, or None
+    logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        backend: AttentionBackend,
+        num_blocks: int,
+        block_size: int,
+        device: str,
+        dtype: torch.dtype,
+        eos_token_ids: list[int],
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.dtype = dtype
+        s = model.shape
+        self.vocab_size = s.vocab_size
+        self.eos_token_ids = eos_token_ids
+        # [num_layers, 2, num_blocks + 1, KVH, block_size, D]; the last block is the dummy block
+        self.kv_cache = torch.zeros(
+            kv_cache_shape(s.num_layers, num_blocks, s.num_kv_heads, block_size, s.head_dim),
+            dtype=dtype, device=self.device)
+
+    @staticmethod
+    def bytes_per_block(model: LlamaModel, block_size: int, dtype: torch.dtype) -> int:
+        s = model.shape
+        return s.num_layers * 2 * s.num_kv_heads * block_size * s.head_dim * torch.empty((), dtype=dtype).element_size()
+
+    # ------------------------------------------------------------------ inputs
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        logits_rows: list[int] = []
+        tables = []
+        for s in out.scheduled:
+            req = s.req
+            table = out.block_tables[req.seq_id]
+            end = s.start + s.num_new_tokens
+            input_ids.extend(req.token_ids[s.start:end])
+            positions.extend(range(s.start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(s.start, end))
+            starts.append(starts[-1] + s.num_new_tokens)
+            seq_lens.append(end)
+            tables.append(table)
+            if s.num_samples:
+                logits_rows.extend([starts[-1] - 1] * s.num_samples)
+        max_blocks = max(len(t) for t in tables)
+        bt = torch.zeros((len(tables), max_blocks), dtype=torch.int32)
+        for i, t in enumerate(tables):
+            bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=bt.to(dev),
+            num_decode_seqs=out.num_decodes,
+            max_seq_len=max(seq_lens),
+            max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
+            seq_lens_cpu=seq_lens,
+            query_start_loc_cpu=starts,
+        )
+        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev), meta,
+                torch.tensor(logits_rows, dtype=torch.int64, device=dev))
+
+    def sampling_batch(self, rows: list[tuple[Request, int]]) -> SamplingBatch:
+        """rows: (request, sample_index) per token to sample."""
+        dev, v = self.device, self.vocab_size
+        params = [r.sampling_params for r, _ in rows]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=dev)
+        b = SamplingBatch(
+            temperature=temperature,
+            top_k=torch.tensor([p.top_k if p.top_k > 0 else v for p in params], dtype=torch.int64, device=dev),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float64, device=dev),
+            seeds=torch.tensor([mix_seed(r.seed, k) for r, k in rows], dtype=torch.int64, device=dev),
+            positions=torch.tensor([r.num_output_tokens for r, _ in rows], dtype=torch.int64, device=dev),
+            all_greedy=all(p.temperature == 0 for p in params),
+            any_top_k=any(0 < p.top_k < v for p in params),
+            any_top_p=any(p.top_p < 1.0 for p in params),
+            any_min_p=any(p.min_p > 0.0 for p in params),
+            max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+        )
+        if any(p.uses_penalties for p in params):
+            b.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=dev)
+            b.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=dev)
+            b.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=dev)
+            counts = torch.zeros((len(rows), v), dtype=torch.int64, device=dev)
+            seen = torch.zeros((len(rows), v), dtype=torch.bool, device=dev)
+            for i, (r, _) in enumerate(rows):
+                out_ids = torch.tensor(r.output_token_ids, dtype=torch.int64, device=dev)
+                counts[i].scatter_add_(0, out_ids, torch.ones_like(out_ids))
+                seen[i, torch.tensor(r.token_ids, dtype=torch.int64, device=dev)] = True
+            b.output_counts, b.seen_mask = counts, seen
+        banned = []
+        for i, (r, _) in enumerate(rows):
+            p = r.sampling_params
+            if r.num_output_tokens < p.min_tokens:
+                ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+                if ids:
+                    banned.append((i, ids))
+        b.banned = banned or None
+        return b
+
+    # ------------------------------------------------------------------ the step
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        if out.copy_ops:
+            pairs = torch.tensor([[op.src, op.dst] for op in out.copy_ops], dtype=torch.int64, device=self.device)
+            self.backend.copy_blocks(self.kv_cache, pairs)
+        input_ids, positions, meta, logits_rows = self.prepare(out)
+        logits = self.model(input_ids, positions, self.kv_cache, meta, self.backend, logits_rows)
+        rows = [(s.req, k if not s.req.forked else s.req.sample_index)
+                for s in out.scheduled for k in range(s.num_samples)]
+        if not rows:
+            return ModelOutput([[] for _ in out.scheduled], [None for _ in out.scheduled])
+        res = sample(logits, self.sampling_batch(rows))
+        return self._split(out, res)
+
+    @staticmethod
+    def _split(out: SchedulerOutput, res: SamplerOutput) -> ModelOutput:
+        sampled, logprobs = [], []
+        i = 0
+        for s in out.scheduled:
+            toks = res.token_ids[i:i + s.num_samples]
+            sampled.append(toks)
+            lp = None
+            if s.num_samples and s.req.sampling_params.logprobs is not None and res.chosen_logprobs is not None:
+                k = s.req.sampling_params.logprobs
+                lp = []
+                for j in range(i, i + s.num_samples):
+                    top = list(zip(res.top_ids[j][:k], res.top_logprobs[j][:k])) if k and res.top_ids else []
+                    lp.append((res.chosen_logprobs[j], top))
+            logprobs.append(lp)
+            i += s.num_samples
+        return ModelOutput(sampled, logprobs)

@@ -1,0 +1,142 @@
+"""Batched sampler: one vectorized pass over the whole batch, per-row parameters as tensors.
+
+Order: penalties (repetition as in transformers; presence/frequency as in OpenAI, over output
+tokens) -> min_tokens (eos and stop ids masked) -> temperature -> top-k -> top-p -> min-p ->
+sample. ``temperature == 0`` rows take the exact argmax of the (penalized) logits.
+
+Randomness is counter-based: the uniform noise for row r, vocab entry v is a hash of
+(row seed, output position, v), so a seeded request draws the same tokens whatever else is in
+the batch, however its prompt was chunked, and after preemption. Sampling is the exponential
+race (argmax of p / Exp(1)), which equals drawing from p.
+
+Logprobs come from the raw distribution: ``log_softmax`` of the logits before any of the above.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def mix_seed(seed: int, sample_index: int) -> int:
+    """A 32-bit stream id for (request seed, sample index)."""
+    x = (seed ^ (seed >> 32)) & _M32
+    x = int(_fmix32(torch.tensor([x ^ ((sample_index * 0x9E3779B9) & _M32)], dtype=torch.int64))[0])
+    return x
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[S, V] float64 uniforms in (0, 1), a pure function of (seed, position, vocab index)."""
+    v = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)[None, :]
+    h = _fmix32((seeds[:, None] ^ ((positions[:, None] * 0x27D4EB2F) & _M32)) & _M32)
+    h = _fmix32(h ^ ((v * 0x165667B1) & _M32))
+    h2 = _fmix32(h ^ 0x5BD1E995)
+    bits = ((h >> 8) << 24) | (h2 >> 8)  # 48 random bits
+    return (bits.double() + 0.5) / float(1 << 48)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters for one step (row = one token to sample)."""
+
+    temperature: torch.Tensor  # [S] float
+    top_k: torch.Tensor  # [S] int64, vocab_size when disabled
+    top_p: torch.Tensor  # [S] float
+    min_p: torch.Tensor  # [S] float
+    seeds: torch.Tensor  # [S] int64 (32-bit stream ids)
+    positions: torch.Tensor  # [S] int64, index of the output token being sampled
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    # penalties (None when no row uses them)
+    repetition_penalty: torch.Tensor | None = None  # [S]
+    presence_penalty: torch.Tensor | None = None  # [S]
+    frequency_penalty: torch.Tensor | None = None  # [S]
+    output_counts: torch.Tensor | None = None  # [S, V] counts of each token in the output so far
+    seen_mask: torch.Tensor | None = None  # [S, V] bool: token in prompt or output
+    # min_tokens: rows whose listed token ids are masked this step
+    banned: list[tuple[int, list[int]]] | None = None
+    max_logprobs: int = -1  # -1: no row wants logprobs
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # [S]
+    chosen_logprobs: list[float] | None
+    top_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
+
+def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    if b.repetition_penalty is not None and b.seen_mask is not None:
+        p = b.repetition_penalty[:, None].to(logits.dtype)
+        penalized = torch.where(logits < 0, logits * p, logits / p)
+        logits = torch.where(b.seen_mask, penalized, logits)
+    if b.output_counts is not None:
+        counts = b.output_counts.to(logits.dtype)
+        logits = logits - b.frequency_penalty[:, None].to(logits.dtype) * counts
+        logits = logits - b.presence_penalty[:, None].to(logits.dtype) * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def top_k_top_p_min_p_mask(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Boolean [S, V]: True where a token is removed. Ties at the k-th value are kept."""
+    mask = torch.zeros_like(logits, dtype=torch.bool)
+    if not (b.any_top_k or b.any_top_p or b.any_min_p):
+        return mask
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    remove_sorted = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if b.any_top_k:
+        k = b.top_k.clamp(1, logits.shape[-1])
+        kth = sorted_logits.gather(1, (k - 1)[:, None])  # [S, 1]
+        remove_sorted |= sorted_logits < kth
+    if b.any_top_p:
+        probs = torch.softmax(sorted_logits.masked_fill(remove_sorted, float("-inf")), dim=-1)
+        cum_before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly better tokens
+        remove_sorted |= cum_before >= b.top_p[:, None].to(probs.dtype)
+        remove_sorted[:, 0] = False
+    if b.any_min_p:
+        probs = torch.softmax(sorted_logits.masked_fill(remove_sorted, float("-inf")), dim=-1)
+        remove_sorted |= probs < b.min_p[:, None].to(probs.dtype) * probs[:, :1]
+    return mask.scatter(1, order, remove_sorted)
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
+    """logits [S, V] float32/float64 -> one token per row."""
+    out_lp = ids_lp = vals_lp = None
+    if b.max_logprobs >= 0:
+        logprobs = torch.log_softmax(logits.float() if logits.dtype != torch.float64 else logits, dim=-1)
+    logits = apply_penalties(logits, b)
+    if b.banned:
+        logits = logits.clone()
+        for row, ids in b.banned:
+            logits[row, ids] = float("-inf")
+    greedy_tokens = logits.argmax(dim=-1)
+    if b.all_greedy:
+        tokens = greedy_tokens
+    else:
+        greedy = b.temperature == 0
+        temp = torch.where(greedy, torch.ones_like(b.temperature), b.temperature)[:, None].to(logits.dtype)
+        scaled = logits / temp
+        scaled = scaled.masked_fill(top_k_top_p_min_p_mask(scaled, b), float("-inf"))
+        probs = torch.softmax(scaled.double(), dim=-1)
+        race = probs / -torch.log(uniform_noise(b.seeds, b.positions, logits.shape[-1]))
+        tokens = torch.where(greedy, greedy_tokens, race.argmax(dim=-1))
+    if b.max_logprobs >= 0:
+        out_lp = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        if b.max_logprobs > 0:
+            top = torch.topk(logprobs, b.max_logprobs, dim=-1)
+            ids_lp, vals_lp = top.indices.tolist(), top.values.tolist()
+    return SamplerOutput(tokens.tolist(), out_lp, ids_lp, vals_lp)

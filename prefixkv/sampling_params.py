@@ -1,0 +1,100 @@
+"""Sampling parameters (the OpenAI / vLLM set). No torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+_MAX_SEED = 2**63 - 1
+
+
+def _check(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {msg}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # not NaN
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request.
+
+    ``temperature == 0`` is exact greedy (argmax). ``logprobs=k`` returns, for every generated
+    token, the log-probability of the chosen token and of the ``k`` most likely tokens, taken
+    from the model's raw distribution (``log_softmax`` of the logits) *before* penalties,
+    temperature and top-k/top-p/min-p are applied.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) = disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        _check(_is_int(self.n) and 1 <= self.n <= 128, "n", f"must be an int in [1, 128], got {self.n!r}")
+        _check(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature",
+               f"must be a number in [0, 100], got {self.temperature!r}")
+        _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
+               f"must be in (0, 1], got {self.top_p!r}")
+        _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0), "top_k",
+               f"must be -1 (disabled), 0 (disabled) or a positive int, got {self.top_k!r}")
+        _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p",
+               f"must be in [0, 1], got {self.min_p!r}")
+        _check(self.seed is None or (_is_int(self.seed) and -_MAX_SEED <= self.seed <= _MAX_SEED), "seed",
+               f"must be an int (64-bit) or None, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(_is_num(v) and -2.0 <= v <= 2.0, name, f"must be a number in [-2, 2], got {v!r}")
+        _check(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+               "repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
+        _check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+               "stop", "must be a non-empty string or a list of non-empty strings")
+        _check(len(self.stop) <= 16, "stop", f"at most 16 stop strings, got {len(self.stop)}")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "must be a list of non-negative ints")
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+               f"must be a positive int or None, got {self.max_tokens!r}")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
+               f"must be a non-negative int, got {self.min_tokens!r}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
+               f"must be an int in [0, 20] or None, got {self.logprobs!r}")
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if t >= vocab_size]
+            _check(not bad, "stop_token_ids", f"ids {bad} are outside the vocabulary (size {vocab_size})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

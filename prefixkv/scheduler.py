@@ -1,0 +1,251 @@
+"""Continuous batching with chunked prefill under one token budget per step. No torch.
+
+Each step:
+1. Running requests, oldest first, get their remaining tokens (1 for a decode, a chunk for a
+   prefill) within the budget. If blocks run out, the youngest running request is preempted
+   (its blocks freed, it is requeued and later recomputed from its tokens: output unchanged).
+2. Waiting requests are admitted while budget, ``max_num_seqs`` and blocks allow, in
+   cache-aware order (longest cached prefix first), except that preempted requests and requests
+   passed over for ``max_wait_steps`` steps go first, oldest first (aging).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prefixkv.config import CacheConfig, SchedulerConfig
+from prefixkv.kv import CopyOp, KVCacheManager, MatchResult
+from prefixkv.request import Request, RequestStatus
+
+# How many waiting requests the cache-aware ordering looks at per step.
+_ORDER_WINDOW = 128
+
+
+@dataclass
+class ScheduledRequest:
+    req: Request
+    num_new_tokens: int  # query tokens this step: positions [start, start + num_new_tokens)
+    start: int  # num_computed_tokens when scheduled
+    # Sample after this chunk (it reaches the end of the known tokens); num_samples > 1 only
+    # for the step that completes the prompt of an n > 1 request (the n samples fork it).
+    num_samples: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # decodes first, then prefill chunks
+    copy_ops: list[CopyOp]
+    preempted: list[Request]
+    num_batched_tokens: int
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def num_decodes(self) -> int:
+        n = 0
+        for s in self.scheduled:
+            if s.num_new_tokens != 1 or s.start != s.req.num_tokens - 1:
+                break
+            n += 1
+        return n
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+        self.config = config
+        self.block_size = cache_config.block_size
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # seq_id -> live request
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ queue management
+    def add_request(self, req: Request) -> None:
+        if req.seq_id in self.requests:
+            raise ValueError(f"request_id: {req.request_id!r} is already in use")
+        self.requests[req.seq_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """Finish or abort a live request; its blocks are freed at once."""
+        assert status.finished
+        if req.is_finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req.seq_id)
+        del self.requests[req.seq_id]
+
+    # ------------------------------------------------------------------ the step
+    def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
+        budget = self.config.max_num_batched_tokens
+        decodes: list[ScheduledRequest] = []
+        prefills: list[ScheduledRequest] = []
+        copy_ops: list[CopyOp] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill and (decodes or prefills):
+                i += 1
+                continue
+            num_new = min(num_new, budget)
+            while True:
+                ops = self.kv.allocate_slots(req.seq_id, req.num_computed_tokens, num_new)
+                if ops is not None:
+                    break
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if ops is None:
+                break  # req itself was preempted: nobody younger is left
+            copy_ops.extend(ops)
+            sched = self._scheduled(req, num_new)
+            (decodes if sched.start == req.num_tokens - 1 and num_new == 1 else prefills).append(sched)
+            budget -= num_new
+            i += 1
+
+        if not preempted and self._may_admit():
+            budget = self._admit(budget, prefills)
+        for req in self.waiting:
+            req.wait_steps += 1
+
+        scheduled = decodes + prefills
+        return SchedulerOutput(
+            scheduled=scheduled,
+            copy_ops=copy_ops,
+            preempted=preempted,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            block_tables={s.req.seq_id: self.kv.block_tables[s.req.seq_id] for s in scheduled},
+        )
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        end = req.num_computed_tokens + num_new
+        samples = 0
+        if end == req.num_tokens:
+            samples = 1 if req.forked else req.sampling_params.n
+        return ScheduledRequest(req, num_new, req.num_computed_tokens, samples)
+
+    def _may_admit(self) -> bool:
+        if self.config.policy == "continuous":
+            return True
+        # static: admit only while no running request has started decoding
+        return all(r.num_computed_tokens < r.num_prompt_tokens for r in self.running)
+
+    def _admission_order(self) -> list[tuple[Request, MatchResult]]:
+        window = self.waiting[:_ORDER_WINDOW]
+        cands = [(r, self.kv.match_prefix(r.token_ids)) for r in window]
+
+        def key(item: tuple[Request, MatchResult]):
+            r, m = item
+            urgent = r.num_preemptions > 0 or r.wait_steps >= self.config.max_wait_steps
+            return (0, r.arrival_order, 0) if urgent else (1, -m.num_tokens, r.arrival_order)
+
+        cands.sort(key=key)
+        return cands
+
+    def _admit(self, budget: int, prefills: list[ScheduledRequest]) -> int:
+        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            return budget
+        admitted: list[Request] = []
+        for req, match in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            num_new = req.num_tokens - match.num_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill and (self.running or admitted):
+                break
+            num_new = min(num_new, budget)
+            ops = self.kv.allocate_slots(req.seq_id, match.num_tokens, num_new, prefix=match)
+            if ops is None:
+                break
+            assert not ops
+            if req.num_computed_tokens == 0 and req.num_preemptions == 0:
+                req.num_cached_tokens = match.num_tokens
+                self.kv.record_query(req.num_tokens, match.num_tokens)
+            req.num_computed_tokens = match.num_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            admitted.append(req)
+            prefills.append(self._scheduled(req, num_new))
+            budget -= num_new
+        if admitted:
+            ids = {id(r) for r in admitted}
+            self.waiting = [r for r in self.waiting if id(r) not in ids]
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.seq_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, req)
+
+    def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Request]:
+        """Record a step's results. ``sampled[i]`` holds the tokens sampled for
+        ``out.scheduled[i]`` (``num_samples`` of them, or none). Returns the requests that got a
+        new token, forked children included, in batch order."""
+        changed: list[Request] = []
+        for sched, toks in zip(out.scheduled, sampled):
+            req = sched.req
+            if req.is_finished or req.status != RequestStatus.RUNNING:
+                continue  # aborted meanwhile
+            req.num_computed_tokens = sched.start + sched.num_new_tokens
+            self.kv.cache_blocks(req.seq_id, req.token_ids, req.num_computed_tokens)
+            if not sched.num_samples:
+                continue
+            assert len(toks) == sched.num_samples, (len(toks), sched.num_samples)
+            if not req.forked:
+                changed.extend(self._fork(req, toks[1:]))
+                req.forked = True
+            req.token_ids.append(toks[0])
+            changed.append(req)
+        return changed
+
+    def _fork(self, parent: Request, child_tokens: list[int]) -> list[Request]:
+        children = []
+        pos = self.running.index(parent) + 1
+        for k, tok in enumerate(child_tokens, start=1):
+            child = parent.fork(k)
+            self.kv.fork(parent.seq_id, child.seq_id)
+            child.token_ids.append(tok)
+            self.requests[child.seq_id] = child
+            self.running.insert(pos, child)
+            pos += 1
+            children.append(child)
+        return children
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        live = {r.seq_id for r in self.running}
+        assert set(self.kv.block_tables) == live, (
+            f"tables for {sorted(self.kv.block_tables)} but running {sorted(live)}")
+        bs = self.block_size
+        for r in self.running:
+            table = self.kv.block_tables[r.seq_id]
+            assert len(table) * bs >= r.num_computed_tokens, (r, table)
