@@ -1,0 +1,106 @@
+"""``prefixkv serve | generate | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="local HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    g.add_argument("--dtype", default=None, help="float32 (cpu default), bfloat16 (cuda default), float16, float64")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache when --num-kv-blocks is unset")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-waiting-requests", type=int, default=1024)
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from prefixkv.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=dtype, max_model_len=args.max_model_len, seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                          kv_cache_memory_bytes=int(args.kv_cache_memory * (1 << 30)),
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs, max_waiting_requests=args.max_waiting_requests),
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from prefixkv.engine import LLMEngine
+    from prefixkv.sampling_params import SamplingParams
+
+    engine = LLMEngine(engine_config_from_args(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed_sampling, stop=args.stop or None)
+    prompt = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    engine.add_request("cli", prompt, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prefixkv", description="lossless LLM inference engine")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    gen = sub.add_parser("generate", help="print the completion of one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed-sampling", type=int, default=None)
+    gen.add_argument("--stop", action="append")
+    add_engine_args(gen)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set PREFIXKV_API_KEY)")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is aborted")
+    add_engine_args(serve)
+
+    bench = sub.add_parser("bench", help="benchmarks (see bench/)", add_help=False)
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "generate":
+            return cmd_generate(args)
+        if args.cmd == "serve":
+            from prefixkv.server.app import run_server
+
+            return run_server(args)
+        if args.cmd == "bench":
+            from bench.__main__ import main as bench_main
+
+            return bench_main(args.rest)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"prefixkv: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

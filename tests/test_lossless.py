@@ -1,0 +1,131 @@
+"""The lossless contract: greedy outputs token-identical to transformers' per-sequence ``generate``
+(float64, CPU) across batch sizes, chunk budgets, block sizes, prefix caching and preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from prefixkv import LLM, SamplingParams
+
+MAX_TOKENS = 10
+CHUNKS = (7, 32, 512)
+
+
+def make_prompts(vocab: int, n: int = 17, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, vocab) for _ in range(37)]  # longer than one 16-token block
+    prompts = []
+    for i in range(n):
+        own = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 60))]
+        prompts.append(shared + own if i % 2 == 0 else own)
+    prompts[1] = prompts[0][:20]  # a prompt that is a prefix of another
+    return prompts
+
+
+_REF_CACHE: dict = {}
+
+
+def hf_reference(model_dir, prompts: list[list[int]], max_tokens: int = MAX_TOKENS, stop_on_eos: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    key = (str(model_dir), tuple(map(tuple, prompts)), max_tokens, stop_on_eos)
+    if key not in _REF_CACHE:
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float64)
+        refs = []
+        for p in prompts:
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
+                              eos_token_id=2 if stop_on_eos else None)
+            refs.append(out[0, len(p):].tolist())
+        _REF_CACHE[key] = refs
+    return _REF_CACHE[key]
+
+
+def run_engine(model_dir, prompts, *, chunk=512, block_size=16, prefix=True, num_kv_blocks=512,
+               max_tokens=MAX_TOKENS, ignore_eos=True, max_num_seqs=64):
+    llm = LLM(model=str(model_dir), dtype="float64", block_size=block_size, enable_prefix_caching=prefix,
+              max_num_batched_tokens=chunk, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs)
+    llm.engine.check_integrity_each_step = True
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos))
+    assert llm.engine.scheduler.kv.num_used_blocks == 0, "blocks leaked after all requests ended"
+    return llm, outs
+
+
+@pytest.mark.parametrize("batch", [1, 3, 17])
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("prefix", [True, False])
+def test_llama_matrix(tiny_llama, batch, chunk, block_size, prefix):
+    prompts = make_prompts(384)[:batch]
+    refs = hf_reference(tiny_llama, make_prompts(384))[:batch]
+    _, outs = run_engine(tiny_llama, prompts, chunk=chunk, block_size=block_size, prefix=prefix)
+    assert [o.token_ids for o in outs] == refs
+
+
+@pytest.mark.parametrize("arch", ["tiny_mistral", "tiny_qwen2"])
+@pytest.mark.parametrize("chunk,block_size,prefix", [(7, 1, True), (32, 16, False), (512, 16, True)])
+def test_other_architectures(request, arch, chunk, block_size, prefix):
+    model_dir = request.getfixturevalue(arch)
+    prompts = make_prompts(384, seed=1)
+    refs = hf_reference(model_dir, prompts)
+    _, outs = run_engine(model_dir, prompts, chunk=chunk, block_size=block_size, prefix=prefix)
+    assert [o.token_ids for o in outs] == refs
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_preemption_is_invisible(tiny_llama, block_size):
+    prompts = make_prompts(384)
+    refs = hf_reference(tiny_llama, prompts, max_tokens=24)
+    # 17 sequences of up to ~120 tokens, but room for only a few at once
+    tokens_room = 260
+    llm, outs = run_engine(tiny_llama, prompts, chunk=64, block_size=block_size,
+                           num_kv_blocks=tokens_room // block_size, max_tokens=24)
+    assert llm.engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
+    assert [o.token_ids for o in outs] == refs
+
+
+def test_stops_on_eos_like_transformers(tiny_llama):
+    prompts = make_prompts(384, seed=3)
+    refs = hf_reference(tiny_llama, prompts, max_tokens=40, stop_on_eos=True)
+    assert sum(r[-1] == 2 for r in refs) >= 3, "this seed was chosen so that several prompts end on eos"
+    _, outs = run_engine(tiny_llama, prompts, max_tokens=40, ignore_eos=False)
+    assert [o.token_ids for o in outs] == refs
+    for o, r in zip(outs, refs):
+        assert o.finish_reason == ("stop" if r and r[-1] == 2 else "length")
+
+
+def test_shared_system_prompt_is_computed_once(tiny_llama):
+    rng = random.Random(5)
+    system = [rng.randrange(3, 384) for _ in range(100)]
+    prompts = [system + [rng.randrange(3, 384) for _ in range(5)] for _ in range(8)]
+    llm = LLM(model=str(tiny_llama), dtype="float64", block_size=16, num_kv_blocks=256)
+    first = llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert first[0].num_cached_tokens == 0
+    rest = llm.generate(prompts[1:], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    # 100 shared tokens -> 6 full blocks of 16 are reused by every later request
+    assert [o.num_cached_tokens for o in rest] == [96] * 7
+    refs = hf_reference(tiny_llama, prompts, max_tokens=4)
+    assert [o.token_ids for o in first + rest] == refs
+
+
+def test_second_chat_turn_computes_only_new_tokens(tiny_llama):
+    llm = LLM(model=str(tiny_llama), dtype="float64", block_size=4, num_kv_blocks=256)
+    conv = [{"role": "system", "content": "You are a helpful assistant that answers with care."},
+            {"role": "user", "content": "Tell me about the quick brown fox."}]
+    turn1 = llm.chat(conv, SamplingParams(max_tokens=12, temperature=0.0))[0]
+    conv2 = conv + [{"role": "assistant", "content": turn1.text}, {"role": "user", "content": "And the dog?"}]
+    prompt2 = llm.tokenizer.apply_chat_template(conv2)
+    turn2 = llm.chat(conv2, SamplingParams(max_tokens=4, temperature=0.0))[0]
+    # everything up to the end of the first turn's computed tokens is reused, in whole blocks
+    common = 0
+    history = turn1.prompt_token_ids + turn1.token_ids
+    while common < min(len(history), len(prompt2)) and history[common] == prompt2[common]:
+        common += 1
+    computed_turn1 = len(turn1.prompt_token_ids) + len(turn1.token_ids) - 1
+    expected = min(common, computed_turn1, len(prompt2) - 1) // 4 * 4
+    assert turn2.num_cached_tokens == expected
+    assert expected >= len(turn1.prompt_token_ids) // 4 * 4
+    assert len(prompt2) - turn2.num_cached_tokens < 4 + (len(prompt2) - common)
