@@ -137,15 +137,22 @@ class LLMEngine:
         """One scheduler step and one forward pass. Returns a RequestOutput for every request that
         produced something (deltas for streaming; ``finished`` when done)."""
         out = self.scheduler.schedule()
+        touched: dict[str, _Group] = {}
+        for seq in out.out_of_memory:
+            group = self._groups.get(seq.request_id)
+            if group is not None:
+                st = self._state(group, seq)
+                st.text += st.detok.flush()
+                st.finish_reason = RequestStatus.FINISHED_LENGTH.value
+                touched[group.request_id] = group
         if out.is_empty:
-            return []
+            return self._emit(touched)
         self.num_steps += 1
         model_out = self.runner.execute(out)
         changed = self.scheduler.update(out, model_out.sampled)
         for s, lps in zip(out.scheduled, model_out.logprobs):
             if lps:
                 self._record_logprobs(s.req, lps)
-        touched: dict[str, _Group] = {}
         for seq in changed:
             group = self._groups.get(seq.request_id)
             if group is None:
@@ -153,12 +160,15 @@ class LLMEngine:
             group.seqs[seq.sample_index] = seq
             self._process_token(group, seq)
             touched[group.request_id] = group
+        if self.check_integrity_each_step:
+            self.scheduler.check_integrity()
+        return self._emit(touched)
+
+    def _emit(self, touched: dict[str, _Group]) -> list[RequestOutput]:
         outputs = [self._make_output(g) for g in touched.values()]
         for g in touched.values():
             if g.finished:
                 del self._groups[g.request_id]
-        if self.check_integrity_each_step:
-            self.scheduler.check_integrity()
         return outputs
 
     def _record_logprobs(self, req: Request, lps) -> None:

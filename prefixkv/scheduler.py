@@ -36,6 +36,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # decodes first, then prefill chunks
     copy_ops: list[CopyOp]
     preempted: list[Request]
+    # finished ("length") because the whole KV cache cannot hold them
+    out_of_memory: list[Request]
     num_batched_tokens: int
     block_tables: dict[str, list[int]] = field(default_factory=dict)
 
@@ -103,6 +105,7 @@ class Scheduler:
         prefills: list[ScheduledRequest] = []
         copy_ops: list[CopyOp] = []
         preempted: list[Request] = []
+        out_of_memory: list[Request] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -116,20 +119,25 @@ class Scheduler:
                 ops = self.kv.allocate_slots(req.seq_id, req.num_computed_tokens, num_new)
                 if ops is not None:
                     break
+                if len(self.running) == 1:
+                    # alone and still out of blocks: the whole cache cannot hold it; stop it
+                    self.finish_request(req, RequestStatus.FINISHED_LENGTH)
+                    out_of_memory.append(req)
+                    break
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
             if ops is None:
-                break  # req itself was preempted: nobody younger is left
+                break  # req itself was preempted or stopped: nobody younger is left
             copy_ops.extend(ops)
             sched = self._scheduled(req, num_new)
             (decodes if sched.start == req.num_tokens - 1 and num_new == 1 else prefills).append(sched)
             budget -= num_new
             i += 1
 
-        if not preempted and self._may_admit():
+        if not preempted and not out_of_memory and self._may_admit():
             budget = self._admit(budget, prefills)
         for req in self.waiting:
             req.wait_steps += 1
@@ -139,6 +147,7 @@ class Scheduler:
             scheduled=scheduled,
             copy_ops=copy_ops,
             preempted=preempted,
+            out_of_memory=out_of_memory,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             block_tables={s.req.seq_id: self.kv.block_tables[s.req.seq_id] for s in scheduled},
         )

@@ -1,0 +1,241 @@
+"""Block pool, radix index, KV manager and scheduler: exact block ids, ref counts, eviction order,
+copy-on-write ops, and check_integrity() after every step of a randomized run. No torch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from prefixkv.config import CacheConfig, SchedulerConfig
+from prefixkv.kv import BlockPool, CopyOp, KVCacheManager, RadixIndex
+from prefixkv.request import Request, RequestStatus
+from prefixkv.sampling_params import SamplingParams
+from prefixkv.scheduler import Scheduler
+
+
+def test_block_pool_states():
+    pool = BlockPool(4)
+    a, b = pool.allocate(), pool.allocate()
+    assert (a, b) == (0, 1) and pool.ref_cnt == [1, 1, 0, 0]
+    pool.incref(a)
+    pool.pin(b)  # the radix index takes b
+    assert pool.ref_cnt == [2, 2, 0, 0] and pool.num_evictable == 0
+    pool.decref(b)
+    assert pool.num_evictable == 1 and pool.num_in_use == 1 and pool.num_free == 2
+    pool.decref(a), pool.decref(a)
+    assert list(pool.free_ids) == [2, 3, 0]
+    pool.unpin(b)
+    assert list(pool.free_ids) == [2, 3, 0, 1] and pool.num_evictable == 0
+    pool.check_integrity()
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockPool(0)
+
+
+def _hold(pool: BlockPool, n: int) -> list[int]:
+    return [pool.allocate() for _ in range(n)]
+
+
+def test_radix_match_insert_split_and_lru_eviction():
+    pool = BlockPool(8)
+    tree = RadixIndex(pool, block_size=2)
+    a = _hold(pool, 3)  # [0, 1, 2]
+    assert tree.insert([1, 2, 3, 4, 5, 6], a) == 3
+    assert pool.ref_cnt[:3] == [2, 2, 2]
+    # a diverging sequence shares the first block, then splits the node
+    b = [0] + _hold(pool, 2)  # [0, 3, 4]; block 0 is the tree's
+    pool.incref(0)
+    assert tree.insert([1, 2, 9, 9, 7, 7], b) == 2
+    assert tree.match([1, 2, 3, 4, 5, 6, 8]) == ([0, 1, 2], 6)
+    assert tree.match([1, 2, 9, 9, 7]) == ([0, 3], 4)  # whole blocks only
+    assert tree.match([5, 5]) == ([], 0)
+    tree.check_integrity()
+    # requests let go: blocks stay cached, evictable
+    for blk in a + b:
+        pool.decref(blk)
+    assert pool.num_evictable == 5 and pool.num_free == 3
+    tree.match([1, 2, 9, 9])  # touch the second branch: the first becomes least recently used
+    assert tree.evict(2) == [2, 1]  # LRU leaf, from its tail block up
+    assert tree.evict(10) == [4, 3, 0]
+    assert tree.match([1, 2]) == ([], 0)
+    tree.check_integrity()
+    pool.check_integrity()
+
+
+def test_radix_never_evicts_locked_blocks_and_keeps_its_own_duplicate():
+    pool = BlockPool(6)
+    tree = RadixIndex(pool, block_size=2)
+    a = _hold(pool, 2)
+    tree.insert([1, 2, 3, 4], a)
+    dup = _hold(pool, 2)  # another request computed the same tokens into its own blocks
+    assert tree.insert([1, 2, 3, 4], dup) == 0
+    assert tree.match([1, 2, 3, 4]) == ([0, 1], 4)
+    assert tree.evict(4) == []  # a still holds 0 and 1
+    pool.decref(a[1])
+    assert tree.evict(4) == [1]  # the tail is free to go; block 0 stays locked
+    tree.check_integrity()
+
+
+def test_manager_allocate_match_free_exact_ids():
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    prompt = list(range(10, 20))  # 10 tokens -> 3 blocks
+    assert kv.allocate_slots("a", 0, 10) == []
+    assert kv.block_tables["a"] == [0, 1, 2]
+    kv.cache_blocks("a", prompt, 10)  # blocks 0 and 1 are full
+    assert kv.pool.ref_cnt == [2, 2, 1, 0, 0, 0]
+    m = kv.match_prefix(prompt + [99])
+    assert m == ([0, 1], 8)
+    assert kv.match_prefix(prompt[:8]) == ([0], 4)  # the last token is always computed
+    assert kv.allocate_slots("b", 8, 3, prefix=m) == []
+    assert kv.block_tables["b"] == [0, 1, 3] and kv.pool.ref_cnt[:4] == [3, 3, 1, 1]
+    kv.check_integrity()
+    kv.free("a")
+    kv.free("b")
+    assert kv.pool.ref_cnt == [1, 1, 0, 0, 0, 0] and kv.num_used_blocks == 0
+    assert list(kv.pool.free_ids) == [4, 5, 2, 3]  # a freed before b; each table tail first
+    kv.check_integrity()
+
+
+def test_manager_allocation_failure_changes_nothing():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    assert kv.allocate_slots("a", 0, 8) == []
+    assert kv.allocate_slots("b", 0, 8) is None
+    assert "b" not in kv.block_tables and kv.pool.ref_cnt == [1, 1, 0]
+    kv.check_integrity()
+
+
+def test_fork_shares_partial_block_and_copies_on_first_write():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    kv.allocate_slots("p", 0, 6)  # blocks [0, 1]; block 1 is partial (2 of 4 slots)
+    kv.fork("p", "c1")
+    kv.fork("p", "c2")
+    assert kv.pool.ref_cnt[:2] == [3, 3]
+    # each sequence's next token goes into the shared partial block: copy-on-write
+    assert kv.allocate_slots("c1", 6, 1) == [CopyOp(1, 2)]
+    assert kv.block_tables["c1"] == [0, 2]
+    assert kv.allocate_slots("c2", 6, 1) == [CopyOp(1, 3)]
+    assert kv.allocate_slots("p", 6, 1) == []  # the last holder writes in place
+    assert kv.block_tables == {"p": [0, 1], "c1": [0, 2], "c2": [0, 3]}
+    assert kv.pool.ref_cnt[:4] == [3, 1, 1, 1]
+    kv.check_integrity()
+    for s in ("p", "c1", "c2"):
+        kv.free(s)
+    assert kv.num_used_blocks == 0
+    kv.check_integrity()
+
+
+def _req(i: int, tokens: list[int], max_tokens: int = 4, n: int = 1) -> Request:
+    return Request(f"r{i}", tokens, SamplingParams(max_tokens=max_tokens, n=n, temperature=0.0), i, 0, 4096)
+
+
+def _sched(num_blocks: int, block_size: int = 4, budget: int = 16, max_seqs: int = 8, **kw) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, **kw),
+                     CacheConfig(block_size=block_size), num_blocks)
+
+
+def test_scheduler_chunks_prefill_and_mixes_decodes():
+    s = _sched(num_blocks=16, budget=8)
+    a, b = _req(0, list(range(1, 11))), _req(1, list(range(50, 53)))
+    s.add_request(a)
+    out = s.schedule()
+    assert [(x.req.seq_id, x.start, x.num_new_tokens, x.num_samples) for x in out.scheduled] == [("r0#0", 0, 8, 0)]
+    s.update(out, [[]])
+    s.add_request(b)
+    out = s.schedule()  # a's last 2 prompt tokens, then b's whole prompt
+    assert [(x.req.seq_id, x.start, x.num_new_tokens, x.num_samples) for x in out.scheduled] == [
+        ("r0#0", 8, 2, 1), ("r1#0", 0, 3, 1)]
+    s.update(out, [[7], [9]])
+    out = s.schedule()  # both decode
+    assert out.num_decodes == 2 and out.num_batched_tokens == 2
+    assert out.block_tables == {"r0#0": [0, 1, 2], "r1#0": [3]}
+    s.check_integrity()
+
+
+def test_scheduler_preempts_youngest_and_requeues_it_first():
+    s = _sched(num_blocks=4, block_size=4, budget=64)
+    a, b = _req(0, list(range(1, 8))), _req(1, list(range(20, 27)))  # 7 tokens: 2 blocks each
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()
+    s.update(out, [[100], [200]])
+    out = s.schedule()  # 8 tokens each: still 2 blocks
+    s.update(out, [[101], [201]])
+    out = s.schedule()  # a needs a third block: none free, so b (youngest) is preempted
+    assert out.preempted == [b] and [x.req for x in out.scheduled] == [a]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and s.waiting[0] is b
+    assert b.token_ids[-2:] == [200, 201]  # its outputs are kept and will be recomputed
+    s.check_integrity()
+
+
+def test_scheduler_cache_aware_order_with_aging():
+    s = _sched(num_blocks=32, block_size=4, budget=12, max_wait_steps=2)
+    warm = _req(0, list(range(1, 13)))
+    s.add_request(warm)
+    s.update(s.schedule(), [[5]])
+    s.finish_request(warm, RequestStatus.FINISHED_STOPPED)
+    cold = _req(1, list(range(100, 110)))
+    hot = _req(2, list(range(1, 13)) + [7, 7])  # shares 12 cached tokens
+    s.add_request(cold)
+    s.add_request(hot)
+    out = s.schedule()
+    assert [x.req.seq_id for x in out.scheduled][0] == "r2#0"  # longest cached prefix first
+    assert hot.num_cached_tokens == 12
+    # aging: a request passed over max_wait_steps times goes ahead of better-cached ones
+    s2 = _sched(num_blocks=32, block_size=4, budget=4, max_seqs=1, max_wait_steps=2)
+    old = _req(0, [1, 2, 3])
+    s2.add_request(old)
+    s2.waiting[0].wait_steps = 2
+    s2.add_request(_req(1, [1, 2, 3, 4, 5]))
+    assert s2.schedule().scheduled[0].req is old
+
+
+def test_scheduler_n_forks_share_prompt_blocks():
+    s = _sched(num_blocks=16, block_size=4, budget=32)
+    r = _req(0, list(range(1, 7)), n=3)  # 6 tokens: one full block + a partial one
+    s.add_request(r)
+    out = s.schedule()
+    assert out.scheduled[0].num_samples == 3
+    changed = s.update(out, [[11, 12, 13]])
+    assert sorted(c.seq_id for c in changed) == ["r0#0", "r0#1", "r0#2"]
+    assert s.kv.block_tables == {"r0#0": [0, 1], "r0#1": [0, 1], "r0#2": [0, 1]}
+    assert s.kv.pool.ref_cnt[:2] == [4, 3]  # block 0 is also in the radix tree
+    out = s.schedule()
+    assert out.copy_ops == [CopyOp(1, 2), CopyOp(1, 3)]
+    s.check_integrity()
+
+
+def test_randomized_run_keeps_integrity_and_leaks_nothing():
+    rng = random.Random(0)
+    s = _sched(num_blocks=14, block_size=4, budget=20, max_seqs=6)
+    next_id = 0
+    for step in range(400):
+        if rng.random() < 0.5 and next_id < 80:
+            base = [1, 2, 3, 4, 5, 6, 7, 8] if rng.random() < 0.5 else []
+            req = _req(next_id, base + [rng.randrange(10, 50) for _ in range(rng.randrange(1, 20))],
+                       max_tokens=rng.randrange(1, 20), n=rng.choice([1, 1, 2]))
+            next_id += 1
+            s.add_request(req)
+        if s.requests and rng.random() < 0.05:
+            victim = rng.choice(list(s.requests.values()))
+            s.finish_request(victim, RequestStatus.FINISHED_ABORTED)
+        out = s.schedule()
+        sampled = [[rng.randrange(10, 50) for _ in range(x.num_samples)] for x in out.scheduled]
+        for req in s.update(out, sampled):
+            if req.num_output_tokens >= req.sampling_params.max_tokens:
+                s.finish_request(req, RequestStatus.FINISHED_LENGTH)
+        s.check_integrity()
+        # the tree's blocks hold exactly the tokens it claims (checked against each sequence)
+        cached = s.kv.radix.cached_blocks()
+        for r in s.running:
+            table = s.kv.block_tables[r.seq_id]
+            for i in range(s.kv.num_cached_blocks[r.seq_id]):
+                if table[i] in cached:
+                    assert cached[table[i]] == tuple(r.token_ids[i * 4:(i + 1) * 4])
+    while s.has_unfinished():
+        out = s.schedule()
+        for req in s.update(out, [[1] * x.num_samples for x in out.scheduled]):
+            if req.num_output_tokens >= req.sampling_params.max_tokens:
+                s.finish_request(req, RequestStatus.FINISHED_LENGTH)
+        s.check_integrity()
+    assert s.kv.num_used_blocks == 0
+    assert s.num_preemptions > 0
