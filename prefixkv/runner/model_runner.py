@@ -115,9 +115,9 @@ class ModelRunner:
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
         )
         if any(p.uses_penalties for p in params):
-            b.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=dev)
-            b.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=dev)
-            b.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=dev)
+            b.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float64, device=dev)
+            b.presence_penalty = torch.tensor([p.presence_penalty for p in params], dtype=torch.float64, device=dev)
+            b.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float64, device=dev)
             counts = torch.zeros((len(rows), v), dtype=torch.int64, device=dev)
             seen = torch.zeros((len(rows), v), dtype=torch.bool, device=dev)
             for i, (r, _) in enumerate(rows):
