@@ -1,0 +1,324 @@
+"""``AsyncEngine``: an ``LLMEngine`` driven by one background thread, for asyncio servers.
+
+::
+
+    event loop(s)                                   engine thread (the only one that touches LLMEngine)
+    -------------                                   -------------
+    add_request / abort / run  --command queue-->   run commands, then engine.step()
+    RequestStream (asyncio.Queue per request) <---- loop.call_soon_threadsafe(outputs of the step)
+
+Because every ``LLMEngine`` call (add, abort, step, tokenizer work passed to ``run``) happens on the
+engine thread, the engine needs no locks. The event loop never waits on a forward pass: it only waits
+on its own queues. A stream whose consumer goes away (client disconnect: ``CancelledError`` /
+``GeneratorExit``, or the stream is garbage-collected) aborts its request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from prefixkv.outputs import RequestOutput
+from prefixkv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from prefixkv.config import EngineConfig
+    from prefixkv.engine import LLMEngine, PromptType
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# When the engine has unfinished requests but a step schedules nothing, wait this long for commands
+# before stepping again (no busy spin).
+_IDLE_POLL_S = 0.005
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (``shutdown``); no more requests are served."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted by ``AsyncEngine.abort`` while a consumer was reading it."""
+
+
+class _Sink:
+    """Where the engine thread delivers one request's outputs: a queue bound to its event loop."""
+
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+
+class RequestStream:
+    """Async iterator over one request's ``RequestOutput`` deltas; the last one has ``finished``.
+
+    Leaving it early (``abort()``, ``async with`` exit, garbage collection) aborts the request in the
+    engine. Errors delivered by the engine thread (``EngineDeadError``, ``RequestAbortedError``, an
+    exception from a step) are raised from ``__anext__``.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, sink: _Sink) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._sink = sink
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._sink.queue.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished. Never raises; safe from any thread."""
+        if not self._done:
+            self._done = True
+            self._engine._abort_sink(self.request_id, self._sink)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort()
+
+    def __del__(self) -> None:
+        self.abort()
+
+
+class AsyncEngine:
+    """Owns an ``LLMEngine`` and runs its step loop on a background thread.
+
+    Use from coroutines on any event loop::
+
+        engine = AsyncEngine(LLMEngine(config))
+        async for out in engine.generate("req-1", "Hello", SamplingParams(max_tokens=8)):
+            print(out.outputs[0].delta_text, end="")
+        await engine.shutdown()
+    """
+
+    def __init__(self, engine: LLMEngine, thread_name: str = "prefixkv-engine") -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any] | None, concurrent.futures.Future]] = (
+            queue.SimpleQueue())
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._stats: dict[str, Any] = engine.stats()  # replaced, never mutated, by the engine thread
+        self._closing = False
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        from prefixkv.engine import LLMEngine
+
+        return cls(LLMEngine(config))
+
+    # ------------------------------------------------------------------ public API (event loop side)
+    @property
+    def is_running(self) -> bool:
+        return not self._closing and self._thread.is_alive()
+
+    def stats(self) -> dict[str, Any]:
+        """``LLMEngine.stats()`` as of the engine thread's last step or command batch (no engine call)."""
+        return dict(self._stats)
+
+    async def run(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps; returns its result or raises its
+        exception. Use it for tokenizer work (chat templates) so the tokenizer has one user."""
+        return await asyncio.wrap_future(self._submit(lambda: fn(self.engine)))
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestStream:
+        """Queue a request and return the stream of its outputs.
+
+        Raises what ``LLMEngine.add_request`` raises (``ValueError`` naming the field, ``OverflowError``
+        when the waiting queue is full), or ``EngineDeadError`` after shutdown. If this coroutine is
+        cancelled, the request is aborted whether or not the engine thread had already added it.
+        """
+        sink = _Sink(asyncio.get_running_loop())
+        fut = self._submit(lambda: self._add(request_id, prompt, params, sink))
+        try:
+            await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            # The command may already be running: abort after it (same queue, so it runs later).
+            self._abort_sink(request_id, sink)
+            raise
+        return RequestStream(self, request_id, sink)
+
+    async def generate(self, request_id: str, prompt: PromptType,
+                       params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs; errors from ``add_request`` propagate unchanged. If the
+        consumer stops early (``aclose``, ``CancelledError``, ``GeneratorExit``) the request is aborted."""
+        stream = await self.add_request(request_id, prompt, params or SamplingParams())
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request; a consumer reading it gets ``RequestAbortedError``. False if unknown or done."""
+        try:
+            return await asyncio.wrap_future(self._submit(lambda: self._abort(request_id)))
+        except EngineDeadError:
+            return False
+
+    async def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the engine thread: in-flight requests are aborted and their consumers get
+        ``EngineDeadError``. Waits (without blocking the event loop) for the thread to exit."""
+        self._request_shutdown()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Blocking ``shutdown`` for code without an event loop."""
+        self._request_shutdown()
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ plumbing
+    def _submit(self, fn: Callable[[], Any] | None) -> concurrent.futures.Future:
+        if self._closing:
+            raise EngineDeadError("the engine is shut down")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, fut))
+        if self._closed.is_set():  # lost the race with the thread's exit: nobody will run it
+            self._fail_pending_commands()
+        return fut
+
+    def _abort_sink(self, request_id: str, sink: _Sink) -> None:
+        if self._closing:
+            return
+        self._commands.put((lambda: self._abort_if(request_id, sink), concurrent.futures.Future()))
+
+    def _request_shutdown(self) -> None:
+        if not self._closing:
+            self._closing = True
+            self._commands.put((None, concurrent.futures.Future()))
+
+    # ------------------------------------------------------------------ engine thread
+    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, sink: _Sink) -> None:
+        if request_id in self._sinks:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        self.engine.add_request(request_id, prompt, params)
+        self._sinks[request_id] = sink
+
+    def _abort(self, request_id: str) -> bool:
+        sink = self._sinks.pop(request_id, None)
+        found = self.engine.abort(request_id)
+        if sink is not None:
+            _post(sink.loop, [(sink.queue, RequestAbortedError(f"request {request_id!r} was aborted"))])
+        return found
+
+    def _abort_if(self, request_id: str, sink: _Sink) -> None:
+        """Abort only the request this sink belongs to (an id can be reused after it finished)."""
+        if self._sinks.get(request_id) is sink:
+            del self._sinks[request_id]
+            self.engine.abort(request_id)
+
+    def _run(self) -> None:
+        try:
+            while self._run_commands(block=not self.engine.has_unfinished()):
+                if self.engine.has_unfinished():
+                    num_steps = self.engine.num_steps
+                    self._step()
+                    if self.engine.num_steps == num_steps and self._commands.empty():
+                        self._run_commands(block=True, timeout=_IDLE_POLL_S)
+                self._stats = self.engine.stats()
+        except BaseException:  # pragma: no cover - a bug in the loop itself
+            logger.exception("engine thread crashed")
+        finally:
+            self._finish_all(EngineDeadError("the engine is shutting down"))
+            self._closing = True
+            self._fail_pending_commands()
+            self._stats = self.engine.stats()
+            self._closed.set()
+
+    def _run_commands(self, block: bool, timeout: float | None = None) -> bool:
+        """Run queued commands (waiting for the first one if ``block``). False once shutdown was asked."""
+        try:
+            item = self._commands.get(block=block, timeout=timeout)
+        except queue.Empty:
+            return True
+        while True:
+            fn, fut = item
+            if fn is None:
+                fut.set_result(None)
+                return False
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # handed to the caller, re-raised there
+                    fut.set_exception(e)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; aborting the %d in-flight requests", len(self._sinks))
+            self._finish_all(e)
+            return
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            batches.setdefault(sink.loop, []).append((sink.queue, out))
+        for loop, items in batches.items():
+            _post(loop, items)
+
+    def _finish_all(self, error: BaseException) -> None:
+        """Abort every request we serve and hand ``error`` to its consumer."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, sink in list(self._sinks.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # pragma: no cover - keep aborting the rest
+                logger.exception("abort of %s failed", request_id)
+            batches.setdefault(sink.loop, []).append((sink.queue, error))
+        self._sinks.clear()
+        for loop, items in batches.items():
+            _post(loop, items)
+
+    def _fail_pending_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineDeadError("the engine is shut down"))
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:
+    try:
+        loop.call_soon_threadsafe(_put_all, items)
+    except RuntimeError:  # that event loop is closed: nobody is listening
+        pass

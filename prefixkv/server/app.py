@@ -1,0 +1,744 @@
+"""OpenAI-compatible HTTP server (aiohttp) over ``AsyncEngine``.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}], GET /health,
+GET /metrics. Streaming is SSE (``data: {json}\\n\\n`` ... ``data: [DONE]\\n\\n``).
+
+One request, start to end::
+
+    body (<= max_body_bytes, else 413) -> msgspec decode (400 + field path) -> model check (404)
+    -> SamplingParams (400, param = the field) -> [chat template on the engine thread]
+    -> AsyncEngine.add_request (400 prompt too long, 503 queue full)      <- nothing sent yet
+    -> JSON response | SSE stream                                          <- 200 from here on
+    any exit before the last token (client disconnect, timeout, shutdown) aborts the request in the
+    engine, which frees its KV blocks.
+
+Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``, for aiohttp's own
+404/405/413 too. Bad input never yields a 500.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from prefixkv.async_engine import AsyncEngine, EngineDeadError, RequestAbortedError, RequestStream
+from prefixkv.outputs import CompletionOutput, Logprob, RequestOutput
+from prefixkv.sampling_params import SamplingParams
+from prefixkv.server.metrics import ServerMetrics
+from prefixkv.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorBody,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    ProtocolError,
+    Usage,
+    chat_logprobs,
+    completion_logprobs,
+    decode_request,
+    encode,
+    make_usage,
+    prompt_list,
+)
+
+logger = logging.getLogger(__name__)
+
+_PARAM = re.compile(r"[A-Za-z_][\w.\[\]]*")
+# aiohttp >= 3.11 wants typed request keys; older versions have only str keys
+_STATUS_KEY: Any = web.RequestKey("prefixkv_status", int) if hasattr(web, "RequestKey") else "prefixkv_status"
+# nginx's code for "client closed the request"; only ever used as a metrics label
+_CLIENT_CLOSED = 499
+_SSE_DONE = b"data: [DONE]\n\n"
+
+if sys.version_info >= (3, 11):
+    _timeout_at = asyncio.timeout_at
+else:  # Python 3.10: the same contract, without Task.uncancel
+    @contextlib.asynccontextmanager
+    async def _timeout_at(when: float):
+        task = asyncio.current_task()
+        fired = False
+
+        def fire() -> None:
+            nonlocal fired
+            fired = True
+            task.cancel()
+
+        handle = asyncio.get_running_loop().call_at(when, fire)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if fired:
+                raise TimeoutError from None
+            raise
+        finally:
+            handle.cancel()
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    request_timeout: float = 600.0  # seconds from arrival until the request is aborted
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes: must be positive, got {self.max_body_bytes}")
+        if not self.request_timeout > 0:
+            raise ValueError(f"request_timeout: must be positive, got {self.request_timeout}")
+
+
+# ---------------------------------------------------------------------- errors
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(ErrorBody(self.message, self.type, self.param, self.code))
+
+    def response(self) -> web.Response:
+        return web.Response(status=self.status, body=encode(self.body()), content_type="application/json",
+                            headers=self.headers)
+
+
+def bad_request(e: ValueError, aliases: dict[str, str] | None = None) -> ApiError:
+    """400 from a ``ValueError("field: message")``: param is the field (renamed through ``aliases``)."""
+    if isinstance(e, ProtocolError):
+        return ApiError(400, e.message, param=e.param)
+    msg = str(e)
+    head, sep, rest = msg.partition(": ")
+    param = head if sep and _PARAM.fullmatch(head) else None
+    if param and aliases:
+        root = re.split(r"[.\[]", param, maxsplit=1)[0]
+        if root in aliases:  # name the field the client sent, in the message too
+            param = aliases[root] + param[len(root):]
+            msg = f"{param}: {rest}"
+    return ApiError(400, msg, param=param)
+
+
+def _engine_error(e: BaseException) -> ApiError:
+    if isinstance(e, TimeoutError):
+        return ApiError(504, "the request took longer than the server's request timeout and was aborted",
+                        type="server_error", code="request_timeout")
+    if isinstance(e, EngineDeadError):
+        return ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
+    if isinstance(e, RequestAbortedError):
+        return ApiError(503, str(e), type="server_error", code="aborted")
+    logger.error("request failed in the engine", exc_info=e)
+    return ApiError(500, f"internal error in the engine: {type(e).__name__}: {e}", type="server_error",
+                    code="internal_error")
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def _http_error(e: web.HTTPException, request: web.Request) -> ApiError:
+    """aiohttp's own errors (unknown route, wrong method, body too large) in the OpenAI shape."""
+    if e.status == 413:
+        return ApiError(413, f"the request body is larger than the server's limit: {e.text or e.reason}",
+                        code="request_too_large")
+    msg = f"{e.reason}: {request.method} {request.path}"
+    headers = None
+    if "Allow" in e.headers:
+        headers = {"Allow": e.headers["Allow"]}
+        msg += f" (allowed: {e.headers['Allow']})"
+    kind = "invalid_request_error" if e.status < 500 else "server_error"
+    return ApiError(e.status, msg, type=kind, code=_HTTP_CODES.get(e.status), headers=headers)
+
+
+# ---------------------------------------------------------------------- token texts for logprobs
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenTexts:
+    """token id -> (text, raw bytes) of that token alone, cached. Byte-level BPE pieces map back to
+    their exact bytes (a piece can be part of a UTF-8 character); sentencepiece byte pieces
+    ``<0xNN>`` to that byte. Uses only read-only tokenizer lookups."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, tuple[str, bytes]] = {}
+        decoder = getattr(getattr(getattr(tokenizer, "hf", None), "backend_tokenizer", None), "decoder", None)
+        self._byte_level = ({c: b for b, c in _bytes_to_unicode().items()}
+                            if type(decoder).__name__ == "ByteLevel" else None)
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            raw = self._raw(token_id)
+            hit = self._cache[token_id] = (raw.decode("utf-8", errors="replace"), raw)
+        return hit
+
+    def _raw(self, token_id: int) -> bytes:
+        piece = self._tok.convert_ids_to_tokens([token_id])[0] or ""
+        if self._byte_level is not None and piece and all(c in self._byte_level for c in piece):
+            return bytes(self._byte_level[c] for c in piece)
+        m = _BYTE_PIECE.fullmatch(piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        if "\u2581" in piece:  # sentencepiece word boundary
+            return piece.replace("\u2581", " ").encode()
+        return self._tok.decode([token_id], skip_special_tokens=False).encode()
+
+
+# ---------------------------------------------------------------------- response formats
+@dataclass
+class _ChoiceState:
+    num_sent_logprobs: int = 0
+    num_sent_chars: int = 0
+    finished: bool = False
+
+
+@dataclass
+class _ChatFormat:
+    id: str
+    created: int
+    model: str
+    num_top_logprobs: int
+    token_text: Callable[[int], tuple[str, bytes]]
+
+    def start_chunks(self, num_choices: int) -> list[msgspec.Struct]:
+        return [self._chunk([ChatChunkChoice(i, DeltaMessage(role="assistant", content=""))])
+                for i in range(num_choices)]
+
+    def delta_chunk(self, index: int, text: str, lps: list[Logprob] | None, text_offset: int,
+                    finish_reason: str | None) -> msgspec.Struct:
+        logprobs = chat_logprobs(lps, self.token_text, self.num_top_logprobs) if lps is not None else None
+        return self._chunk([ChatChunkChoice(index, DeltaMessage(content=text), logprobs, finish_reason)])
+
+    def usage_chunk(self, usage: Usage) -> msgspec.Struct:
+        return ChatCompletionChunk(self.id, self.created, self.model, [], usage)
+
+    def response(self, choices: list[tuple[int, CompletionOutput]], usage: Usage) -> msgspec.Struct:
+        out = []
+        for index, co in choices:
+            logprobs = (chat_logprobs(co.logprobs, self.token_text, self.num_top_logprobs)
+                        if co.logprobs is not None else None)
+            out.append(ChatChoice(index, ChatMessageOut("assistant", co.text), logprobs, co.finish_reason))
+        return ChatCompletionResponse(self.id, self.created, self.model, out, usage)
+
+    def _chunk(self, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(self.id, self.created, self.model, choices)
+
+
+@dataclass
+class _CompletionFormat:
+    id: str
+    created: int
+    model: str
+    num_top_logprobs: int
+    token_text: Callable[[int], tuple[str, bytes]]
+
+    def start_chunks(self, num_choices: int) -> list[msgspec.Struct]:
+        return []
+
+    def delta_chunk(self, index: int, text: str, lps: list[Logprob] | None, text_offset: int,
+                    finish_reason: str | None) -> msgspec.Struct:
+        logprobs = (completion_logprobs(lps, self.token_text, self.num_top_logprobs, text_offset)
+                    if lps is not None else None)
+        return CompletionResponse(self.id, self.created, self.model,
+                                  [CompletionChoice(index, text, logprobs, finish_reason)])
+
+    def usage_chunk(self, usage: Usage) -> msgspec.Struct:
+        return CompletionResponse(self.id, self.created, self.model, [], usage)
+
+    def response(self, choices: list[tuple[int, CompletionOutput]], usage: Usage) -> msgspec.Struct:
+        out = []
+        for index, co in choices:
+            logprobs = (completion_logprobs(co.logprobs, self.token_text, self.num_top_logprobs)
+                        if co.logprobs is not None else None)
+            out.append(CompletionChoice(index, co.text, logprobs, co.finish_reason))
+        return CompletionResponse(self.id, self.created, self.model, out, usage)
+
+
+_Format = _ChatFormat | _CompletionFormat
+
+
+def _sse(obj: object) -> bytes:
+    return b"data: " + encode(obj) + b"\n\n"
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                q.put_nowait((i, out))
+            q.put_nowait((i, None))
+        except Exception as e:
+            q.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await q.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _usage(finals: list[RequestOutput]) -> Usage:
+    return make_usage(sum(o.num_prompt_tokens for o in finals), sum(o.num_output_tokens for o in finals),
+                      sum(o.num_cached_tokens for o in finals))
+
+
+# ---------------------------------------------------------------------- the server
+class _Server:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = ServerMetrics(engine.stats)
+        self.token_text = TokenTexts(engine.engine.tokenizer)
+        self.max_model_len = engine.engine.info.max_model_len
+        self.created = int(time.time())
+        self._expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
+
+    # ------------------------------------------------------------------ middlewares
+    @web.middleware
+    async def errors_middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        status = 500
+        try:
+            try:
+                resp = await handler(request)
+            except ApiError as e:
+                resp = e.response()
+            except ProtocolError as e:
+                resp = bad_request(e).response()
+            except web.HTTPException as e:
+                resp = _http_error(e, request).response()
+            except asyncio.CancelledError:  # handler_cancellation: the client disconnected
+                status = _CLIENT_CLOSED
+                raise
+            except ConnectionResetError:  # nobody to answer; aiohttp drops the response quietly
+                resp = web.Response(status=_CLIENT_CLOSED)
+            except Exception:
+                logger.exception("unhandled error in %s %s", request.method, request.path)
+                resp = ApiError(500, "internal server error", type="server_error", code="internal_error").response()
+            status = request.get(_STATUS_KEY, resp.status)
+            return resp
+        finally:
+            self.metrics.requests.labels(route, str(status)).inc()
+
+    @web.middleware
+    async def auth_middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        if self._expected_auth is not None and (request.path == "/v1" or request.path.startswith("/v1/")):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, self._expected_auth):
+                raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    # ------------------------------------------------------------------ simple routes
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.engine.is_running:
+            return web.json_response({"status": "unavailable"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        body, content_type = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    def _card(self) -> ModelCard:
+        return ModelCard(self.config.model_name, self.created, max_model_len=self.max_model_len)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json(ModelList([self._card()]))
+
+    async def model(self, request: web.Request) -> web.Response:
+        self._check_model(request.match_info["model"])
+        return _json(self._card())
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.model_name:
+            raise ApiError(404, f"model: {name!r} does not exist; this server serves {self.config.model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def _body(self, request: web.Request) -> bytes:
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise ApiError(413, f"the request body ({request.content_length} bytes) is larger than the "
+                                f"server's limit of {limit} bytes", code="request_too_large")
+        return await request.read()  # aiohttp raises 413 past client_max_size (chunked bodies)
+
+    # ------------------------------------------------------------------ generation routes
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        t0 = asyncio.get_running_loop().time()
+        req = decode_request(await self._body(request), ChatCompletionRequest)
+        self._check_model(req.model)
+        if not req.messages:
+            raise ApiError(400, "messages: must be a non-empty list", param="messages")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+        aliases = {"logprobs": "top_logprobs", "prompt": "messages"}
+        max_tokens = req.max_tokens
+        if req.max_completion_tokens is not None:
+            max_tokens = req.max_completion_tokens
+            aliases["max_tokens"] = "max_completion_tokens"
+        params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, aliases)
+        messages = [msgspec.to_builtins(m) for m in req.messages]
+        try:
+            prompt = await self.engine.run(lambda e: e.tokenizer.apply_chat_template(messages))
+        except ValueError as e:
+            raise bad_request(e) from None
+        fmt = _ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.config.model_name,
+                          params.logprobs or 0, self.token_text)
+        return await self._generate(request, t0, fmt, [prompt], params, bool(req.stream), req.include_usage,
+                                    aliases)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        t0 = asyncio.get_running_loop().time()
+        req = decode_request(await self._body(request), CompletionRequest)
+        self._check_model(req.model)
+        if req.echo:
+            raise ApiError(400, "echo: is not supported", param="echo")
+        if req.suffix:
+            raise ApiError(400, "suffix: is not supported", param="suffix")
+        prompts = prompt_list(req.prompt)
+        params = self._params(req, req.max_tokens, req.logprobs, {})
+        fmt = _CompletionFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.config.model_name,
+                                params.logprobs or 0, self.token_text)
+        return await self._generate(request, t0, fmt, prompts, params, bool(req.stream), req.include_usage, {})
+
+    def _params(self, req: Any, max_tokens: int | None, logprobs: int | None,
+                aliases: dict[str, str]) -> SamplingParams:
+        kw: dict[str, Any] = dict(max_tokens=max_tokens, stop=req.stop, logprobs=logprobs)
+        for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens"):
+            value = getattr(req, name)
+            if value is not None:
+                kw[name] = value
+        try:
+            return SamplingParams(**kw)
+        except ValueError as e:
+            raise bad_request(e, aliases) from None
+
+    async def _generate(self, request: web.Request, t0: float, fmt: _Format, prompts: list,
+                        params: SamplingParams, stream: bool, include_usage: bool,
+                        aliases: dict[str, str]) -> web.StreamResponse:
+        deadline = t0 + self.config.request_timeout
+        streams: list[RequestStream] = []
+        try:
+            try:
+                async with _timeout_at(deadline):
+                    for i, prompt in enumerate(prompts):
+                        rid = fmt.id if len(prompts) == 1 else f"{fmt.id}-{i}"
+                        streams.append(await self.engine.add_request(rid, prompt, params))
+            except OverflowError as e:
+                raise ApiError(503, f"the server is overloaded: {e}; retry later", type="server_error",
+                               code="overloaded", headers={"Retry-After": "1"}) from None
+            except ValueError as e:
+                raise bad_request(e, aliases) from None
+            except (TimeoutError, EngineDeadError) as e:
+                raise _engine_error(e) from None
+            if stream:
+                return await self._stream(request, t0, deadline, fmt, streams, params, include_usage)
+            return await self._complete(t0, deadline, fmt, streams, params)
+        finally:
+            for s in streams:
+                s.abort()
+
+    async def _complete(self, t0: float, deadline: float, fmt: _Format, streams: list[RequestStream],
+                        params: SamplingParams) -> web.Response:
+        loop = asyncio.get_running_loop()
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        ttft = None
+        try:
+            async with _timeout_at(deadline), contextlib.aclosing(_merge(streams)) as merged:
+                async for i, out in merged:
+                    if ttft is None:
+                        ttft = loop.time() - t0
+                    if out.finished:
+                        finals[i] = out
+        except Exception as e:
+            raise _engine_error(e) from None
+        done = [f for f in finals if f is not None]
+        assert len(done) == len(finals), "a stream ended without a finished output"
+        choices = [(i * params.n + co.index, co) for i, out in enumerate(done) for co in out.outputs]
+        self._observe(t0, ttft, done)
+        return _json(fmt.response(choices, _usage(done)))
+
+    async def _stream(self, request: web.Request, t0: float, deadline: float, fmt: _Format,
+                      streams: list[RequestStream], params: SamplingParams, include_usage: bool) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        num_choices = len(streams) * params.n
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        states = [_ChoiceState() for _ in range(num_choices)]
+        ttft = None
+        error: ApiError | None = None
+        try:
+            await resp.prepare(request)
+            try:
+                async with _timeout_at(deadline), contextlib.aclosing(_merge(streams)) as merged:
+                    start = fmt.start_chunks(num_choices)
+                    if start:
+                        await resp.write(b"".join(map(_sse, start)))
+                    async for i, out in merged:
+                        if ttft is None:
+                            ttft = loop.time() - t0
+                        if out.finished:
+                            finals[i] = out
+                        chunks = self._delta_chunks(fmt, i * params.n, out, states, params)
+                        if chunks:
+                            await resp.write(b"".join(map(_sse, chunks)))
+            except (ConnectionResetError, asyncio.CancelledError):
+                raise
+            except Exception as e:
+                error = _engine_error(e)
+            if error is not None:
+                await resp.write(_sse(error.body()))
+            else:
+                done = [f for f in finals if f is not None]
+                self._observe(t0, ttft, done)
+                if include_usage:
+                    await resp.write(_sse(fmt.usage_chunk(_usage(done))))
+            await resp.write(_SSE_DONE)
+            await resp.write_eof()
+        except ConnectionResetError:  # the client went away; the caller aborts the streams
+            request[_STATUS_KEY] = _CLIENT_CLOSED
+        return resp
+
+    @staticmethod
+    def _delta_chunks(fmt: _Format, base: int, out: RequestOutput, states: list[_ChoiceState],
+                      params: SamplingParams) -> list[msgspec.Struct]:
+        chunks = []
+        for co in out.outputs:
+            index = base + co.index
+            st = states[index]
+            lps = None
+            if params.logprobs is not None and co.logprobs is not None:
+                lps = co.logprobs[st.num_sent_logprobs:]
+                st.num_sent_logprobs = len(co.logprobs)
+            finish = co.finish_reason if co.finish_reason and not st.finished else None
+            if not co.delta_text and not lps and finish is None:
+                continue
+            st.finished = st.finished or finish is not None
+            chunks.append(fmt.delta_chunk(index, co.delta_text, lps, st.num_sent_chars, finish))
+            st.num_sent_chars += len(co.delta_text)
+        return chunks
+
+    def _observe(self, t0: float, ttft: float | None, finals: list[RequestOutput]) -> None:
+        e2e = asyncio.get_running_loop().time() - t0
+        steps = max((len(co.token_ids) for f in finals for co in f.outputs), default=0)
+        self.metrics.observe_request(ttft, e2e, sum(f.num_prompt_tokens for f in finals),
+                                     sum(f.num_output_tokens for f in finals), steps)
+
+
+def _json(obj: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=encode(obj), content_type="application/json")
+
+
+SERVER_KEY = web.AppKey("prefixkv_server", _Server)
+
+
+def create_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
+    """The aiohttp app. It owns ``engine``: the app's shutdown shuts the engine down (in-flight
+    requests are aborted and end with an error)."""
+    server = _Server(engine, config)
+    app = web.Application(client_max_size=config.max_body_bytes,
+                          middlewares=[server.errors_middleware, server.auth_middleware])
+    app[SERVER_KEY] = server
+    app.router.add_post("/v1/chat/completions", server.chat_completions)
+    app.router.add_post("/v1/completions", server.completions)
+    app.router.add_get("/v1/models", server.models)
+    app.router.add_get("/v1/models/{model}", server.model)
+    app.router.add_get("/health", server.health)
+    app.router.add_get("/metrics", server.metrics_route)
+
+    async def on_shutdown(app: web.Application) -> None:
+        await engine.shutdown()
+
+    app.on_shutdown.append(on_shutdown)
+    return app
+
+
+async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Bind ``app`` (port 0 = any free port); returns the runner and the bound port."""
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=10.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = port
+    for addr in runner.addresses:
+        if isinstance(addr, tuple):
+            bound = addr[1]
+            break
+    return runner, bound
+
+
+def url_for(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def default_model_name(model: str | None) -> str:
+    if model is None:
+        from prefixkv.model.loader import EMBEDDED_NAME
+
+        return EMBEDDED_NAME
+    path = Path(model).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(model_name=args.served_model_name or default_model_name(args.model),
+                        api_key=args.api_key or os.environ.get("PREFIXKV_API_KEY") or None,
+                        max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """``prefixkv serve``: load the model, serve until SIGTERM/SIGINT, exit 0 after a graceful stop."""
+    from prefixkv.cli import engine_config_from_args
+    from prefixkv.engine import LLMEngine
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    config = server_config_from_args(args)
+    stop_early = lambda signum, frame: sys.exit(0)  # noqa: E731 - a signal while the model loads
+    old = {s: signal.signal(s, stop_early) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        engine = LLMEngine(engine_config_from_args(args))
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return asyncio.run(_serve(AsyncEngine(engine), config, args.host, args.port))
+
+
+async def _serve(engine: AsyncEngine, config: ServerConfig, host: str, port: int) -> int:
+    app = create_app(engine, config)
+    try:
+        runner, bound = await start_site(app, host, port)
+    except OSError as e:
+        print(f"prefixkv: error: cannot listen on {host}:{port}: {e}", file=sys.stderr)
+        await engine.shutdown()
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(s, stop.set)
+    print(f"prefixkv serving {config.model_name} at {url_for(host, bound)}", flush=True)
+    await stop.wait()
+    logger.info("shutting down: no new connections; aborting in-flight requests")
+    await runner.cleanup()  # stop listening -> on_shutdown (engine.shutdown) -> wait for handlers
+    return 0
+
+
+@dataclass
+class BackgroundServer:
+    """The server on its own event loop in a daemon thread (tests, notebooks, benchmarks)::
+
+        with BackgroundServer(AsyncEngine(engine), ServerConfig("m")) as srv:
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+    """
+
+    engine: AsyncEngine
+    config: ServerConfig
+    host: str = "127.0.0.1"
+    port: int = 0
+    _thread: threading.Thread | None = field(default=None, repr=False)
+    _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
+    _ready: threading.Event = field(default_factory=threading.Event, repr=False)
+    _error: BaseException | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return url_for(self.host, self.port)
+
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
+        self._thread = threading.Thread(target=self._main, name="prefixkv-server", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the server did not start")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _main(self) -> None:
+        loop = self._loop = asyncio.new_event_loop()
+        try:
+            runner, self.port = loop.run_until_complete(start_site(create_app(self.engine, self.config),
+                                                                   self.host, self.port))
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+            loop.close()
+            return
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(runner.cleanup())
+            loop.close()

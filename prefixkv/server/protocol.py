@@ -1,0 +1,295 @@
+"""The OpenAI wire format as msgspec Structs.
+
+Requests are decoded and type-checked in one pass (unknown fields are ignored, as OpenAI-compatible
+servers do); ``decode_request`` turns msgspec's errors into ``ProtocolError(message, param)`` where
+``param`` is the field path ("messages[0].role"). Responses and stream chunks are Structs encoded
+straight to JSON. Logprobs are converted from the engine's ``Logprob`` list into the chat format
+(``content: [{token, logprob, bytes, top_logprobs}]``) and the legacy completions format
+(``tokens, token_logprobs, top_logprobs, text_offset``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import TypeVar
+
+import msgspec
+from msgspec import Struct
+
+from prefixkv.outputs import Logprob
+
+# token id -> (text, utf-8 bytes) of that token alone
+TokenText = Callable[[int], tuple[str, bytes]]
+S = TypeVar("S")
+
+
+class ProtocolError(ValueError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+# ---------------------------------------------------------------------- requests
+class StreamOptions(Struct):
+    include_usage: bool = False
+
+
+class ContentPart(Struct, omit_defaults=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct, omit_defaults=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _SamplingRequest(Struct, kw_only=True):
+    """Fields shared by both endpoints. None (absent or null) means the default: SamplingParams' own."""
+
+    model: str | None = None  # optional (the served model); any other name is rejected
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    user: str | None = None  # accepted and ignored
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(_SamplingRequest, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # the newer name of max_tokens; wins when both are set
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(_SamplingRequest, kw_only=True):
+    # a string, a list of token ids, or a list of either (a batch of prompts)
+    prompt: str | list[str | int | list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for /v1/completions
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+
+_AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
+
+
+def decode_request(body: bytes, type: type[S]) -> S:
+    """JSON body -> request Struct; ``ProtocolError`` (with the field path as param) if it is
+    malformed or has a wrong type."""
+    if not body.strip():
+        raise ProtocolError("the request body is empty; expected a JSON object")
+    try:
+        return msgspec.json.decode(body, type=type)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        m = _AT.search(msg)
+        path = m.group("path") if m else ""
+        missing = _MISSING.search(msg)
+        if missing:
+            path = f"{path}.{missing.group('field')}" if path else missing.group("field")
+        raise ProtocolError(f"{path}: {msg}" if path else f"request body: {msg}", path or None) from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"malformed JSON body: {e}") from None
+
+
+def prompt_list(prompt: str | list) -> list[str | list[int]]:
+    """A completions ``prompt`` as a list of prompts (each a str or a token-id list)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ProtocolError("prompt: must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        return list(prompt)
+    raise ProtocolError("prompt: must be a string, a list of token ids, or a list of strings or of "
+                        "token-id lists (not a mix)", "prompt")
+
+
+# ---------------------------------------------------------------------- errors
+class ErrorBody(Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(Struct):
+    error: ErrorBody
+
+
+# ---------------------------------------------------------------------- responses
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+def make_usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> Usage:
+    return Usage(num_prompt_tokens, num_completion_tokens, num_prompt_tokens + num_completion_tokens,
+                 PromptTokensDetails(num_cached_tokens))
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatTokenLogprob] | None
+
+
+class ChatMessageOut(Struct):
+    role: str
+    content: str
+
+
+class ChatChoice(Struct):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+
+
+class DeltaMessage(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(Struct):
+    """Also the stream chunk of /v1/completions (OpenAI uses the same object for both)."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    owned_by: str = "prefixkv"
+    max_model_len: int | None = None
+    object: str = "model"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+# ---------------------------------------------------------------------- logprobs
+def chat_logprobs(lps: list[Logprob], token_text: TokenText, num_top: int) -> ChatLogprobs:
+    content = []
+    for lp in lps:
+        text, raw = token_text(lp.token_id)
+        tops = [_top(token_text, tid, v) for tid, v in lp.top_logprobs[:num_top]]
+        content.append(ChatTokenLogprob(text, lp.logprob, list(raw), tops))
+    return ChatLogprobs(content)
+
+
+def _top(token_text: TokenText, token_id: int, logprob: float) -> TopLogprob:
+    text, raw = token_text(token_id)
+    return TopLogprob(text, logprob, list(raw))
+
+
+def completion_logprobs(lps: list[Logprob], token_text: TokenText, num_top: int,
+                        text_offset: int = 0) -> CompletionLogprobs:
+    """``text_offset`` is where the first of these tokens starts in the choice's text (streaming
+    passes the length already sent)."""
+    out = CompletionLogprobs([], [], [], [])
+    offset = text_offset
+    for lp in lps:
+        text, _ = token_text(lp.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp.logprob)
+        top: dict[str, float] = {}
+        for tid, v in lp.top_logprobs[:num_top]:  # most likely first; tokens with the same text collide
+            top.setdefault(token_text(tid)[0], v)
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(obj: object) -> bytes:
+    return _encoder.encode(obj)

@@ -1,0 +1,506 @@
+"""The OpenAI-compatible server end to end: a real aiohttp server on a loopback port (a background
+thread; one test starts ``prefixkv serve`` as a subprocess), driven by the official ``openai`` client.
+
+The tiny random-weight Llama runs in float64, where greedy decoding is exact in any batch, so a
+streamed and a non-streamed greedy request must produce the same text."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from prefixkv.async_engine import AsyncEngine, EngineDeadError, RequestAbortedError
+from prefixkv.config import CacheConfig, EngineConfig, SchedulerConfig
+from prefixkv.engine import LLMEngine
+from prefixkv.sampling_params import SamplingParams
+from prefixkv.server.app import BackgroundServer, ServerConfig
+
+MODEL = "tiny-llama"
+BLOCK_SIZE = 16
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), dtype="float64",
+                                    cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=1024),
+                                    scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64)))
+    with BackgroundServer(AsyncEngine(engine), ServerConfig(MODEL)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def metrics(server) -> dict[str, float]:
+    text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def wait_for(cond, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def wait_idle(server, timeout: float = 10.0) -> None:
+    """No request left in the engine and no KV block held (cached prefixes are free blocks)."""
+    def idle():
+        m = metrics(server)
+        return (m["prefixkv_kv_blocks_used"] == 0 and m["prefixkv_num_requests_running"] == 0
+                and m["prefixkv_num_requests_waiting"] == 0)
+    wait_for(idle, timeout, "the engine to drain and free every KV block")
+
+
+def chat_messages(user: str, system: str | None = None) -> list[dict]:
+    msgs = [{"role": "system", "content": system}] if system else []
+    return msgs + [{"role": "user", "content": user}]
+
+
+def stream_chat(client, **kw) -> tuple[dict[int, str], dict[int, str], list]:
+    """Concatenated content and finish_reason per choice index, and the raw chunks."""
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    chunks = list(client.chat.completions.create(model=MODEL, stream=True, **kw))
+    for ch in chunks:
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                assert c.index not in finish, "finish_reason sent twice"
+                finish[c.index] = c.finish_reason
+    return texts, finish, chunks
+
+
+def stream_completion(client, **kw) -> tuple[dict[int, str], dict[int, str], list]:
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    chunks = list(client.completions.create(model=MODEL, stream=True, **kw))
+    for ch in chunks:
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                assert c.index not in finish, "finish_reason sent twice"
+                finish[c.index] = c.finish_reason
+    return texts, finish, chunks
+
+
+# ---------------------------------------------------------------------- basics
+def test_health_and_models(server, client):
+    assert json.loads(urllib.request.urlopen(server.url + "/health").read()) == {"status": "ok"}
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_chat_completion(server, client):
+    messages = chat_messages("Tell me about the fox.")
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, **GREEDY)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion" and r.model == MODEL
+    assert len(r.choices) == 1
+    choice = r.choices[0]
+    assert choice.index == 0 and choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert isinstance(choice.message.content, str)
+    prompt_ids = server.engine.engine.tokenizer.apply_chat_template(messages)
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    assert r.usage.completion_tokens == 8
+    assert r.usage.total_tokens == len(prompt_ids) + 8
+    # max_completion_tokens is the newer name and wins over max_tokens
+    r2 = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, max_completion_tokens=5,
+                                        **GREEDY)
+    assert r2.usage.completion_tokens == 5
+    assert r.choices[0].message.content.startswith(r2.choices[0].message.content)
+
+
+def test_completion_string_and_token_ids(server, client):
+    prompt = "The quick brown fox"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, **GREEDY)
+    assert r.id.startswith("cmpl-") and r.object == "text_completion"
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 10
+    ids = server.engine.engine.tokenizer.encode(prompt)
+    r_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, **GREEDY)
+    assert r_ids.choices[0].text == r.choices[0].text
+    assert r_ids.usage.prompt_tokens == r.usage.prompt_tokens == len(ids)
+
+
+def test_default_max_tokens_of_completions_is_16(client):
+    r = client.completions.create(model=MODEL, prompt="hello", **GREEDY)
+    assert r.usage.completion_tokens == 16
+
+
+# ---------------------------------------------------------------------- streaming
+def test_chat_stream_equals_non_stream(client):
+    kw = dict(messages=chat_messages("Once upon a time"), max_tokens=24, **GREEDY)
+    full = client.chat.completions.create(model=MODEL, **kw)
+    texts, finish, chunks = stream_chat(client, stream_options={"include_usage": True}, **kw)
+    assert texts == {0: full.choices[0].message.content}
+    assert finish == {0: "length"}
+    first = chunks[0]
+    assert first.object == "chat.completion.chunk" and first.id.startswith("chatcmpl-")
+    assert first.choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1
+    last = chunks[-1]  # include_usage: a final chunk with no choices and the usage
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == full.usage.completion_tokens == 24
+    assert last.usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_stream_equals_non_stream(client):
+    kw = dict(prompt="Paged attention keeps the KV cache", max_tokens=24, **GREEDY)
+    full = client.completions.create(model=MODEL, **kw)
+    texts, finish, chunks = stream_completion(client, **kw)
+    assert texts == {0: full.choices[0].text}
+    assert finish == {0: "length"}
+    assert all(c.usage is None for c in chunks)  # no include_usage: no usage chunk
+
+
+def test_stream_without_usage_has_no_usage_chunk(client):
+    _, _, chunks = stream_chat(client, messages=chat_messages("hi"), max_tokens=4, **GREEDY)
+    assert all(c.choices for c in chunks)
+
+
+# ---------------------------------------------------------------------- n > 1, batches of prompts
+def test_n2_greedy_choices_equal_single(client):
+    kw = dict(messages=chat_messages("Two answers please"), max_tokens=12, **GREEDY)
+    one = client.chat.completions.create(model=MODEL, **kw).choices[0].message.content
+    r = client.chat.completions.create(model=MODEL, n=2, **kw)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.message.content for c in r.choices] == [one, one]
+    assert r.usage.completion_tokens == 24
+    texts, finish, _ = stream_chat(client, n=2, **kw)
+    assert texts == {0: one, 1: one} and finish == {0: "length", 1: "length"}
+
+
+def test_n2_sampled(client):
+    r = client.chat.completions.create(model=MODEL, messages=chat_messages("Be creative"), n=2, max_tokens=10,
+                                       temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == 20
+    texts, finish, _ = stream_completion(client, prompt="Be creative", n=2, max_tokens=10, temperature=1.0,
+                                         seed=7, extra_body={"ignore_eos": True})
+    assert set(texts) == {0, 1} and finish == {0: "length", 1: "length"}
+
+
+def test_completion_batch_of_prompts(client):
+    prompts = ["The lazy dog", "你好，世界"]
+    singles = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, **GREEDY).choices[0].text
+               for p in prompts]
+    r = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=6, **GREEDY)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [singles[0], singles[0], singles[1], singles[1]]
+    assert r.usage.completion_tokens == 24
+    texts, finish, _ = stream_completion(client, prompt=prompts, n=2, max_tokens=6, **GREEDY)
+    assert texts == {0: singles[0], 1: singles[0], 2: singles[1], 3: singles[1]}
+    assert set(finish) == {0, 1, 2, 3}
+
+
+# ---------------------------------------------------------------------- stop strings
+def _ascii_stop(text: str) -> str:
+    """A two-character alphanumeric stop string whose first occurrence is not at the start."""
+    for k in range(1, len(text) - 1):
+        s = text[k:k + 2]
+        if s.isascii() and s.isalnum() and text.find(s) > 0:
+            return s
+    pytest.skip(f"no usable stop string in {text!r}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string(client, stream):
+    kw = dict(prompt="Once upon a time there was", max_tokens=40, **GREEDY)
+    text = client.completions.create(model=MODEL, **kw).choices[0].text
+    stop = _ascii_stop(text)
+    expected = text[:text.find(stop)]
+    if stream:
+        texts, finish, _ = stream_completion(client, stop=[stop, "never-seen-zz"], **kw)
+        assert texts == {0: expected} and finish == {0: "stop"}
+    else:
+        r = client.completions.create(model=MODEL, stop=stop, **kw)
+        assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+
+
+def test_chat_stop_string(client):
+    kw = dict(messages=chat_messages("Say something"), max_tokens=40, **GREEDY)
+    text = client.chat.completions.create(model=MODEL, **kw).choices[0].message.content
+    stop = _ascii_stop(text)
+    r = client.chat.completions.create(model=MODEL, stop=[stop], **kw)
+    assert r.choices[0].message.content == text[:text.find(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+# ---------------------------------------------------------------------- prefix cache
+def test_cached_tokens_on_shared_system_prompt(client):
+    system = f"[{uuid.uuid4().hex}] You are a careful assistant who answers every question briefly. " * 4
+    first = client.chat.completions.create(model=MODEL, messages=chat_messages("What is a fox?", system),
+                                           max_tokens=4, **GREEDY)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.usage.prompt_tokens > 4 * BLOCK_SIZE
+    second = client.chat.completions.create(model=MODEL, messages=chat_messages("And a dog?", system),
+                                            max_tokens=4, **GREEDY)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % BLOCK_SIZE == 0 and cached < second.usage.prompt_tokens
+    _, _, chunks = stream_chat(client, messages=chat_messages("A cat?", system), max_tokens=4,
+                               stream_options={"include_usage": True}, **GREEDY)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= cached
+
+
+# ---------------------------------------------------------------------- logprobs
+def test_chat_logprobs(server, client):
+    r = client.chat.completions.create(model=MODEL, messages=chat_messages("logprobs"), max_tokens=8,
+                                       logprobs=True, top_logprobs=3, **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 8
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob <= 0.0
+        # greedy: the chosen token is the most likely one
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert entry.top_logprobs[0].bytes == entry.bytes
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
+                                                                 reverse=True)
+    special = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}
+    raw = b"".join(bytes(e.bytes) for e in content if e.token not in special)
+    assert raw.decode("utf-8", errors="replace") == r.choices[0].message.content
+    # streamed logprobs: one entry per generated token, same values
+    chunks = client.chat.completions.create(model=MODEL, messages=chat_messages("logprobs"), max_tokens=8,
+                                            logprobs=True, top_logprobs=3, stream=True, **GREEDY)
+    streamed = [e for ch in chunks for c in ch.choices if c.logprobs for e in c.logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="The quick", max_tokens=6, logprobs=2, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 2 and max(top.values()) == pytest.approx(chosen)
+    no_lp = client.completions.create(model=MODEL, prompt="The quick", max_tokens=6, **GREEDY)
+    assert no_lp.choices[0].logprobs is None
+
+
+# ---------------------------------------------------------------------- disconnects
+def _closed_count(server) -> float:
+    return metrics(server).get('prefixkv_http_requests_total{route="/v1/chat/completions",status="499"}', 0.0)
+
+
+def _seconds_per_token(client) -> float:
+    t0 = time.monotonic()
+    client.completions.create(model=MODEL, prompt="warm", max_tokens=64, **GREEDY)
+    return (time.monotonic() - t0) / 64
+
+
+LONG = 900  # tokens; with a short prompt it fits the 1024-token context
+
+
+def test_disconnect_mid_stream_frees_blocks(server, client):
+    natural = _seconds_per_token(client) * LONG  # how long the request would run if not aborted
+    wait_idle(server)
+    before = _closed_count(server)
+    stream = client.chat.completions.create(model=MODEL, messages=chat_messages("a long story"),
+                                            max_tokens=LONG, stream=True, **GREEDY)
+    it = iter(stream)
+    for _ in range(4):  # role chunk + a few tokens: the request is running
+        next(it)
+    assert metrics(server)["prefixkv_kv_blocks_used"] > 0
+    t0 = time.monotonic()
+    stream.close()
+    wait_idle(server, timeout=natural)
+    assert time.monotonic() - t0 < natural / 2, "blocks were freed by finishing, not by the abort"
+    wait_for(lambda: _closed_count(server) == before + 1, 5, "the disconnect to be counted")
+
+
+def test_disconnect_non_streaming_frees_blocks(server, client):
+    natural = _seconds_per_token(client) * LONG
+    wait_idle(server)
+    timeout = min(0.3, natural / 4)
+    impatient = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+    before = _closed_count(server)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model=MODEL, messages=chat_messages("never mind"), max_tokens=LONG,
+                                          **GREEDY)
+    wait_idle(server, timeout=natural)
+    assert time.monotonic() - t0 < natural / 2, "blocks were freed by finishing, not by the abort"
+    wait_for(lambda: _closed_count(server) == before + 1, 5, "the disconnect to be counted")
+
+
+# ---------------------------------------------------------------------- concurrency
+def test_32_concurrent_streams_match_non_streamed(server, client):
+    prompts = [f"Request number {i}: the quick brown fox" for i in range(32)]
+    kw = dict(max_tokens=16, **GREEDY)
+
+    def full(p):
+        return client.completions.create(model=MODEL, prompt=p, **kw).choices[0].text
+
+    def streamed(p):
+        texts, finish, chunks = stream_completion(client, prompt=p, **kw)
+        assert finish == {0: "length"}
+        return texts[0]
+
+    with ThreadPoolExecutor(32) as pool:
+        expected = list(pool.map(full, prompts))
+        running = []
+        sampler = threading.Event()
+
+        def sample():
+            while not sampler.is_set():
+                running.append(metrics(server)["prefixkv_num_requests_running"])
+                time.sleep(0.02)
+
+        watcher = threading.Thread(target=sample)
+        watcher.start()
+        try:
+            got = list(pool.map(streamed, prompts))
+        finally:
+            sampler.set()
+            watcher.join()
+    assert got == expected
+    assert max(running) > 1  # the streams really were batched together
+    wait_idle(server)
+
+
+def test_metrics_after_traffic(server, client):
+    client.chat.completions.create(model=MODEL, messages=chat_messages("metrics"), max_tokens=3, **GREEDY)
+    m = metrics(server)
+    assert m['prefixkv_http_requests_total{route="/v1/chat/completions",status="200"}'] >= 1
+    assert m["prefixkv_time_to_first_token_seconds_count"] >= 1
+    assert m["prefixkv_e2e_request_latency_seconds_count"] >= 1
+    assert m["prefixkv_time_per_output_token_seconds_count"] >= 1
+    assert m["prefixkv_kv_blocks_total"] == 1024
+    assert m["prefixkv_prefix_cache_queried_tokens_total"] >= m["prefixkv_prefix_cache_hit_tokens_total"] > 0
+    assert "prefixkv_preemptions_total" in m and "prefixkv_num_requests_waiting" in m
+    assert not any('status="500"' in k for k in m)
+
+
+# ---------------------------------------------------------------------- AsyncEngine directly
+def test_async_engine_api(server):
+    ae = server.engine  # the server's engine, driven from this thread's own event loop
+    long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        with pytest.raises(ValueError, match="^prompt:"):  # add_request's errors keep their type
+            async for _ in ae.generate("too-long", [5] * 2000, SamplingParams(max_tokens=2)):
+                pass
+        outs = [o async for o in ae.generate("full", "hello", SamplingParams(max_tokens=5, temperature=0.0,
+                                                                             ignore_eos=True))]
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert len(outs[-1].outputs[0].token_ids) == 5
+        assert "".join(o.outputs[0].delta_text for o in outs) == outs[-1].outputs[0].text
+        gen = ae.generate("early", "hello", long)  # the consumer stops early: the request is aborted
+        await anext(gen)
+        await gen.aclose()
+        stream = await ae.add_request("dup", "hi", long)
+        with pytest.raises(ValueError, match="^request_id:"):
+            await ae.add_request("dup", "hi", long)
+        await anext(stream)
+        assert await ae.abort("dup")
+        with pytest.raises(RequestAbortedError):
+            async for _ in stream:
+                pass
+        assert not await ae.abort("dup")
+        assert await ae.run(lambda engine: threading.current_thread().name) == "prefixkv-engine"
+
+    asyncio.run(main())
+    wait_idle(server)
+
+
+def test_async_engine_step_error_and_shutdown(tiny_llama):
+    ae = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_llama), cache=CacheConfig(num_kv_blocks=128))))
+    long = SamplingParams(max_tokens=900, ignore_eos=True)
+
+    async def main():
+        real_step = ae.engine.step
+
+        def broken_step():
+            ae.engine.step = real_step
+            raise RuntimeError("boom")
+
+        stream = await ae.add_request("a", "hi", long)
+        await anext(stream)
+        ae.engine.step = broken_step  # a failing step fails its requests, frees them, and the loop goes on
+        with pytest.raises(RuntimeError, match="boom"):
+            async for _ in stream:
+                pass
+        assert len([o async for o in ae.generate("b", "hi", SamplingParams(max_tokens=3))]) >= 1
+        stream = await ae.add_request("c", "hi", long)
+        await anext(stream)
+        await ae.shutdown()  # in-flight requests end with EngineDeadError
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await ae.add_request("d", "hi", long)
+        assert not ae.is_running
+        assert ae.stats()["num_kv_blocks_used"] == 0
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------- the CLI process
+def test_serve_subprocess_sigterm_exits_0(tiny_llama):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PREFIXKV_API_KEY="k")
+    proc = subprocess.Popen([sys.executable, "-m", "prefixkv.cli", "serve", "--model", str(tiny_llama),
+                             "--port", "0", "--num-kv-blocks", "128", "--served-model-name", "sub"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        lines = []
+        url = None
+        deadline = time.monotonic() + 60
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.match(r"prefixkv serving sub at (http://127\.0\.0\.1:\d+)$", line.strip())
+            url = m.group(1) if m else None
+        assert url, f"no ready line; stdout={lines} stderr={proc.stderr.read() if proc.poll() is not None else ''}"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=30)
+        r = client.chat.completions.create(model="sub", messages=chat_messages("hi"), max_tokens=3, **GREEDY)
+        assert r.usage.completion_tokens == 3
+        # a request in flight when SIGTERM arrives is aborted, and the process still exits 0
+        stream = client.chat.completions.create(model="sub", messages=chat_messages("long"), max_tokens=900,
+                                                stream=True, **GREEDY)
+        it = iter(stream)
+        next(it)
+        next(it)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        rest = []
+        try:
+            rest = list(it)
+        except (openai.APIError, openai.APIConnectionError):
+            pass
+        assert sum(len(c.choices) for c in rest) < 900
+        err = proc.stderr.read()
+        assert "Traceback" not in err and "shutting down" in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
