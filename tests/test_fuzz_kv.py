@@ -1,0 +1,119 @@
+"""Stateful fuzzing of BlockPool + RadixIndex + KVCacheManager against a model of the truth: which
+tokens each physical block holds. Every match is checked against it, no write ever lands in a
+shared block, and check_integrity() holds after every rule."""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from prefixkv.kv import KVCacheManager
+
+BLOCK_SIZE = 2
+NUM_BLOCKS = 12
+TOKENS = st.integers(min_value=1, max_value=3)  # a tiny alphabet: lots of shared prefixes
+
+
+class KVMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True)
+        self.truth: dict[int, list[int | None]] = {}  # block id -> tokens its KV holds
+        self.seqs: dict[str, list[int]] = {}  # seq id -> tokens computed (KV written)
+        self.next_id = 0
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _apply(self, seq: str, tokens: list[int], start: int, ops) -> None:
+        for op in ops:  # the runner copies before the forward pass
+            self.truth[op.dst] = list(self.truth[op.src])
+        table = self.kv.block_tables[seq]
+        for p in range(start, len(tokens)):
+            b = table[p // BLOCK_SIZE]
+            assert self.kv.pool.ref_cnt[b] == 1, f"write into shared block {b} (ref {self.kv.pool.ref_cnt[b]})"
+            self.truth.setdefault(b, [None] * BLOCK_SIZE)[p % BLOCK_SIZE] = tokens[p]
+        self.kv.cache_blocks(seq, tokens, len(tokens))
+        self.seqs[seq] = list(tokens)
+
+    def _check_match(self, tokens: list[int]) -> None:
+        m = self.kv.match_prefix(tokens)
+        assert m.num_tokens == len(m.block_ids) * BLOCK_SIZE and m.num_tokens <= max(0, len(tokens) - 1)
+        for i, b in enumerate(m.block_ids):
+            assert self.truth[b] == tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE], (b, self.truth[b], tokens)
+
+    # -- rules --------------------------------------------------------------------------------
+    @rule(tokens=st.lists(TOKENS, min_size=1, max_size=9))
+    def add(self, tokens):
+        self._check_match(tokens)
+        m = self.kv.match_prefix(tokens)
+        seq = f"s{self.next_id}"
+        self.next_id += 1
+        ops = self.kv.allocate_slots(seq, m.num_tokens, len(tokens) - m.num_tokens, prefix=m)
+        if ops is None:
+            assert seq not in self.kv.block_tables
+            return
+        assert ops == []
+        self._apply(seq, tokens, m.num_tokens, ops)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), tok=TOKENS, n=st.integers(1, 3))
+    def append(self, data, tok, n):
+        seq = data.draw(st.sampled_from(sorted(self.seqs)))
+        tokens = self.seqs[seq]
+        ops = self.kv.allocate_slots(seq, len(tokens), n)
+        if ops is None:
+            return
+        self._apply(seq, tokens + [tok] * n, len(tokens), ops)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(sorted(self.seqs)))
+        child = f"s{self.next_id}"
+        self.next_id += 1
+        self.kv.fork(parent, child)
+        self.seqs[child] = list(self.seqs[parent])
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.kv.free(seq)
+        del self.seqs[seq]
+
+    @rule(n=st.integers(1, NUM_BLOCKS))
+    def evict(self, n):
+        before = self.kv.pool.num_evictable
+        freed = self.kv.radix.evict(n)
+        assert len(freed) == min(n, before)  # every evictable block is reachable leaf-first
+        for b in freed:
+            self.truth.pop(b, None)
+
+    @rule(tokens=st.lists(TOKENS, min_size=1, max_size=12))
+    def match(self, tokens):
+        self._check_match(tokens)
+
+    # -- invariants ------------------------------------------------------------------------------
+    @invariant()
+    def integrity(self):
+        self.kv.check_integrity()
+        for b, toks in self.kv.radix.cached_blocks().items():
+            assert self.truth[b] == list(toks), (b, self.truth[b], toks)
+        for seq, tokens in self.seqs.items():
+            table = self.kv.block_tables[seq]
+            for p, t in enumerate(tokens):
+                assert self.truth[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] == t, (seq, p)
+
+    def teardown(self) -> None:
+        for seq in list(self.seqs):
+            self.kv.free(seq)
+        self.kv.check_integrity()
+        assert self.kv.num_used_blocks == 0
+
+
+KVMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestKVMachine = KVMachine.TestCase

@@ -1,0 +1,95 @@
+"""Scheduler fuzzing on a tiny float64 model: random arrivals, prompt lengths, aborts, n, chunk
+budgets, block sizes and KV budgets small enough to force preemption. Every request finishes exactly
+once or is aborted, every finished output equals transformers' greedy reference, and no block is in
+use at the end."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prefixkv import LLM, SamplingParams
+
+from test_lossless import hf_reference
+
+NUM_PROMPTS = 10
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def corpus(tiny_llama):
+    rng = random.Random(11)
+    shared = [rng.randrange(3, 384) for _ in range(20)]
+    prompts = [(shared if i % 3 == 0 else []) + [rng.randrange(3, 384) for _ in range(rng.randrange(1, 40))]
+               for i in range(NUM_PROMPTS)]
+    return prompts, hf_reference(tiny_llama, prompts, max_tokens=MAX_TOKENS)
+
+
+_ENGINES: dict = {}
+
+
+def _engine(model_dir, block_size, num_blocks, chunk, prefix):
+    key = (block_size, num_blocks, chunk, prefix)
+    if key not in _ENGINES:
+        llm = LLM(model=str(model_dir), dtype="float64", block_size=block_size, num_kv_blocks=num_blocks,
+                  max_num_batched_tokens=chunk, enable_prefix_caching=prefix, max_num_seqs=8)
+        llm.engine.check_integrity_each_step = True
+        _ENGINES[key] = llm.engine
+    return _ENGINES[key]
+
+
+@settings(max_examples=int(os.environ.get("PREFIXKV_SCHED_FUZZ_EXAMPLES", "30")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(
+    block_size=st.sampled_from([1, 4, 16]),
+    kv_tokens=st.integers(70, 300),
+    chunk=st.sampled_from([5, 16, 64]),
+    prefix=st.booleans(),
+    events=st.lists(st.tuples(st.integers(0, NUM_PROMPTS - 1), st.integers(0, 6), st.sampled_from([1, 1, 2, 3]),
+                              st.booleans()), min_size=1, max_size=10),
+)
+def test_random_traffic(tiny_llama, corpus, block_size, kv_tokens, chunk, prefix, events):
+    prompts, refs = corpus
+    engine = _engine(tiny_llama, block_size, max(kv_tokens // block_size, 60 // block_size + 1), chunk, prefix)
+    arrivals = {}  # step -> [(rid, prompt index, n, abort?)]
+    for i, (p, step, n, abort) in enumerate(events):
+        arrivals.setdefault(step, []).append((f"f{i}", p, n, abort))
+    finished: dict[str, object] = {}
+    aborted: set[str] = set()
+    to_abort: dict[str, int] = {}
+    step = 0
+    while step <= 6 or engine.has_unfinished():
+        for rid, p, n, abort in arrivals.get(step, []):
+            engine.add_request(rid, prompts[p], SamplingParams(n=n, max_tokens=MAX_TOKENS, temperature=0.0,
+                                                               ignore_eos=True))
+            if abort:
+                to_abort[rid] = step + 1 + (len(rid) % 3)
+        for rid, when in list(to_abort.items()):
+            if when == step and rid not in finished:
+                assert engine.abort(rid)
+                aborted.add(rid)
+                del to_abort[rid]
+        for out in engine.step():
+            assert out.request_id not in finished and out.request_id not in aborted
+            if out.finished:
+                finished[out.request_id] = out
+        step += 1
+        assert step < 2000, "no progress"
+    for i, (p, _, n, _) in enumerate(events):
+        rid = f"f{i}"
+        assert (rid in finished) != (rid in aborted), rid
+        if rid in finished:
+            out = finished[rid]
+            assert len(out.outputs) == n
+            assert all(o.token_ids == refs[p] for o in out.outputs), (rid, p)
+    assert engine.scheduler.kv.num_used_blocks == 0
+    engine.check_integrity()
+
+
+def test_the_fuzzing_above_forced_preemption():
+    assert _ENGINES, "runs after test_random_traffic"
+    assert sum(e.scheduler.num_preemptions for e in _ENGINES.values()) > 0
