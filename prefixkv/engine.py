@@ -72,6 +72,9 @@ class LLMEngine:
         backend = get_backend(config.attention_backend or ("torch" if config.device == "cpu" else "cuda"))
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
         self.runner = ModelRunner(self.model, backend, num_blocks, bs, config.device, dtype, self.info.eos_token_ids)
+        self.graph_capture_seconds = 0.0
+        if config.device == "cuda" and not config.enforce_eager and backend.name == "cuda":
+            self.graph_capture_seconds = self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, max_len)
         self._rng = random.Random(config.seed)
         self._arrivals = itertools.count()
         self._groups: dict[str, _Group] = {}
@@ -142,7 +145,8 @@ class LLMEngine:
             group = self._groups.get(seq.request_id)
             if group is not None:
                 st = self._state(group, seq)
-                st.text += st.detok.flush()
+                if group.params.detokenize:
+                    st.text += st.detok.flush()
                 st.finish_reason = RequestStatus.FINISHED_LENGTH.value
                 touched[group.request_id] = group
         if out.is_empty:
@@ -200,7 +204,7 @@ class LLMEngine:
             finish = (RequestStatus.FINISHED_STOPPED, None)
         elif tok in p.stop_token_ids and n_out > p.min_tokens - 1:
             finish = (RequestStatus.FINISHED_STOPPED, tok)
-        else:
+        elif p.detokenize:
             prev = len(st.text)
             st.text += st.detok.add(tok)
             if p.stop:
@@ -215,7 +219,7 @@ class LLMEngine:
             finish = (RequestStatus.FINISHED_LENGTH, None)
         if finish is not None:
             status, reason = finish
-            if reason is None or isinstance(reason, int):
+            if p.detokenize and (reason is None or isinstance(reason, int)):
                 st.text += st.detok.flush()
             st.finish_reason, st.stop_reason = status.value, reason
             self.scheduler.finish_request(seq, status)

@@ -47,6 +47,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # False: token ids only, no text (benchmarks, token-id clients); stop strings then cannot apply.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +81,7 @@ class SamplingParams:
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be a list of non-negative ints")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool")
+        _check(self.detokenize or not self.stop, "stop", "stop strings need detokenize=True")
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
                f"must be a positive int or None, got {self.max_tokens!r}")
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",

@@ -223,3 +223,14 @@ def test_streaming_holds_back_a_possible_stop_string(llm):
                 held = max(held, len(llm.tokenizer.decode(o.outputs[0].token_ids)) - len(streamed))
     assert streamed == full
     assert held > 0  # something was held back at some step, then released
+
+
+def test_detokenize_false_returns_ids_only(llm):
+    prompt = _prompts(1, seed=8)[0]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with_text = llm.generate([prompt], sp)[0]
+    ids_only = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                     detokenize=False))[0]
+    assert ids_only.token_ids == with_text.token_ids and ids_only.text == ""
+    with pytest.raises(ValueError, match="^stop:"):
+        SamplingParams(stop=["x"], detokenize=False)

@@ -7,6 +7,7 @@ block_tables / seq_lens, run the forward pass (logits only for rows that sample)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from prefixkv.attention import AttentionBackend, AttentionMetadata, kv_cache_sha
 from prefixkv.model.llama import LlamaModel
 from prefixkv.request import Request
 from prefixkv.runner.sampler import SamplingBatch, SamplerOutput, mix_seed, sample
+
+if TYPE_CHECKING:
+    from prefixkv.runner.cuda_graph import CudaGraphRunner
 from prefixkv.scheduler import SchedulerOutput
 
 
@@ -48,6 +52,15 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             kv_cache_shape(s.num_layers, num_blocks, s.num_kv_heads, block_size, s.head_dim),
             dtype=dtype, device=self.device)
+        self.graphs: CudaGraphRunner | None = None
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
+        """Capture decode graphs for every batch bucket; returns the capture time in seconds."""
+        from prefixkv.runner.cuda_graph import CudaGraphRunner
+
+        self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_cache, max_num_seqs, max_model_len,
+                                      self.block_size)
+        return self.graphs.capture()
 
     @staticmethod
     def bytes_per_block(model: LlamaModel, block_size: int, dtype: torch.dtype) -> int:
@@ -77,9 +90,7 @@ class ModelRunner:
             if s.num_samples:
                 logits_rows.extend([starts[-1] - 1] * s.num_samples)
         max_blocks = max(len(t) for t in tables)
-        bt = torch.zeros((len(tables), max_blocks), dtype=torch.int32)
-        for i, t in enumerate(tables):
-            bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
@@ -142,13 +153,21 @@ class ModelRunner:
             pairs = torch.tensor([[op.src, op.dst] for op in out.copy_ops], dtype=torch.int64, device=self.device)
             self.backend.copy_blocks(self.kv_cache, pairs)
         input_ids, positions, meta, logits_rows = self.prepare(out)
-        logits = self.model(input_ids, positions, self.kv_cache, meta, self.backend, logits_rows)
+        if self._graph_step(out):
+            logits = self.graphs.replay(input_ids, positions, meta)
+        else:
+            logits = self.model(input_ids, positions, self.kv_cache, meta, self.backend, logits_rows)
         rows = [(s.req, k if not s.req.forked else s.req.sample_index)
                 for s in out.scheduled for k in range(s.num_samples)]
         if not rows:
             return ModelOutput([[] for _ in out.scheduled], [None for _ in out.scheduled])
         res = sample(logits, self.sampling_batch(rows))
         return self._split(out, res)
+
+    def _graph_step(self, out: SchedulerOutput) -> bool:
+        n = len(out.scheduled)
+        return (self.graphs is not None and out.num_decodes == n and self.graphs.bucket_for(n) is not None
+                and all(s.num_samples == 1 for s in out.scheduled))
 
     @staticmethod
     def _split(out: SchedulerOutput, res: SamplerOutput) -> ModelOutput:

@@ -1,0 +1,114 @@
+"""CUDA graphs for decode steps.
+
+One graph per padded batch bucket (1, 2, 4, 8, then steps of 8 up to ``max_num_seqs``), captured
+once at start-up, largest first, all in one shared memory pool. Each graph reads its inputs from
+static buffers; a replay copies the step's inputs into them. Padding rows (bucket size minus real
+sequences) write their K/V into the reserved dummy block and attend to it alone, so they touch no
+real block. Prefill steps, and decode batches above the largest bucket, run eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from prefixkv.attention import AttentionBackend, AttentionMetadata
+from prefixkv.model.llama import LlamaModel
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    buckets = [b for b in (1, 2, 4, 8) if b <= max_num_seqs]
+    buckets += list(range(16, max_num_seqs + 1, 8))
+    if buckets[-1] != max_num_seqs:
+        buckets.append(-(-max_num_seqs // 8) * 8 if max_num_seqs > 8 else max_num_seqs)
+    return sorted(set(buckets))
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        backend: AttentionBackend,
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks + 1, KVH, block_size, D]
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+    ) -> None:
+        self.model, self.backend, self.kv_cache = model, backend, kv_cache
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.buckets = decode_buckets(max_num_seqs)
+        self.dummy_block = kv_cache.shape[2] - 1
+        dev = kv_cache.device
+        n = self.buckets[-1]
+        self.max_blocks = -(-max_model_len // block_size)
+        # static inputs, shared by every bucket's graph (views of the first `bucket` rows)
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n,), self.dummy_block * block_size, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.block_tables = torch.full((n, self.max_blocks), self.dummy_block, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.logits_rows = torch.arange(n, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:b], query_start_loc=self.query_start_loc[:b + 1],
+            seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b], num_decode_seqs=b,
+            max_seq_len=self.max_model_len, max_query_len=1)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        return self.model(self.input_ids[:b], self.positions[:b], self.kv_cache, self._meta(b), self.backend,
+                          self.logits_rows[:b])
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Capture every bucket; returns the seconds it took."""
+        t0 = time.perf_counter()
+        self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for b in reversed(self.buckets):
+                for _ in range(2):  # warm up: compile kernels, settle allocations
+                    self._forward(b)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    self.outputs[b] = self._forward(b)
+                self.graphs[b] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+        return self.capture_seconds
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        for b in self.buckets:
+            if b >= num_seqs:
+                return b
+        return None
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Run a decode-only step (``meta.num_decode_seqs == num_seqs``); returns [num_seqs, vocab]."""
+        n = meta.num_seqs
+        b = self.bucket_for(n)
+        assert b is not None and n == meta.num_decode_seqs == input_ids.shape[0]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        w = meta.block_tables.shape[1]
+        self.block_tables[:n, :w].copy_(meta.block_tables)
+        if n < b:  # padding rows: the dummy block only
+            self.input_ids[n:b].zero_()
+            self.positions[n:b].zero_()
+            self.slot_mapping[n:b].fill_(self.dummy_block * self.block_size)
+            self.seq_lens[n:b].fill_(1)
+            self.block_tables[n:b, 0].fill_(self.dummy_block)
+        self.graphs[b].replay()
+        return self.outputs[b][:n]
