@@ -1,0 +1,72 @@
+"""Tiny random-weight models and a tiny byte-level BPE tokenizer, built on the fly (no downloads).
+Shared by the test fixtures, the GPU tests and the benchmarks' smoke tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Paged attention keeps the KV cache in fixed-size blocks; a radix tree shares prefixes.",
+    "你好，世界！今天天气很好。我们一起去公园散步吧。",
+    "Emoji time: 🌍🚀🎉 and 👩‍💻 work fine, héllo wörld, naïve café.",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "Once upon a time there was a small model that answered every question with care.",
+]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def build_tokenizer(path: Path, vocab_size: int = 384) -> int:
+    """Train a byte-level BPE, save it as a Hugging Face tokenizer into ``path``; returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(str(path))
+    return len(fast)
+
+
+def build_model(path: Path, arch: str, vocab_size: int, seed: int = 0, **overrides) -> Path:
+    import torch
+    import transformers
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=0, pad_token_id=0)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False,
+                                       rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
+                                                        "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 128})
+        cls = transformers.LlamaForCausalLM
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(**common, tie_word_embeddings=True, head_dim=32, sliding_window=None)
+        cls = transformers.MistralForCausalLM
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        raise ValueError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():  # larger weights than the 0.02 init: peaked, diverse next-token choices
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.25)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
