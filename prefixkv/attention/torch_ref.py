@@ -12,10 +12,15 @@ from prefixkv.attention.base import AttentionBackend, AttentionMetadata
 
 def write_kv(kv_cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter this step's K/V ([T, KVH, D]) into the cache at ``slot_mapping`` ([T])."""
-    block_size = kv_cache_layer.shape[3]
+    _, _, kvh, block_size, d = kv_cache_layer.shape
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    kv_cache_layer[0, blocks, :, offsets] = k
-    kv_cache_layer[1, blocks, :, offsets] = v
+    # row of (token, kv head) in the cache viewed as [2, (num_blocks + 1) * KVH * block_size, D]; a
+    # flat index_copy_ (``cache[0, blocks, :, offsets] = k`` would copy the whole layer each call)
+    heads = torch.arange(kvh, device=slot_mapping.device) * block_size
+    rows = (blocks[:, None] * (kvh * block_size) + heads[None, :] + offsets[:, None]).reshape(-1)
+    flat = kv_cache_layer.view(2, -1, d)
+    flat[0].index_copy_(0, rows, k.reshape(-1, d))
+    flat[1].index_copy_(0, rows, v.reshape(-1, d))
 
 
 def gather_kv(kv_cache_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,19 +67,97 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _decode(q, kv_cache_layer, block_tables, seq_lens: list[int], scale: float):
-        # q [B, H, D]: one query per sequence at its last position
+        """Decode attention, one query per sequence at its last position. q [B, H, D] -> [B, H, D].
+
+        Sequences whose block tables start with the same blocks (a shared system prompt, n > 1
+        samples) attend to that shared prefix in one matmul over one copy of its K/V; each then
+        attends to its own remaining blocks, and the two parts are merged exactly through their
+        softmax statistics (max and sum), as in cascade / shared-prefix attention::
+
+            blocks  [ shared by the group ............ | own ........ ]
+            out  =  merge(softmax-part(prefix),          softmax-part(suffix))
+        """
         b, h, d = q.shape
-        kvh, bs = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
-        max_len = max(seq_lens)
-        nb = -(-max_len // bs)
-        kv = kv_cache_layer[:, block_tables[:, :nb]]  # [2, B, nb, KVH, bs, D]
-        kv = kv.permute(0, 1, 3, 2, 4, 5).reshape(2, b, kvh, nb * bs, d)
-        keys, values = kv[0], kv[1]  # [B, KVH, L, D]
-        g = h // kvh
-        qg = q.view(b, kvh, g, d)  # [B, KVH, G, D]
-        scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [B, KVH, G, L]
-        lens = torch.tensor(seq_lens, device=q.device)
-        pad = torch.arange(nb * bs, device=q.device)[None, :] >= lens[:, None]  # [B, L]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores.float() if scores.dtype != torch.float64 else scores, dim=-1).to(q.dtype)
-        return torch.matmul(probs, values).view(b, h, d)
+        bs = kv_cache_layer.shape[3]
+        tables = block_tables.tolist()
+        num_full = [n // bs for n in seq_lens]
+        shared = [0] * b
+        prefix_parts = []
+        groups: dict[int, list[int]] = {}
+        for r in range(b):
+            if num_full[r]:
+                groups.setdefault(tables[r][0], []).append(r)
+        for rows in groups.values():
+            if len(rows) < 2:
+                continue
+            n = min(num_full[r] for r in rows)
+            first = tables[rows[0]]
+            for r in rows[1:]:
+                t = tables[r]
+                m = 0
+                while m < n and t[m] == first[m]:
+                    m += 1
+                n = m
+            if n < 2:
+                continue
+            for r in rows:
+                shared[r] = n
+            prefix_parts.append((rows, first[:n]))
+        suffix_tables = [t[shared[r]:-(-seq_lens[r] // bs)] for r, t in enumerate(tables)]
+        suffix_lens = [seq_lens[r] - shared[r] * bs for r in range(b)]
+        o, m, l = _partial_attention(q, kv_cache_layer, suffix_tables, suffix_lens, scale)
+        for rows, blocks in prefix_parts:
+            idx = torch.tensor(rows, device=q.device)
+            po, pm, pl = _prefix_attention(q[idx], kv_cache_layer, blocks, scale)
+            mm = torch.maximum(m[idx], pm)
+            a, pa = torch.exp(m[idx] - mm), torch.exp(pm - mm)
+            o[idx] = o[idx] * a[..., None] + po * pa[..., None]
+            l[idx] = l[idx] * a + pl * pa
+        return (o / l[..., None]).to(q.dtype).view(b, h, d)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _partial_attention(q, kv_cache_layer, tables: list[list[int]], lens: list[int], scale: float):
+    """Unnormalized attention of q [B, H, D] over each sequence's listed blocks (the first lens[r]
+    tokens of them). Returns o [B, KVH, G, D] (sum of exp(s - m) v), m and l [B, KVH, G]."""
+    b, h, d = q.shape
+    kvh, bs = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
+    g = h // kvh
+    acc = _acc_dtype(q.dtype)
+    nb = max(1, max(len(t) for t in tables))
+    padded = torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.int64, device=q.device)
+    kv = kv_cache_layer[:, padded]  # [2, B, nb, KVH, bs, D]
+    kv = kv.permute(0, 1, 3, 2, 4, 5).reshape(2, b, kvh, nb * bs, d)
+    qg = q.view(b, kvh, g, d)  # [B, KVH, G, D]
+    scores = torch.matmul(qg, kv[0].transpose(-1, -2)).to(acc) * scale  # [B, KVH, G, L]
+    lens_t = torch.tensor(lens, device=q.device)
+    pad = torch.arange(nb * bs, device=q.device)[None, :] >= lens_t[:, None]  # [B, L]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    m = scores.amax(dim=-1)  # [B, KVH, G]; -inf for a row with no tokens here
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(scores - m_safe[..., None])
+    l = p.sum(dim=-1)
+    o = torch.matmul(p.to(q.dtype), kv[1]).to(acc)  # [B, KVH, G, D]
+    return o, m, l
+
+
+def _prefix_attention(q, kv_cache_layer, blocks: list[int], scale: float):
+    """Attention of q [n, H, D] over one shared run of full blocks, read once for all n queries.
+    Returns o [n, KVH, G, D] (unnormalized), m and l [n, KVH, G]."""
+    n, h, d = q.shape
+    kvh, bs = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
+    g = h // kvh
+    acc = _acc_dtype(q.dtype)
+    idx = torch.tensor(blocks, dtype=torch.int64, device=q.device)
+    kv = kv_cache_layer[:, idx].permute(0, 2, 1, 3, 4).reshape(2, kvh, len(blocks) * bs, d)  # [2, KVH, L, D]
+    qk = q.view(n, kvh, g, d).permute(1, 0, 2, 3).reshape(kvh, n * g, d)  # [KVH, n*G, D]
+    scores = torch.matmul(qk, kv[0].transpose(-1, -2)).to(acc) * scale  # [KVH, n*G, L]
+    m = scores.amax(dim=-1)
+    p = torch.exp(scores - m[..., None])
+    l = p.sum(dim=-1)
+    o = torch.matmul(p.to(q.dtype), kv[1]).to(acc)  # [KVH, n*G, D]
+    return (o.view(kvh, n, g, d).permute(1, 0, 2, 3), m.view(kvh, n, g).permute(1, 0, 2),
+            l.view(kvh, n, g).permute(1, 0, 2))
