@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _MAX_SEED = 2**63 - 1
+# Temperatures below this are greedy (vLLM's rule): dividing logits by them under- or overflows.
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _check(cond: bool, name: str, msg: str) -> None:
@@ -25,7 +27,7 @@ def _is_num(x: Any) -> bool:
 class SamplingParams:
     """How to sample one request.
 
-    ``temperature == 0`` is exact greedy (argmax). ``logprobs=k`` returns, for every generated
+    ``temperature`` below 1e-5 (0 included) is exact greedy (argmax). ``logprobs=k`` returns, for every generated
     token, the log-probability of the chosen token and of the ``k`` most likely tokens, taken
     from the model's raw distribution (``log_softmax`` of the logits) *before* penalties,
     temperature and top-k/top-p/min-p are applied.
@@ -96,7 +98,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def uses_penalties(self) -> bool:

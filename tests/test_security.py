@@ -291,13 +291,6 @@ def test_malicious_pickle_is_refused_not_executed(evil_model):
         assert proc.returncode != 0 and not marker.exists(), proc.stderr[-2000:]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (clarity): a refused pickle surfaces as torch's UnpicklingError ('Weights only load failed ... "
-    "Re-running torch.load with weights_only set to False will likely succeed'), which names no file, "
-    "suggests the unsafe fix, and is not a ValueError, so `prefixkv generate/serve` die with a traceback "
-    "(exit 1) instead of 'prefixkv: error: ...' (exit 2). Fix: in prefixkv/model/loader.py "
-    "_load_state_dict wrap the torch.load: `except pickle.UnpicklingError as e: raise ValueError(f'model: "
-    "{f} holds more than plain tensors; refusing to unpickle it (convert it to safetensors)') from e`."))
 def test_malicious_pickle_error_is_clear(evil_model):
     model, marker = evil_model
     with pytest.raises(ValueError, match=r"^model: .*pytorch_model\.bin"):

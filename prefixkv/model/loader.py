@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from pathlib import Path
@@ -174,7 +175,11 @@ def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     if bins:
         sd = {}
         for f in bins:
-            sd.update(torch.load(str(f), map_location="cpu", weights_only=True))
+            try:
+                sd.update(torch.load(str(f), map_location="cpu", weights_only=True))
+            except pickle.UnpicklingError as e:
+                raise ValueError(f"model: {f} holds more than plain tensors; refusing to unpickle it "
+                                 f"(convert it to safetensors)") from e
         return sd
     raise FileNotFoundError(f"model: {path} has no *.safetensors or pytorch_model*.bin weights")
 

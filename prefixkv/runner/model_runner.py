@@ -114,12 +114,13 @@ class ModelRunner:
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=dev)
         b = SamplingBatch(
             temperature=temperature,
-            top_k=torch.tensor([p.top_k if p.top_k > 0 else v for p in params], dtype=torch.int64, device=dev),
+            top_k=torch.tensor([min(p.top_k, v) if p.top_k > 0 else v for p in params], dtype=torch.int64,
+                               device=dev),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev),
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float64, device=dev),
             seeds=torch.tensor([mix_seed(r.seed, k) for r, k in rows], dtype=torch.int64, device=dev),
             positions=torch.tensor([r.num_output_tokens for r, _ in rows], dtype=torch.int64, device=dev),
-            all_greedy=all(p.temperature == 0 for p in params),
+            all_greedy=all(p.greedy for p in params),
             any_top_k=any(0 < p.top_k < v for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0.0 for p in params),

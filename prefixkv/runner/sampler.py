@@ -2,7 +2,7 @@
 
 Order: penalties (repetition as in transformers; presence/frequency as in OpenAI, over output
 tokens) -> min_tokens (eos and stop ids masked) -> temperature -> top-k -> top-p -> min-p ->
-sample. ``temperature == 0`` rows take the exact argmax of the (penalized) logits.
+sample. Rows with ``temperature < 1e-5`` (0 included) take the exact argmax of the (penalized) logits.
 
 Randomness is counter-based: the uniform noise for row r, vocab entry v is a hash of
 (row seed, output position, v), so a seeded request draws the same tokens whatever else is in
@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from prefixkv.sampling_params import GREEDY_TEMPERATURE
 
 _M32 = 0xFFFFFFFF
 
@@ -127,7 +129,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     if b.all_greedy:
         tokens = greedy_tokens
     else:
-        greedy = b.temperature == 0
+        greedy = b.temperature < GREEDY_TEMPERATURE
         temp = torch.where(greedy, torch.ones_like(b.temperature), b.temperature)[:, None].to(logits.dtype)
         scaled = logits / temp
         scaled = scaled.masked_fill(top_k_top_p_min_p_mask(scaled, b), float("-inf"))

@@ -410,17 +410,22 @@ class _Server:
             raise ApiError(404, f"model: {name!r} does not exist; this server serves {self.config.model_name!r}",
                            param="model", code="model_not_found")
 
-    async def _body(self, request: web.Request) -> bytes:
+    async def _body(self, request: web.Request, t0: float) -> bytes:
         limit = self.config.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise ApiError(413, f"the request body ({request.content_length} bytes) is larger than the "
                                 f"server's limit of {limit} bytes", code="request_too_large")
-        return await request.read()  # aiohttp raises 413 past client_max_size (chunked bodies)
+        try:  # the request timeout counts from arrival, so a body that trickles in is cut off too
+            async with _timeout_at(t0 + self.config.request_timeout):
+                return await request.read()  # aiohttp raises 413 past client_max_size (chunked bodies)
+        except TimeoutError:
+            raise ApiError(408, "the request body did not arrive within the request timeout",
+                           code="request_timeout") from None
 
     # ------------------------------------------------------------------ generation routes
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         t0 = asyncio.get_running_loop().time()
-        req = decode_request(await self._body(request), ChatCompletionRequest)
+        req = decode_request(await self._body(request, t0), ChatCompletionRequest)
         self._check_model(req.model)
         if not req.messages:
             raise ApiError(400, "messages: must be a non-empty list", param="messages")
@@ -444,13 +449,17 @@ class _Server:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         t0 = asyncio.get_running_loop().time()
-        req = decode_request(await self._body(request), CompletionRequest)
+        req = decode_request(await self._body(request, t0), CompletionRequest)
         self._check_model(req.model)
         if req.echo:
             raise ApiError(400, "echo: is not supported", param="echo")
         if req.suffix:
             raise ApiError(400, "suffix: is not supported", param="suffix")
         prompts = prompt_list(req.prompt)
+        limit = self.engine.engine.config.scheduler.max_waiting_requests
+        if len(prompts) > limit:
+            raise ApiError(400, f"prompt: a batch of {len(prompts)} prompts is larger than the server's waiting "
+                                f"queue ({limit})", param="prompt")
         params = self._params(req, req.max_tokens, req.logprobs, {})
         fmt = _CompletionFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.config.model_name,
                                 params.logprobs or 0, self.token_text)

@@ -112,6 +112,8 @@ def decode_request(body: bytes, type: type[S]) -> S:
         raise ProtocolError(f"{path}: {msg}" if path else f"request body: {msg}", path or None) from None
     except msgspec.DecodeError as e:
         raise ProtocolError(f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise ProtocolError("malformed JSON body: nested too deeply") from None
 
 
 def prompt_list(prompt: str | list) -> list[str | list[int]]:

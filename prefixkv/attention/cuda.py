@@ -1,0 +1,436 @@
+"""CUDA backend: the paged-attention kernels in ``cuda/*.cu``, compiled at run time by CuPy (NVRTC).
+
+This is the only module that imports cupy, and only inside functions: importing it needs neither
+cupy nor a GPU. Kernels are compiled once per template instantiation (``functools.cache``; CuPy also
+keeps the binaries on disk) and launched on torch's current stream on the ``data_ptr()`` of torch
+tensors. Nothing here synchronizes with the host or allocates through CuPy, so a forward pass can be
+captured in a CUDA graph -- after one eager warm-up step, because the first call of each kernel
+compiles it. Under a graph, ``meta.max_seq_len`` / ``max_query_len`` size the grids: capture with
+upper bounds (kernels exit early past each sequence's real lengths).
+
+Plain functions for tests and benchmarks: ``write_kv``, ``paged_decode_attention``,
+``paged_prefill_attention``, ``copy_blocks``. Each checks shapes, dtypes, strides and devices and
+raises ``ValueError`` with the offending value.
+
+Kernels (see the sources for layouts and launch configurations):
+
+* ``paged_decode_kernel`` (+ ``paged_decode_reduce_kernel`` for split-K): one query token per sequence,
+  one CTA per (sequence, kv head[, query-head chunk][, 512-token partition]).
+* ``paged_prefill_mma_kernel`` (fp16/bf16, head_dim <= 128, sm_80+: tensor cores) and
+  ``paged_prefill_kernel`` (SIMT fp32 math, any dtype): ragged query chunks with a cached prefix.
+* ``write_kv_kernel``, ``copy_blocks_kernel``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from prefixkv.attention.base import AttentionBackend, AttentionMetadata
+
+CUDA_SOURCE_DIR = Path(__file__).resolve().parents[2] / "cuda"
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
+DECODE_PARTITION_SIZE = 512  # DECODE_PARTITION_SIZE in cuda/paged_decode.cu
+SPLIT_K_MIN_SEQ_LEN = 1024  # split-K only pays off for long contexts ...
+SPLIT_K_MAX_WAVES = 2  # ... and when the plain grid fills fewer than this many waves of CTAs
+
+_TYPE_NAMES = {torch.float16: "prefixkv::half_t", torch.bfloat16: "prefixkv::bf16_t", torch.float32: "float"}
+_NVRTC_OPTIONS = ("-std=c++17",)
+_DECODE_THREADS = 128  # DECODE_NUM_THREADS
+_PREFILL_THREADS = 128  # PREFILL_NUM_THREADS
+_CACHE_OPS_THREADS = 128  # CACHE_OPS_THREADS
+_PREFILL_MMA_BLOCK_M = 64  # PREFILL_MMA_BLOCK_M
+_MAX_GRID_YZ = 65535
+_LOG2E = 1.4426950408889634
+
+
+# ---- compilation and launch --------------------------------------------------------------------
+
+
+@functools.cache
+def _source(file_name: str) -> str:
+    """``cuda/<file_name>`` with its ``#include "..."`` lines inlined, so CuPy's cache key sees them."""
+    included: set[Path] = set()
+
+    def expand(path: Path) -> str:
+        lines = []
+        for line in path.read_text().splitlines():
+            if line.strip() == "#pragma once":
+                continue
+            m = re.match(r'\s*#include\s+"([^"]+)"', line)
+            if m is None:
+                lines.append(line)
+                continue
+            header = (path.parent / m.group(1)).resolve()
+            if header not in included:
+                included.add(header)
+                lines.append(expand(header))
+        return "\n".join(lines)
+
+    path = CUDA_SOURCE_DIR / file_name
+    if not path.is_file():
+        raise FileNotFoundError(f"CUDA source {path} not found (prefixkv must run from a source checkout)")
+    return expand(path)
+
+
+@functools.cache
+def _kernel(file_name: str, name_expr: str, device_index: int):
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(code=_source(file_name), options=_NVRTC_OPTIONS, name_expressions=(name_expr,))
+        return module.get_function(name_expr)
+
+
+def _launch(file_name: str, name_expr: str, grid: tuple[int, int, int], block: int, args: tuple,
+            device: torch.device) -> None:
+    """Launches ``name_expr`` from ``cuda/<file_name>`` on torch's current stream of ``device``."""
+    import cupy
+
+    kernel = _kernel(file_name, name_expr, device.index)
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
+    with cupy.cuda.Device(device.index):
+        kernel(grid, (block, 1, 1), args, stream=stream)
+
+
+@functools.cache
+def _device_info(device_index: int) -> tuple[int, tuple[int, int]]:
+    """(number of SMs, compute capability)."""
+    props = torch.cuda.get_device_properties(device_index)
+    return props.multi_processor_count, (props.major, props.minor)
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _i32(x: int) -> np.int32:
+    return np.int32(x)
+
+
+def _i64(x: int) -> np.int64:
+    return np.int64(x)
+
+
+# ---- argument checks ---------------------------------------------------------------------------
+
+
+def _require_cuda(t: torch.Tensor, name: str) -> None:
+    if not t.is_cuda:
+        raise ValueError(f"{name}: must be a CUDA tensor, got device {t.device}")
+
+
+def _check_cache_layer(kv_cache_layer: torch.Tensor) -> None:
+    c = kv_cache_layer
+    if c.dim() != 5 or c.shape[0] != 2:
+        raise ValueError("kv_cache_layer: expected [2, num_blocks + 1, num_kv_heads, block_size, head_dim], "
+                         f"got {tuple(c.shape)}")
+    _require_cuda(c, "kv_cache_layer")
+    if c.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"kv_cache_layer: dtype {c.dtype} not supported (one of {SUPPORTED_DTYPES})")
+    if c.shape[4] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"kv_cache_layer: head_dim {c.shape[4]} not supported (one of {SUPPORTED_HEAD_DIMS})")
+    if not c.is_contiguous():
+        raise ValueError(f"kv_cache_layer: must be contiguous, got strides {c.stride()}")
+    if c.data_ptr() % 16:
+        raise ValueError("kv_cache_layer: data must be 16-byte aligned")
+
+
+def _check_rows(name: str, t: torch.Tensor, num_heads: int | None, cache: torch.Tensor) -> None:
+    """``t`` is [num_tokens, num_heads, head_dim] of the cache's dtype/device/head_dim, with
+    contiguous heads and 16-byte aligned token rows (the token stride may exceed num_heads*head_dim,
+    e.g. a slice of a fused qkv projection)."""
+    head_dim = cache.shape[4]
+    if t.dim() != 3 or t.shape[2] != head_dim or (num_heads is not None and t.shape[1] != num_heads):
+        heads = "num_heads" if num_heads is None else f"num_heads={num_heads}"
+        raise ValueError(f"{name}: expected [num_tokens, {heads}, head_dim={head_dim}] (the cache's "
+                         f"head_dim), got {tuple(t.shape)}")
+    if t.dtype != cache.dtype:
+        raise ValueError(f"{name}: dtype {t.dtype} differs from the cache's {cache.dtype}")
+    if t.device != cache.device:
+        raise ValueError(f"{name}: device {t.device} differs from the cache's {cache.device}")
+    if t.stride(2) != 1 or (t.shape[1] > 1 and t.stride(1) != head_dim):
+        raise ValueError(f"{name}: heads and head_dim must be contiguous, got strides {t.stride()}")
+    if t.data_ptr() % 16 or (t.shape[0] > 1 and (t.stride(0) * t.element_size()) % 16):
+        raise ValueError(f"{name}: token rows must be 16-byte aligned (data_ptr {t.data_ptr():#x}, "
+                         f"strides {t.stride()})")
+
+
+def _check_index(name: str, t: torch.Tensor, dtype: torch.dtype, dim: int, device: torch.device,
+                 min_rows: int | None = None) -> None:
+    if t.dtype != dtype or t.dim() != dim:
+        raise ValueError(f"{name}: expected a {dim}-D {dtype} tensor, got {t.dim()}-D {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: device {t.device} differs from the cache's {device}")
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(f"{name}: last dimension must be contiguous, got strides {t.stride()}")
+    if min_rows is not None and t.shape[0] < min_rows:
+        raise ValueError(f"{name}: expected at least {min_rows} rows, got shape {tuple(t.shape)}")
+
+
+def _out_like(q: torch.Tensor, out: torch.Tensor | None, cache: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _check_rows("out", out, q.shape[1], cache)
+    if out.shape[0] < q.shape[0]:
+        raise ValueError(f"out: expected at least {q.shape[0]} rows, got {tuple(out.shape)}")
+    return out
+
+
+def _gqa(num_heads: int, cache: torch.Tensor) -> int:
+    num_kv_heads = cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    return num_heads // num_kv_heads
+
+
+# ---- KV write and block copy -------------------------------------------------------------------
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Writes ``k``, ``v`` [num_tokens, num_kv_heads, head_dim] into the layer's cache at
+    ``slot_mapping`` [num_tokens] int64 (slot = block_id * block_size + offset). Negative slots and
+    slots past the cache are skipped."""
+    _check_cache_layer(kv_cache_layer)
+    _, num_blocks_total, num_kv_heads, block_size, head_dim = kv_cache_layer.shape
+    _check_rows("k", k, num_kv_heads, kv_cache_layer)
+    _check_rows("v", v, num_kv_heads, kv_cache_layer)
+    num_tokens = k.shape[0]
+    if v.shape[0] != num_tokens:
+        raise ValueError(f"k and v: different numbers of tokens ({num_tokens} vs {v.shape[0]})")
+    _check_index("slot_mapping", slot_mapping, torch.int64, 1, kv_cache_layer.device, num_tokens)
+    if num_tokens == 0:
+        return
+    args = (_ptr(kv_cache_layer), _ptr(kv_cache_layer[1]), _ptr(k), _ptr(v), _ptr(slot_mapping),
+            _i32(num_kv_heads), _i32(head_dim), _i32(block_size), _i64(num_blocks_total * block_size),
+            _i64(k.stride(0)), _i64(v.stride(0)))
+    name = f"prefixkv::write_kv_kernel<{_TYPE_NAMES[k.dtype]}>"
+    _launch("cache_ops.cu", name, (num_tokens, 1, 1), _CACHE_OPS_THREADS, args, kv_cache_layer.device)
+
+
+def copy_blocks(kv_cache: torch.Tensor, src_dst: torch.Tensor) -> None:
+    """Copies whole blocks in every layer (K and V) in one launch. ``kv_cache`` is
+    [num_layers, 2, num_blocks + 1, num_kv_heads, block_size, head_dim]; ``src_dst`` is
+    [num_copies, 2] int64 (src, dst) block ids, on any device. No dst may also be a src."""
+    if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+        raise ValueError("kv_cache: expected [num_layers, 2, num_blocks + 1, num_kv_heads, block_size, head_dim], "
+                         f"got {tuple(kv_cache.shape)}")
+    _check_cache_layer(kv_cache[0])
+    if src_dst.dim() != 2 or src_dst.shape[1] != 2 or src_dst.dtype != torch.int64:
+        raise ValueError(f"src_dst: expected [num_copies, 2] int64, got {tuple(src_dst.shape)} {src_dst.dtype}")
+    num_copies = src_dst.shape[0]
+    if num_copies == 0:
+        return
+    src_dst = src_dst.to(kv_cache.device).contiguous()
+    num_layers, _, num_blocks_total, num_kv_heads, block_size, head_dim = kv_cache.shape
+    if 2 * num_layers > _MAX_GRID_YZ:
+        raise ValueError(f"kv_cache: too many layers ({num_layers})")
+    args = (_ptr(kv_cache), _ptr(src_dst), _i64(num_blocks_total), _i64(num_kv_heads * block_size * head_dim))
+    name = f"prefixkv::copy_blocks_kernel<{_TYPE_NAMES[kv_cache.dtype]}>"
+    _launch("cache_ops.cu", name, (num_copies, 2 * num_layers, 1), _CACHE_OPS_THREADS, args, kv_cache.device)
+
+
+# ---- decode ------------------------------------------------------------------------------------
+
+
+def _decode_group(queries_per_kv: int) -> int:
+    """Query heads per decode CTA (template GROUP, <= 8): the whole GQA group when it fits, else
+    the largest divisor in [4, 8], else 8 (the last chunk then runs partly empty)."""
+    if queries_per_kv <= 8:
+        return queries_per_kv
+    for group in (8, 7, 6, 5, 4):
+        if queries_per_kv % group == 0:
+            return group
+    return 8
+
+
+def _decode(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+            seq_lens: torch.Tensor, num_seqs: int, scale: float, max_seq_len: int,
+            split_k: bool | None) -> None:
+    """Decode attention for sequences 0 .. num_seqs-1, whose query is row s of ``q``."""
+    _, _, num_kv_heads, block_size, head_dim = cache.shape
+    num_heads = q.shape[1]
+    group = _decode_group(_gqa(num_heads, cache))
+    num_chunks = -(-(num_heads // num_kv_heads) // group)
+    if num_seqs > _MAX_GRID_YZ:
+        raise ValueError(f"too many decode sequences for one launch ({num_seqs} > {_MAX_GRID_YZ})")
+    if split_k is None:
+        num_sms, _ = _device_info(cache.device.index)
+        num_ctas = num_seqs * num_kv_heads * num_chunks
+        split_k = max_seq_len > SPLIT_K_MIN_SEQ_LEN and num_ctas < SPLIT_K_MAX_WAVES * num_sms
+    num_parts = max(1, -(-max_seq_len // DECODE_PARTITION_SIZE)) if split_k else 1
+    if num_parts > _MAX_GRID_YZ:
+        raise ValueError(f"max_seq_len {max_seq_len} too long for split-K")
+    type_name = _TYPE_NAMES[q.dtype]
+    name = (f"prefixkv::paged_decode_kernel<{type_name}, {head_dim}, {block_size}, {group}, "
+            f"{'true' if split_k else 'false'}>")
+    part_max = part_sum = part_out = None
+    if split_k:
+        part_max = torch.empty((num_seqs, num_heads, num_parts), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+        part_out = torch.empty((num_seqs, num_heads, num_parts, head_dim), dtype=torch.float32, device=q.device)
+    args = (_ptr(out), _ptr(part_max), _ptr(part_sum), _ptr(part_out), _ptr(q), _ptr(cache), _ptr(cache[1]),
+            _ptr(block_tables), _ptr(seq_lens), _i32(num_heads), _i32(num_kv_heads), _i32(block_tables.stride(0)),
+            _i32(num_parts), _i64(q.stride(0)), _i64(out.stride(0)), np.float32(scale * _LOG2E))
+    grid = (num_kv_heads * num_chunks, num_seqs, num_parts)
+    _launch("paged_decode.cu", name, grid, _DECODE_THREADS, args, cache.device)
+    if split_k:
+        args = (_ptr(out), _ptr(part_max), _ptr(part_sum), _ptr(part_out), _ptr(seq_lens), _i32(num_heads),
+                _i32(num_parts), _i64(out.stride(0)))
+        name = f"prefixkv::paged_decode_reduce_kernel<{type_name}, {head_dim}>"
+        _launch("paged_decode.cu", name, (num_heads, num_seqs, 1), head_dim, args, cache.device)
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, max_seq_len: int, *,
+                           out: torch.Tensor | None = None, split_k: bool | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence against its whole context.
+
+    q: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_blocks_per_seq] int32;
+    seq_lens: [num_seqs] int32 (context incl. the query token, already in the cache);
+    max_seq_len: an upper bound of seq_lens (sizes the split-K grid). ``split_k`` None picks
+    split-K for long contexts with few CTAs. Returns [num_seqs, num_heads, head_dim].
+    """
+    _check_cache_layer(kv_cache_layer)
+    _check_rows("q", q, None, kv_cache_layer)
+    num_seqs = q.shape[0]
+    _check_index("block_tables", block_tables, torch.int32, 2, q.device, num_seqs)
+    _check_index("seq_lens", seq_lens, torch.int32, 1, q.device, num_seqs)
+    out = _out_like(q, out, kv_cache_layer)
+    if num_seqs > 0:
+        _decode(out, q, kv_cache_layer, block_tables, seq_lens, num_seqs, scale, max_seq_len, split_k)
+    return out
+
+
+# ---- prefill -----------------------------------------------------------------------------------
+
+
+def _prefill_impl(dtype: torch.dtype, head_dim: int, device: torch.device, impl: str) -> str:
+    if impl not in ("auto", "mma", "simt"):
+        raise ValueError(f"impl: expected 'auto', 'mma' or 'simt', got {impl!r}")
+    mma_ok = dtype in (torch.float16, torch.bfloat16) and head_dim <= 128
+    if impl == "mma" and not mma_ok:
+        raise ValueError(f"impl 'mma' needs fp16/bf16 and head_dim <= 128 (got {dtype}, {head_dim})")
+    if impl == "auto":
+        impl = "mma" if mma_ok and _device_info(device.index)[1] >= (8, 0) else "simt"
+    if impl == "simt" and head_dim * torch.finfo(dtype).bits // 8 > 512:
+        raise ValueError(f"prefill: head_dim {head_dim} with {dtype} is not supported (row > 512 bytes)")
+    return impl
+
+
+def _prefill_block_m(impl: str, dtype: torch.dtype, head_dim: int) -> int:
+    if impl == "mma":
+        return _PREFILL_MMA_BLOCK_M
+    return 32 if head_dim * torch.finfo(dtype).bits // 8 > 256 else 64  # PrefillSimtConfig::BLOCK_M
+
+
+def _prefill(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, first_seq: int, num_seqs: int,
+             scale: float, max_query_len: int, impl: str) -> None:
+    """Prefill attention for sequences first_seq .. num_seqs-1 (rows of q via query_start_loc)."""
+    _, _, num_kv_heads, block_size, head_dim = cache.shape
+    num_heads = q.shape[1]
+    queries_per_kv = _gqa(num_heads, cache)
+    num_prefill = num_seqs - first_seq
+    if num_prefill <= 0 or max_query_len <= 0:
+        return
+    if num_prefill > _MAX_GRID_YZ:
+        raise ValueError(f"too many prefill sequences for one launch ({num_prefill} > {_MAX_GRID_YZ})")
+    impl = _prefill_impl(q.dtype, head_dim, q.device, impl)
+    block_m = _prefill_block_m(impl, q.dtype, head_dim)
+    heads_per_cta = min(queries_per_kv, block_m)
+    num_chunks = -(-queries_per_kv // heads_per_cta)
+    tokens_per_cta = block_m // heads_per_cta
+    grid = (-(-max_query_len // tokens_per_cta), num_kv_heads * num_chunks, num_prefill)
+    kernel = "paged_prefill_mma_kernel" if impl == "mma" else "paged_prefill_kernel"
+    name = f"prefixkv::{kernel}<{_TYPE_NAMES[q.dtype]}, {head_dim}, {block_size}>"
+    args = (_ptr(out), _ptr(q), _ptr(cache), _ptr(cache[1]), _ptr(block_tables), _ptr(seq_lens),
+            _ptr(query_start_loc), _i32(first_seq), _i32(num_heads), _i32(num_kv_heads),
+            _i32(block_tables.stride(0)), _i32(heads_per_cta), _i64(q.stride(0)), _i64(out.stride(0)),
+            np.float32(scale * _LOG2E))
+    _launch("paged_prefill.cu", name, grid, _PREFILL_THREADS, args, cache.device)
+
+
+def paged_prefill_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_tables: torch.Tensor,
+                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                            max_query_len: int, *, first_seq: int = 0, out: torch.Tensor | None = None,
+                            impl: str = "auto") -> torch.Tensor:
+    """Causal attention of ragged query chunks against their sequences' cached context.
+
+    q: [num_tokens, num_heads, head_dim], sequence s owning rows query_start_loc[s] ..
+    query_start_loc[s+1]-1 (its last query_len tokens; their K/V already in the cache);
+    query_start_loc: [num_seqs + 1] int32; seq_lens: [num_seqs] int32; block_tables:
+    [num_seqs, max_blocks_per_seq] int32; max_query_len: an upper bound of the query lengths.
+    Only sequences first_seq.. are computed (rows of earlier ones in ``out`` are untouched).
+    ``impl``: "auto" (tensor cores for fp16/bf16 with head_dim <= 128 on sm_80+), "mma" or "simt".
+    Returns out [num_tokens, num_heads, head_dim].
+    """
+    _check_cache_layer(kv_cache_layer)
+    _check_rows("q", q, None, kv_cache_layer)
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    _check_index("seq_lens", seq_lens, torch.int32, 1, q.device)
+    _check_index("query_start_loc", query_start_loc, torch.int32, 1, q.device, num_seqs + 1)
+    _check_index("block_tables", block_tables, torch.int32, 2, q.device, num_seqs)
+    if not 0 <= first_seq <= num_seqs:
+        raise ValueError(f"first_seq {first_seq} outside [0, {num_seqs}]")
+    out = _out_like(q, out, kv_cache_layer)
+    _prefill(out, q, kv_cache_layer, block_tables, seq_lens, query_start_loc, first_seq, num_seqs, scale,
+             max_query_len, impl)
+    return out
+
+
+# ---- backend -----------------------------------------------------------------------------------
+
+
+class CudaAttentionBackend(AttentionBackend):
+    """The CUDA kernels behind the ``AttentionBackend`` contract (see base.py).
+
+    Decodes (the first ``meta.num_decode_seqs`` sequences, one token each) go to the decode kernel,
+    split-K when ``meta.max_seq_len`` > SPLIT_K_MIN_SEQ_LEN and the plain grid is small; the rest to
+    the prefill kernel. Rows of ``out`` past ``query_start_loc[num_seqs]`` (padding) are not written.
+    """
+
+    name = "cuda"
+
+    def __init__(self, prefill_impl: str = "auto", split_k: bool | None = None) -> None:
+        self.prefill_impl = prefill_impl
+        self.split_k = split_k
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache_layer: torch.Tensor,  # [2, num_blocks + 1, num_kv_heads, block_size, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        write_kv(k, v, kv_cache_layer, meta.slot_mapping)
+        _check_rows("q", q, None, kv_cache_layer)
+        num_seqs = meta.num_seqs
+        num_decodes = meta.num_decode_seqs
+        if q.shape[0] != k.shape[0]:
+            raise ValueError(f"q and k: different numbers of tokens ({q.shape[0]} vs {k.shape[0]})")
+        if not 0 <= num_decodes <= num_seqs or q.shape[0] < num_decodes:
+            raise ValueError(f"num_decode_seqs {num_decodes} inconsistent with {num_seqs} sequences, "
+                             f"{q.shape[0]} tokens")
+        _check_index("seq_lens", meta.seq_lens, torch.int32, 1, q.device)
+        _check_index("query_start_loc", meta.query_start_loc, torch.int32, 1, q.device, num_seqs + 1)
+        _check_index("block_tables", meta.block_tables, torch.int32, 2, q.device, num_seqs)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if num_decodes > 0:
+            _decode(out, q, kv_cache_layer, meta.block_tables, meta.seq_lens, num_decodes, scale,
+                    meta.max_seq_len, self.split_k)
+        if num_seqs > num_decodes:
+            _prefill(out, q, kv_cache_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                     num_decodes, num_seqs, scale, meta.max_query_len, self.prefill_impl)
+        return out
+
+    def copy_blocks(self, kv_cache: torch.Tensor, src_dst: torch.Tensor) -> None:
+        copy_blocks(kv_cache, src_dst)
