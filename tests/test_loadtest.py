@@ -1,12 +1,14 @@
 """``tools/loadtest`` in ``make test``: a small run against ``prefixkv serve`` on a tiny random model
 (48 streaming requests, 16 concurrent, 30% disconnecting at random moments) must end with no 5xx, no
-lost request and no KV block in use after the drain. A second test points the tool at a fake server
-that misbehaves, to show that it really catches 5xx, lost streams and leaked blocks."""
+lost request and no KV block in use after the drain. The tool against an in-process server shows that
+no per-request state is left either. A fake server that misbehaves shows that the tool really catches
+5xx, lost streams and leaked blocks."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -14,6 +16,11 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+
+from prefixkv.async_engine import AsyncEngine
+from prefixkv.config import CacheConfig, EngineConfig
+from prefixkv.engine import LLMEngine
+from prefixkv.server.app import BackgroundServer, ServerConfig
 
 LOADTEST = Path(__file__).resolve().parent.parent / "tools" / "loadtest"
 
@@ -44,6 +51,29 @@ def test_small_run_against_tiny_model(tiny_llama, tmp_path):
     assert report["server_exit_code"] == 0
     assert report["rss_before_kib"] > 0 and report["rss_after_kib"] > 0
     assert report["still_serving"]
+
+
+def test_no_request_state_left_after_disconnects(tiny_llama, tmp_path):
+    """The tool against an in-process server: after two rounds with disconnects, no per-request state is
+    left anywhere (not only KV blocks), and the block pool's invariants hold."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), cache=CacheConfig(num_kv_blocks=256)))
+    async_engine = AsyncEngine(engine)
+    with BackgroundServer(async_engine, ServerConfig("tiny")) as srv:
+        rc, report, log = run_loadtest(["--url", srv.url, "--server-pid", str(os.getpid()), "--requests", "64",
+                                        "--concurrency", "16", "--rounds", "2", "--max-tokens", "16",
+                                        "--max-seconds", "45"], tmp_path, timeout=90)
+        assert rc == 0, log
+        assert [r["lost"] for r in report["per_round"]] == [0, 0]
+        assert [r["kv_blocks_used_after_drain"] for r in report["per_round"]] == [0, 0]
+        assert report["server_status_counts"].get("499", 0) > 0, log
+        sched = engine.scheduler
+
+        def state():
+            return (len(engine._groups), len(async_engine._sinks), len(sched.requests), len(sched.waiting),
+                    len(sched.running), len(sched.kv.block_tables))
+
+        asyncio.run(async_engine.run(lambda e: e.check_integrity()))
+        assert state() == (0, 0, 0, 0, 0, 0), state()
 
 
 # ---------------------------------------------------------------------- the tool catches failures
