@@ -1,0 +1,378 @@
+"""Benchmarks of prefixkv's parts without (or beside) the model:
+
+    sched-overhead  CPU µs per scheduled request per step, the Scheduler driven with fake sampled
+                    tokens (and the runner's input building, and optionally a whole engine step)
+    memory          how many requests fit at once in a fixed KV budget: paged blocks (the real
+                    Scheduler, fake runner) vs reserving each request's max length contiguously
+    flops           machine matmul GFLOP/s, measured in the same run, and the fraction of it the
+                    systems reach on decode-heavy work (model FLOPs ~ 2 x params x tokens)
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from types import SimpleNamespace
+
+from bench.run import _loadavg, machine_info, write_result
+
+FAKE_TOKEN = 1000
+
+
+def _requests(n: int, prompt_tokens: int, vocab: int = 49152, seed: int = 0, max_tokens=None, start: int = 0):
+    from prefixkv.request import Request
+    from prefixkv.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [Request(f"r{start + i}", [rng.randrange(3, vocab) for _ in range(prompt_tokens)], params, start + i, 0,
+                    1 << 30) for i in range(n)]
+
+
+def _fake_sampled(out, tok: int = FAKE_TOKEN) -> list[list[int]]:
+    return [[tok] * s.num_samples for s in out.scheduled]
+
+
+# ------------------------------------------------------------------------------------------ scheduler
+def scheduler_overhead(num_running: int, steps: int, prompt_tokens: int, block_size: int = 16,
+                       prefix_caching: bool = True) -> dict:
+    import torch
+
+    from prefixkv.config import CacheConfig, SchedulerConfig
+    from prefixkv.runner.model_runner import ModelRunner
+    from prefixkv.scheduler import Scheduler
+
+    num_blocks = num_running * (-(-(prompt_tokens + steps + 8) // block_size) + 1) + 16
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=max(2048, num_running), max_num_seqs=num_running),
+                      CacheConfig(block_size=block_size, num_kv_blocks=num_blocks,
+                                  enable_prefix_caching=prefix_caching), num_blocks)
+    for r in _requests(num_running, prompt_tokens):
+        sched.add_request(r)
+    while True:  # prefill everything, untimed
+        out = sched.schedule()
+        all_decode = out.num_decodes == num_running  # (a property of the live requests: read before update)
+        sched.update(out, _fake_sampled(out))
+        if all_decode:
+            break
+    runner = SimpleNamespace(block_size=block_size, device=torch.device("cpu"), vocab_size=49152,
+                             eos_token_ids=[2])
+    t_sched = t_update = t_prepare = t_sbatch = 0.0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        t1 = time.perf_counter()
+        ModelRunner.prepare(runner, out)
+        t2 = time.perf_counter()
+        rows = [(s.req, 0) for s in out.scheduled for _ in range(s.num_samples)]
+        ModelRunner.sampling_batch(runner, rows)
+        t3 = time.perf_counter()
+        sched.update(out, _fake_sampled(out))
+        t4 = time.perf_counter()
+        assert len(out.scheduled) == num_running
+        t_sched += t1 - t0
+        t_prepare += t2 - t1
+        t_sbatch += t3 - t2
+        t_update += t4 - t3
+    per = 1e6 / (steps * num_running)
+    return dict(num_running=num_running, steps=steps, context_tokens_end=prompt_tokens + steps,
+                schedule_us_per_req=round(t_sched * per, 3), update_us_per_req=round(t_update * per, 3),
+                scheduler_us_per_req=round((t_sched + t_update) * per, 3),
+                runner_prepare_us_per_req=round(t_prepare * per, 3),
+                sampling_batch_us_per_req=round(t_sbatch * per, 3),
+                scheduler_ms_per_step=round((t_sched + t_update) * 1e3 / steps, 3))
+
+
+def engine_overhead(llm, num_running: int, steps: int, prompt_tokens: int) -> dict:
+    """A whole ``LLMEngine.step`` with the model forward replaced by fake tokens (scheduler, runner
+    input building, sampling-batch building, engine bookkeeping and detokenization)."""
+    from prefixkv import SamplingParams
+    from prefixkv.runner.model_runner import ModelOutput
+
+    eng = llm.engine
+    runner = eng.runner
+    real_execute = runner.execute
+    tok = min(FAKE_TOKEN, eng.info.vocab_size - 1)
+
+    def fake_execute(out):
+        runner.prepare(out)
+        rows = [(s.req, 0) for s in out.scheduled for _ in range(s.num_samples)]
+        if rows:
+            runner.sampling_batch(rows)
+        return ModelOutput(_fake_sampled(out, tok), [None] * len(out.scheduled))
+
+    runner.execute = fake_execute
+    try:
+        rng = random.Random(1)
+        v = eng.info.vocab_size
+        for i in range(num_running):
+            eng.add_request(f"ov{num_running}-{i}", [rng.randrange(3, v) for _ in range(prompt_tokens)],
+                            SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True))
+        while eng.scheduler.num_waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in eng.scheduler.running):
+            eng.step()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        dt = time.perf_counter() - t0
+        for i in range(num_running):
+            eng.abort(f"ov{num_running}-{i}")
+    finally:
+        runner.execute = real_execute
+    return dict(num_running=num_running, engine_step_us_per_req=round(dt * 1e6 / (steps * num_running), 3),
+                engine_ms_per_step=round(dt * 1e3 / steps, 3))
+
+
+def cmd_sched_overhead(args: argparse.Namespace, command: str) -> int:
+    sizes = [int(x) for x in args.sizes.split(",")]
+    load0 = _loadavg()
+    rows = []
+    for n in sizes:
+        rows.append(scheduler_overhead(n, args.steps, args.prompt_tokens, args.block_size))
+        print(f"{n:>4} running: scheduler {rows[-1]['scheduler_us_per_req']:.1f} µs/req/step "
+              f"(schedule {rows[-1]['schedule_us_per_req']:.1f} + update {rows[-1]['update_us_per_req']:.1f}), "
+              f"runner.prepare {rows[-1]['runner_prepare_us_per_req']:.1f}, "
+              f"sampling_batch {rows[-1]['sampling_batch_us_per_req']:.1f}", flush=True)
+    if args.engine:
+        from prefixkv import LLM
+
+        llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size, max_num_seqs=max(sizes),
+                  max_num_batched_tokens=max(2048, max(sizes)),
+                  num_kv_blocks=max(sizes) * (-(-(args.prompt_tokens + args.steps + 80) // args.block_size) + 1))
+        for row in rows:
+            row.update(engine_overhead(llm, row["num_running"], args.steps, args.prompt_tokens))
+            print(f"{row['num_running']:>4} running: whole engine step (fake model) "
+                  f"{row['engine_step_us_per_req']:.1f} µs/req/step, {row['engine_ms_per_step']:.1f} ms/step", flush=True)
+    doc = dict(workload="sched-overhead", command=command, params=dict(steps=args.steps, prompt_tokens=args.prompt_tokens,
+               block_size=args.block_size), machine=machine_info(args.threads), loadavg_start=load0,
+               loadavg_end=_loadavg(), results=rows)
+    stem = args.stem or f"sched-overhead-{time.strftime('%Y%m%d-%H%M%S')}"
+    path = write_result(doc, args.out, stem)
+    if not args.no_plot:
+        from bench.report import plot_series
+
+        series = {"scheduler (schedule+update)": [r["scheduler_us_per_req"] for r in rows],
+                  "runner.prepare": [r["runner_prepare_us_per_req"] for r in rows],
+                  "sampling_batch": [r["sampling_batch_us_per_req"] for r in rows]}
+        if args.engine:
+            series["whole engine step (fake model)"] = [r["engine_step_us_per_req"] for r in rows]
+        plot_series(sizes, series, "running requests", "CPU µs per scheduled request per step",
+                    "per-step CPU overhead", path.with_suffix(".png"), logx=True)
+    print(f"wrote {path}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ memory
+def _trace(n: int, min_p: int, max_p: int, min_o: int, max_o: int, seed: int):
+    rng = random.Random(seed)
+    return [(rng.randint(min_p, max_p), rng.randint(min_o, max_o)) for _ in range(n)]
+
+
+def simulate_paged(trace, budget_tokens: int, block_size: int, max_num_seqs: int, step_tokens: int) -> dict:
+    from prefixkv.config import CacheConfig, SchedulerConfig
+    from prefixkv.request import RequestStatus
+    from prefixkv.scheduler import Scheduler
+
+    num_blocks = budget_tokens // block_size
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=step_tokens, max_num_seqs=max_num_seqs,
+                                      max_waiting_requests=len(trace) + 1),
+                      CacheConfig(block_size=block_size, num_kv_blocks=num_blocks, enable_prefix_caching=False),
+                      num_blocks)
+    from prefixkv.request import Request
+    from prefixkv.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    targets = {}
+    for i, (p, o) in enumerate(trace):
+        req = Request(f"m{i}", [3 + (i * 31 + k) % 40000 for k in range(p)], params, i, 0, 1 << 30)
+        targets[req.seq_id] = o
+        sched.add_request(req)
+    running, util, steps = [], [], 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        steps += 1
+        held = slots = 0
+        for s in out.scheduled:
+            held += s.start + s.num_new_tokens
+            slots += len(out.block_tables[s.req.seq_id]) * block_size
+        running.append(len(sched.running))
+        if slots:
+            util.append(held / slots)
+        for req in sched.update(out, _fake_sampled(out)):
+            if req.num_output_tokens >= targets[req.seq_id]:
+                sched.finish_request(req, RequestStatus.FINISHED_LENGTH)
+        assert steps < 10_000_000
+    return dict(policy=f"paged (block_size={block_size})", peak_running=max(running),
+                mean_running=round(statistics.fmean(running), 2), steps=steps,
+                kv_util=round(statistics.fmean(util), 4), num_preemptions=sched.num_preemptions)
+
+
+def simulate_contiguous(trace, budget_tokens: int, reserve, max_num_seqs: int, step_tokens: int, label: str) -> dict:
+    """FCFS; a request is admitted when its reservation ``reserve(p, o)`` fits in what is left of
+    the budget (no external fragmentation counted: the best case for contiguous allocation). Each
+    step gives running requests, oldest first, their remaining prompt (chunked) or one token."""
+    waiting = list(range(len(trace)))
+    run: list[list[int]] = []  # [idx, computed, generated, reserved]
+    free = budget_tokens
+    running, util, steps = [], [], 0
+    while waiting or run:
+        budget = step_tokens
+        for r in run:
+            p, _ = trace[r[0]]
+            need = p - r[1] if r[1] < p else 1
+            take = min(need, budget)
+            budget -= take
+            r[1] += take if r[1] < p else 0
+            if r[1] >= p and take == need:
+                r[2] += 1
+            if budget <= 0:
+                break
+        while waiting and budget > 0 and len(run) < max_num_seqs:
+            p, o = trace[waiting[0]]
+            res = reserve(p, o)
+            if res > free:
+                break
+            free -= res
+            idx = waiting.pop(0)
+            take = min(p, budget)
+            budget -= take
+            run.append([idx, take, 1 if take == p else 0, res])
+        steps += 1
+        running.append(len(run))
+        held = sum(min(r[1] + r[2], r[3]) for r in run)
+        if run:
+            util.append(held / sum(r[3] for r in run))
+        keep = []
+        for r in run:
+            if r[2] >= trace[r[0]][1]:
+                free += r[3]
+            else:
+                keep.append(r)
+        run = keep
+        if not run and waiting and reserve(*trace[waiting[0]]) > budget_tokens:
+            raise ValueError(f"{label}: a request needs more than the whole budget")
+    return dict(policy=label, peak_running=max(running), mean_running=round(statistics.fmean(running), 2),
+                steps=steps, kv_util=round(statistics.fmean(util), 4), num_preemptions=0)
+
+
+def cmd_memory(args: argparse.Namespace, command: str) -> int:
+    trace = _trace(args.num_requests, args.min_prompt, args.max_prompt, args.min_output, args.max_output, args.seed)
+    big = max(args.num_requests, 1)
+    step_tokens = 2048
+    load0 = _loadavg()
+    rows = [simulate_paged(trace, args.budget_tokens, args.block_size, big, step_tokens)]
+    rows.append(simulate_contiguous(trace, args.budget_tokens, lambda p, o: p + args.max_output, big, step_tokens,
+                                    f"contiguous, reserve prompt + max_tokens={args.max_output}"))
+    rows.append(simulate_contiguous(trace, args.budget_tokens, lambda p, o: p + o, big, step_tokens,
+                                    "contiguous, reserve prompt + actual output (oracle)"))
+    rows.append(simulate_contiguous(trace, args.budget_tokens, lambda p, o: args.max_model_len, big, step_tokens,
+                                    f"contiguous, reserve max_model_len={args.max_model_len}"))
+    for r in rows:
+        print(f"{r['policy']:<52} peak {r['peak_running']:>4} running, mean {r['mean_running']:>7.1f}, "
+              f"{r['steps']:>6} steps, KV util {r['kv_util']:.3f}, preemptions {r['num_preemptions']}")
+    doc = dict(workload="memory", command=command,
+               params=dict(num_requests=args.num_requests, budget_tokens=args.budget_tokens,
+                           max_model_len=args.max_model_len, prompt=[args.min_prompt, args.max_prompt],
+                           output=[args.min_output, args.max_output], block_size=args.block_size,
+                           step_tokens=step_tokens, seed=args.seed,
+                           mean_prompt=statistics.fmean(p for p, _ in trace),
+                           mean_output=statistics.fmean(o for _, o in trace)),
+               machine=machine_info(args.threads), loadavg_start=load0, results=rows,
+               mean_running_ratio_paged_vs_contiguous={r["policy"]: round(rows[0]["mean_running"] / r["mean_running"], 3)
+                                                      for r in rows[1:]})
+    stem = args.stem or f"memory-{time.strftime('%Y%m%d-%H%M%S')}"
+    path = write_result(doc, args.out, stem)
+    print(f"wrote {path}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ flops
+def matmul_gflops(m: int, k: int, n: int, seconds: float = 1.0, dtype: str = "float32") -> dict:
+    import torch
+
+    dt = getattr(torch, dtype)
+    a, b = torch.randn(m, k, dtype=dt), torch.randn(k, n, dtype=dt)
+    for _ in range(3):
+        a @ b
+    rates = []
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end or len(rates) < 5:
+        t0 = time.perf_counter()
+        a @ b
+        rates.append(2 * m * k * n / (time.perf_counter() - t0) / 1e9)
+    return dict(shape=[m, k, n], best_gflops=round(max(rates), 2), median_gflops=round(statistics.median(rates), 2))
+
+
+def model_flops(hf_config, prompt_tokens_computed: int, output_tokens: int, num_sequences: int) -> dict:
+    """2 x params x tokens; the matmul count splits out the LM head (only sampled rows pay it)."""
+    h, v = hf_config.hidden_size, hf_config.vocab_size
+    L, inter = hf_config.num_hidden_layers, hf_config.intermediate_size
+    nh = hf_config.num_attention_heads
+    kvh = getattr(hf_config, "num_key_value_heads", nh) or nh
+    d = getattr(hf_config, "head_dim", None) or h // nh
+    per_layer = h * nh * d + 2 * h * kvh * d + nh * d * h + 3 * h * inter
+    nonembed = L * per_layer
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    total = nonembed + v * h * (1 if tied else 2)
+    tokens = prompt_tokens_computed + output_tokens - num_sequences  # the last output token is never fed back
+    return dict(params_total=total, params_nonembedding=nonembed,
+                flops_simple=2 * total * tokens,
+                flops_matmul=2 * nonembed * tokens + 2 * v * h * output_tokens, tokens_computed=tokens)
+
+
+def cmd_flops(args: argparse.Namespace, command: str) -> int:
+    from bench import workloads as wl
+    from bench.cli_impl import engine_args, load_tokenizer
+    from bench.corpus import TokenStream
+    from bench.report import ratio_table, table
+    from bench.run import run_and_report
+    from bench.systems import make_system
+    from prefixkv.model.loader import load_hf_config
+
+    path, tok = load_tokenizer(args.model)
+    hf_cfg = load_hf_config(path)
+    h, inter = hf_cfg.hidden_size, hf_cfg.intermediate_size
+    shapes = [(1024, 1024, 1024), (512, h, inter), (args.num_requests, h, inter)]
+    before = [matmul_gflops(*s, dtype=args.dtype) for s in shapes]
+    pb = wl.PromptBuilder(tok, TokenStream.build(tok))
+    reqs = [wl.BenchRequest(pb.block(args.prompt_tokens, wl.USER_HEAD, wl.END + wl.ASSISTANT_HEAD), args.output_tokens)
+            for _ in range(args.num_requests)]
+    w = wl.Workload("flops", dict(num_requests=args.num_requests, prompt_tokens=args.prompt_tokens,
+                                  output_tokens=args.output_tokens), rounds=[reqs])
+    ea = engine_args(args)
+    systems = [make_system(n.strip(), ea, path) for n in args.systems.split(",") if n.strip()]
+    doc = run_and_report(w, systems, repeat=args.repeat, out_dir=args.out, command=command, threads=args.threads,
+                         engine_args=asdict(ea), plot=not args.no_plot, progress=not args.no_progress,
+                         stem=args.stem)
+    after = [matmul_gflops(*s, dtype=args.dtype) for s in shapes]
+    peak = max(x["best_gflops"] for x in before + after)
+    decode_peak = max(before[2]["best_gflops"], after[2]["best_gflops"])
+    fl = {}
+    for name, r in doc["systems"].items():
+        if not r.get("wall_s"):
+            continue
+        mf = model_flops(hf_cfg, r["prompt_tokens_computed"], r["output_tokens"], args.num_requests)
+        achieved = mf["flops_matmul"] / r["wall_s"] / 1e9
+        fl[name] = dict(mf, achieved_gflops=round(achieved, 2),
+                        achieved_gflops_simple=round(mf["flops_simple"] / r["wall_s"] / 1e9, 2),
+                        fraction_of_peak=round(achieved / peak, 4),
+                        fraction_of_decode_shape_matmul=round(achieved / decode_peak, 4))
+    doc.update(matmul_before=before, matmul_after=after, peak_gflops=peak, decode_shape_gflops=decode_peak,
+               model_flops=fl)
+    jp = Path(doc["json_path"])
+    import json
+
+    jp.write_text(json.dumps({k: v for k, v in doc.items() if k not in ("json_path", "png_path")}, indent=2) + "\n")
+    print(table(doc))
+    print(ratio_table(doc))
+    print("\nmatmul GFLOP/s (best of ~1 s) before / after:")
+    for b, a in zip(before, after):
+        print(f"  {b['shape']}: {b['best_gflops']} / {a['best_gflops']}  (median {b['median_gflops']} / {a['median_gflops']})")
+    for name, f in fl.items():
+        print(f"{name}: {f['achieved_gflops']} GFLOP/s of model matmuls = {f['fraction_of_peak']:.1%} of the "
+              f"{peak} GFLOP/s peak, {f['fraction_of_decode_shape_matmul']:.1%} of a decode-shaped matmul")
+    print(f"wrote {jp}")
+    return 0
