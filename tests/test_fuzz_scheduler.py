@@ -9,7 +9,7 @@ import os
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from prefixkv import LLM, SamplingParams
@@ -52,6 +52,9 @@ def _engine(model_dir, block_size, num_blocks, chunk, prefix):
     events=st.lists(st.tuples(st.integers(0, NUM_PROMPTS - 1), st.integers(0, 6), st.sampled_from([1, 1, 2, 3]),
                               st.booleans()), min_size=1, max_size=10),
 )
+# always run: 4 blocks of 16 tokens for four requests without prefix sharing must preempt
+@example(block_size=16, kv_tokens=64, chunk=64, prefix=False,
+         events=[(0, 0, 1, False), (3, 0, 1, False), (6, 0, 1, False), (9, 0, 2, False)])
 def test_random_traffic(tiny_llama, corpus, block_size, kv_tokens, chunk, prefix, events):
     prompts, refs = corpus
     engine = _engine(tiny_llama, block_size, max(kv_tokens // block_size, 60 // block_size + 1), chunk, prefix)
