@@ -59,6 +59,9 @@ def add_common(p: argparse.ArgumentParser, systems_default: str | None = ALL_SYS
     g.add_argument("--out", default=DEFAULT_OUT, help="directory for the JSON and PNG (default: bench/out/)")
     g.add_argument("--repeat", type=int, default=1, help="repeats per system, interleaved; median reported")
     g.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: %(default)s)")
+    g.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
+                   help="before each turn wait up to S seconds for the canary matmul to reach 60%% of the "
+                        "best seen (other processes on the cores)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-plot", action="store_true")
     g.add_argument("--no-progress", action="store_true")

@@ -63,8 +63,11 @@ def fill_sizes(args: argparse.Namespace, workload: str) -> None:
 def print_summary(doc: dict) -> None:
     print(f"\n{doc['workload']}  {json.dumps(doc['params'], default=str)[:300]}")
     print(table(doc))
-    print("\nratios of output tokens/s (row / column):")
+    print("\nratios of output tokens/s, median of repeats (row / column):")
     print(ratio_table(doc))
+    if doc.get("repeat", 1) > 1:
+        print("\nratios of output tokens/s, best of repeats (row / column):")
+        print(ratio_table(doc, "ratios_best"))
     ident = doc.get("output_identity", {}).get("systems")
     if ident:
         print(f"\ngreedy outputs identical to {doc['output_identity']['reference']}: "
@@ -83,7 +86,7 @@ def cmd_workload(args: argparse.Namespace, command: str) -> int:
     systems = [make_system(n, ea, path) for n in names]
     doc = run_and_report(w, systems, repeat=args.repeat, out_dir=args.out, command=command, threads=args.threads,
                          engine_args=asdict(ea), plot=not args.no_plot, progress=not args.no_progress,
-                         stem=args.stem)
+                         stem=args.stem, max_wait_s=args.wait_quiet)
     print_summary(doc)
     return 0 if all(not r.get("error") for r in doc["systems"].values()) else 1
 
@@ -108,7 +111,7 @@ def cmd_ablate(args: argparse.Namespace, command: str) -> int:
     systems = [PrefixKVSystem(n, a) for n, a in variants]
     doc = run_and_report(w, systems, repeat=args.repeat, out_dir=args.out, command=command, threads=args.threads,
                          engine_args=asdict(base), lazy=True, plot=not args.no_plot, progress=not args.no_progress,
-                         stem=args.stem or None, extra=dict(ablation_of=args.on))
+                         stem=args.stem or None, extra=dict(ablation_of=args.on), max_wait_s=args.wait_quiet)
     sweep = []
     for n, a in variants:
         r = doc["systems"][n]

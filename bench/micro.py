@@ -346,7 +346,7 @@ def cmd_flops(args: argparse.Namespace, command: str) -> int:
     systems = [make_system(n.strip(), ea, path) for n in args.systems.split(",") if n.strip()]
     doc = run_and_report(w, systems, repeat=args.repeat, out_dir=args.out, command=command, threads=args.threads,
                          engine_args=asdict(ea), plot=not args.no_plot, progress=not args.no_progress,
-                         stem=args.stem)
+                         stem=args.stem, max_wait_s=args.wait_quiet)
     after = [matmul_gflops(*s, dtype=args.dtype) for s in shapes]
     peak = max(x["best_gflops"] for x in before + after)
     decode_peak = max(before[2]["best_gflops"], after[2]["best_gflops"])

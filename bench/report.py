@@ -94,13 +94,15 @@ def _fmt(v, nd=2):
 
 def table(doc: dict) -> str:
     """Markdown table: one row per system."""
-    rows = ["| system | out tok/s | tok/CPU-s | wall s | prompt submitted | prompt computed | hit rate "
-            "| KV util | peak blocks | error |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| system | out tok/s (median) | out tok/s (best) | tok/CPU-s | wall s (median / best) "
+            "| prompt submitted | prompt computed | hit rate | KV util | peak blocks | error |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in doc["systems"].items():
         err = (r.get("error") or "")[:80]
-        rows.append(f"| {name} | {_fmt(r.get('output_tokens_per_s'))} | {_fmt(r.get('output_tokens_per_cpu_s'))} "
-                    f"| {_fmt(r.get('wall_s'), 1)} | {_fmt(r.get('prompt_tokens_submitted'))} "
+        rows.append(f"| {name} | {_fmt(r.get('output_tokens_per_s'))} | {_fmt(r.get('output_tokens_per_s_best'))} "
+                    f"| {_fmt(r.get('output_tokens_per_cpu_s'))} "
+                    f"| {_fmt(r.get('wall_s'), 1)} / {_fmt(r.get('wall_s_best'), 1)} "
+                    f"| {_fmt(r.get('prompt_tokens_submitted'))} "
                     f"| {_fmt(r.get('prompt_tokens_computed'))} | {_fmt(r.get('prefix_hit_rate'), 3)} "
                     f"| {_fmt(r.get('kv_util_logical'), 3)} | {_fmt(r.get('peak_blocks_in_use'))} | {err} |")
     return "\n".join(rows)
@@ -113,3 +115,35 @@ def ratio_table(doc: dict, key: str = "ratios") -> str:
     for a in names:
         rows.append(f"| {a} | " + " | ".join("1" if a == b else _fmt(rat[a].get(b)) for b in names) + " |")
     return "\n".join(rows)
+
+
+def markdown(doc: dict) -> str:
+    """A run's section for RESULTS.md: command, conditions, table, ratios, identity."""
+    m = doc.get("machine", {})
+    lines = [f"`{doc.get('command')}`", "",
+             f"{m.get('cpu')}, {m.get('cpu_count')} cores, torch {m.get('torch')} ({m.get('torch_threads')} threads), "
+             f"transformers {m.get('transformers')}, commit {m.get('git_commit')}; {doc.get('repeat')} repeat(s), "
+             f"median; load average {doc.get('loadavg_start')} -> {doc.get('loadavg_end')}; "
+             f"run took {doc.get('duration_s')} s.", "", table(doc), "",
+             "Output tokens/s ratios, best of repeats (row / column):", "", ratio_table(doc, "ratios_best"), "",
+             "Output tokens/s ratios, median of repeats (row / column):", "", ratio_table(doc), ""]
+    ident = (doc.get("output_identity") or {}).get("systems")
+    if ident:
+        lines.append(f"Greedy outputs identical to {doc['output_identity']['reference']}: "
+                     + ", ".join(f"{k} {v['identical_fraction']:.0%}" for k, v in ident.items()) + ".")
+        lines.append("")
+    canaries = {n: [r.get("canary_gflops") for r in res.get("repeats", [])] for n, res in doc["systems"].items()}
+    if any(any(c) for c in canaries.values()):
+        lines.append("Canary matmul GFLOP/s before each turn (contention check): "
+                     + "; ".join(f"{n} {c}" for n, c in canaries.items()) + ".")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    for f in sys.argv[1:]:
+        print(f"### {Path(f).stem}\n")
+        print(markdown(json.loads(Path(f).read_text())))
