@@ -239,7 +239,8 @@ class AsyncEngine:
                     num_steps = self.engine.num_steps
                     self._step()
                     if self.engine.num_steps == num_steps and self._commands.empty():
-                        self._run_commands(block=True, timeout=_IDLE_POLL_S)
+                        if not self._run_commands(block=True, timeout=_IDLE_POLL_S):
+                            break  # shutdown arrived while idling
                 self._stats = self.engine.stats()
         except BaseException:  # pragma: no cover - a bug in the loop itself
             logger.exception("engine thread crashed")

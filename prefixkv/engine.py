@@ -71,7 +71,8 @@ class LLMEngine:
                                 eos_token_ids=list(self.tokenizer.eos_token_ids), vocab_size=shape.vocab_size)
         backend = get_backend(config.attention_backend or ("torch" if config.device == "cpu" else "cuda"))
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
-        self.runner = ModelRunner(self.model, backend, num_blocks, bs, config.device, dtype, self.info.eos_token_ids)
+        self.runner = ModelRunner(self.model, backend, num_blocks, bs, config.device, dtype, self.info.eos_token_ids,
+                                  max_len)
         self.graph_capture_seconds = 0.0
         if config.device == "cuda" and not config.enforce_eager and backend.name == "cuda":
             self.graph_capture_seconds = self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, max_len)
@@ -99,6 +100,8 @@ class LLMEngine:
         """Validate and queue a request; raises ValueError naming the bad field (nothing changes)."""
         params = params or SamplingParams()
         params.validate(self.info.vocab_size)
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"n: {params.n} samples exceed max_num_seqs ({self.config.scheduler.max_num_seqs})")
         if request_id in self._groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if self.scheduler.num_waiting >= self.config.scheduler.max_waiting_requests:
@@ -113,7 +116,7 @@ class LLMEngine:
             raise ValueError(f"prompt: {len(ids)} tokens need {need_blocks} KV blocks but the cache has only "
                              f"{self.info.num_kv_blocks}")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = Request(request_id, ids, params, next(self._arrivals), seed, max_len)
+        req = Request(request_id, ids, params, next(self._arrivals), seed)
         group = _Group(request_id, text, ids, params)
         group.seqs[0] = req
         self.scheduler.add_request(req)
@@ -141,18 +144,24 @@ class LLMEngine:
         produced something (deltas for streaming; ``finished`` when done)."""
         out = self.scheduler.schedule()
         touched: dict[str, _Group] = {}
-        for seq in out.out_of_memory:
+        for seq in out.out_of_memory:  # already finished by the scheduler
             group = self._groups.get(seq.request_id)
             if group is not None:
-                st = self._state(group, seq)
-                if group.params.detokenize:
-                    st.text += st.detok.flush()
-                st.finish_reason = RequestStatus.FINISHED_LENGTH.value
+                self._finish(group, seq, RequestStatus.FINISHED_LENGTH, None)
                 touched[group.request_id] = group
         if out.is_empty:
             return self._emit(touched)
         self.num_steps += 1
-        model_out = self.runner.execute(out)
+        try:
+            model_out = self.runner.execute(out)
+        except BaseException:
+            # The step's blocks were entered into the prefix cache when scheduled and copy-on-write
+            # already swapped tables: nothing of this step can be trusted. Drop every request and
+            # every unlocked cached block, so no later request reads KV that was never written.
+            for rid in list(self._groups):
+                self.abort(rid)
+            self.scheduler.kv.radix.reset()
+            raise
         changed = self.scheduler.update(out, model_out.sampled)
         for s, lps in zip(out.scheduled, model_out.logprobs):
             if lps:
@@ -207,7 +216,7 @@ class LLMEngine:
         elif p.detokenize:
             prev = len(st.text)
             st.text += st.detok.add(tok)
-            if p.stop:
+            if p.stop and n_out >= p.min_tokens:
                 hit = _find_stop(st.text, p.stop, prev)
                 if hit is not None:
                     idx, stop = hit
@@ -218,14 +227,17 @@ class LLMEngine:
         if finish is None and seq.num_tokens >= self.info.max_model_len:
             finish = (RequestStatus.FINISHED_LENGTH, None)
         if finish is not None:
-            status, reason = finish
-            if p.detokenize and (reason is None or isinstance(reason, int)):
-                st.text += st.detok.flush()
-            st.finish_reason, st.stop_reason = status.value, reason
-            self.scheduler.finish_request(seq, status)
+            self._finish(group, seq, *finish)
         if seq.logprobs and len(st.logprobs) < len(seq.logprobs):
             for chosen, top in seq.logprobs[len(st.logprobs):]:
                 st.logprobs.append(Logprob(seq.token_ids[seq.num_prompt_tokens + len(st.logprobs)], chosen, top))
+
+    def _finish(self, group: _Group, seq: Request, status: RequestStatus, reason: int | str | None) -> None:
+        st = self._state(group, seq)
+        if group.params.detokenize and not isinstance(reason, str):
+            st.text += st.detok.flush()  # a stop string already cut the text
+        st.finish_reason, st.stop_reason = status.value, reason
+        self.scheduler.finish_request(seq, status)  # a no-op if the scheduler finished it
 
     def _make_output(self, group: _Group) -> RequestOutput:
         outs = []

@@ -40,7 +40,7 @@ class Request:
     __slots__ = (
         "seq_id", "request_id", "sample_index", "prompt_token_ids", "token_ids", "sampling_params",
         "num_computed_tokens", "num_cached_tokens", "status", "arrival_order", "wait_steps",
-        "num_preemptions", "seed", "stop_reason", "logprobs", "max_model_len", "forked",
+        "num_preemptions", "seed", "logprobs", "forked",
     )
 
     def __init__(
@@ -50,7 +50,6 @@ class Request:
         sampling_params: SamplingParams,
         arrival_order: int,
         seed: int,
-        max_model_len: int,
         sample_index: int = 0,
     ) -> None:
         self.request_id = request_id
@@ -66,10 +65,8 @@ class Request:
         self.wait_steps = 0
         self.num_preemptions = 0
         self.seed = seed
-        self.stop_reason: int | str | None = None
         # One entry per output token: (chosen_logprob, [(token_id, logprob), ...]) when requested.
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
-        self.max_model_len = max_model_len
         self.forked = sampling_params.n == 1
 
     @property
@@ -95,7 +92,7 @@ class Request:
     def fork(self, sample_index: int) -> "Request":
         """A sibling sequence at the same point (same tokens computed), for n > 1."""
         child = Request(self.request_id, self.prompt_token_ids, self.sampling_params, self.arrival_order,
-                        self.seed, self.max_model_len, sample_index)
+                        self.seed, sample_index)
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens

@@ -39,21 +39,13 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # decodes first, then prefill chunks
+    num_decodes: int  # the first num_decodes entries are decodes (one token at the last position)
     copy_ops: list[CopyOp]
     preempted: list[Request]
     # finished ("length") because the whole KV cache cannot hold them
     out_of_memory: list[Request]
     num_batched_tokens: int
     block_tables: dict[str, list[int]] = field(default_factory=dict)
-
-    @property
-    def num_decodes(self) -> int:
-        n = 0
-        for s in self.scheduled:
-            if s.num_new_tokens != 1 or s.start != s.req.num_tokens - 1:
-                break
-            n += 1
-        return n
 
     @property
     def is_empty(self) -> bool:
@@ -151,6 +143,7 @@ class Scheduler:
         scheduled = decodes + prefills
         return SchedulerOutput(
             scheduled=scheduled,
+            num_decodes=len(decodes),
             copy_ops=copy_ops,
             preempted=preempted,
             out_of_memory=out_of_memory,
@@ -171,9 +164,14 @@ class Scheduler:
         # static: admit only while no running request has started decoding
         return all(r.num_computed_tokens < r.num_prompt_tokens for r in self.running)
 
+    @property
+    def num_seats(self) -> int:
+        """Sequences running now, counting an n > 1 request that has not forked yet as n."""
+        return sum(1 if r.forked else r.sampling_params.n for r in self.running)
+
     def _admission_order(self) -> list[tuple[Request, MatchResult]]:
         window = self.waiting[:_ORDER_WINDOW]
-        cands = [(r, self.kv.match_prefix(r.token_ids)) for r in window]
+        cands = [(r, self.kv.match_prefix(r.token_ids, touch=False)) for r in window]
 
         def key(item: tuple[Request, MatchResult]):
             r, m = item
@@ -184,14 +182,16 @@ class Scheduler:
         return cands
 
     def _admit(self, budget: int, prefills: list[ScheduledRequest]) -> int:
-        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+        seats = self.num_seats
+        if not self.waiting or budget <= 0 or seats >= self.config.max_num_seqs:
             return budget
         admitted: list[Request] = []
-        for req, match in self._admission_order():
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+        for req, _ in self._admission_order():
+            n = 1 if req.forked else req.sampling_params.n
+            if budget <= 0 or seats + n > self.config.max_num_seqs and (self.running or admitted):
                 break
-            if admitted:  # blocks cached by requests admitted just now count too
-                match = self.kv.match_prefix(req.token_ids)
+            # match again: it touches the LRU, and counts blocks cached by requests admitted just now
+            match = self.kv.match_prefix(req.token_ids)
             num_new = req.num_tokens - match.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill and (self.running or admitted):
                 break
@@ -208,6 +208,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             admitted.append(req)
+            seats += n
             prefills.append(self._scheduled(req, num_new))
             budget -= num_new
         if admitted:

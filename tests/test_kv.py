@@ -125,7 +125,7 @@ def test_fork_shares_partial_block_and_copies_on_first_write():
 
 
 def _req(i: int, tokens: list[int], max_tokens: int = 4, n: int = 1) -> Request:
-    return Request(f"r{i}", tokens, SamplingParams(max_tokens=max_tokens, n=n, temperature=0.0), i, 0, 4096)
+    return Request(f"r{i}", tokens, SamplingParams(max_tokens=max_tokens, n=n, temperature=0.0), i, 0)
 
 
 def _sched(num_blocks: int, block_size: int = 4, budget: int = 16, max_seqs: int = 8, **kw) -> Scheduler:
@@ -239,3 +239,17 @@ def test_randomized_run_keeps_integrity_and_leaks_nothing():
         s.check_integrity()
     assert s.kv.num_used_blocks == 0
     assert s.num_preemptions > 0
+
+
+def test_max_num_seqs_counts_the_samples_a_request_will_fork_into():
+    s = _sched(num_blocks=64, budget=64, max_seqs=4)
+    for i in range(3):
+        s.add_request(_req(i, [1 + i, 2, 3, 4, 5], max_tokens=3, n=2))
+    peak = 0
+    while s.has_unfinished():
+        out = s.schedule()
+        for req in s.update(out, [[7] * x.num_samples for x in out.scheduled]):
+            if req.num_output_tokens >= 3:
+                s.finish_request(req, RequestStatus.FINISHED_LENGTH)
+        peak = max(peak, s.num_seats, len(s.running))
+    assert peak == 4

@@ -132,3 +132,21 @@ def test_second_chat_turn_computes_only_new_tokens(tiny_llama):
     assert turn2.num_cached_tokens == expected
     assert expected >= len(turn1.prompt_token_ids) // 4 * 4
     assert len(prompt2) - turn2.num_cached_tokens < 4 + (len(prompt2) - common)
+
+
+def test_a_failed_forward_pass_leaves_no_uncomputed_blocks_in_the_cache(tiny_llama):
+    prompt = make_prompts(384)[0]
+    refs = hf_reference(tiny_llama, [prompt])
+    llm = LLM(model=str(tiny_llama), dtype="float64", block_size=4, num_kv_blocks=128)
+    real = llm.engine.runner.execute
+
+    def interrupted(out):  # the step's blocks were scheduled (and cached) but never computed
+        raise KeyboardInterrupt
+
+    llm.engine.runner.execute = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    llm.engine.runner.execute = real
+    assert llm.engine.scheduler.kv.num_used_blocks == 0 and llm.engine.scheduler.kv.radix.num_cached_blocks == 0
+    out = llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))[0]
+    assert out.num_cached_tokens == 0 and out.token_ids == refs[0]

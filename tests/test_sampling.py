@@ -234,3 +234,22 @@ def test_detokenize_false_returns_ids_only(llm):
     assert ids_only.token_ids == with_text.token_ids and ids_only.text == ""
     with pytest.raises(ValueError, match="^stop:"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    prompt = _prompts(1, seed=6)[0]
+    full = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
+    first_piece = llm.tokenizer.decode(full.token_ids[:1])
+    stop = first_piece[-1]  # completes with the very first token
+    early = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) == 1
+    late = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop],
+                                                 min_tokens=6))[0]
+    k = len(late.token_ids)
+    assert k >= 6 and late.token_ids == full.token_ids[:k]
+    if late.finish_reason == "stop":  # the first occurrence completed by token 6 or later
+        before = llm.tokenizer.decode(full.token_ids[:k - 1])
+        assert stop not in llm.tokenizer.decode(full.token_ids[k - 1:k]) or k >= 6
+        assert late.text == full.text[:full.text.index(stop, len(before))]
+    else:
+        assert late.text == full.text

@@ -24,7 +24,8 @@ sits at position ``seq_lens[s] - query_len[s] + i`` and attends causally to posi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -50,6 +51,8 @@ class AttentionMetadata:
     # CPU copies for Python-side loops of the reference backend (never read by kernels).
     seq_lens_cpu: list[int] | None = None
     query_start_loc_cpu: list[int] | None = None
+    # Backend-private values derived once per step (by the first layer) and shared by all layers.
+    scratch: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -4,20 +4,29 @@ against). Decodes are batched into one padded gather; prefill chunks run per seq
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from prefixkv.attention.base import AttentionBackend, AttentionMetadata
 
 
-def write_kv(kv_cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V ([T, KVH, D]) into the cache at ``slot_mapping`` ([T])."""
-    _, _, kvh, block_size, d = kv_cache_layer.shape
+def kv_rows(slot_mapping: torch.Tensor, num_kv_heads: int, block_size: int) -> torch.Tensor:
+    """Row of each (token, kv head) in a layer viewed as [2, (num_blocks + 1) * KVH * block_size, D]."""
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    # row of (token, kv head) in the cache viewed as [2, (num_blocks + 1) * KVH * block_size, D]; a
-    # flat index_copy_ (``cache[0, blocks, :, offsets] = k`` would copy the whole layer each call)
-    heads = torch.arange(kvh, device=slot_mapping.device) * block_size
-    rows = (blocks[:, None] * (kvh * block_size) + heads[None, :] + offsets[:, None]).reshape(-1)
+    heads = torch.arange(num_kv_heads, device=slot_mapping.device) * block_size
+    return (blocks[:, None] * (num_kv_heads * block_size) + heads[None, :] + offsets[:, None]).reshape(-1)
+
+
+def write_kv(kv_cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             rows: torch.Tensor | None = None) -> None:
+    """Scatter this step's K/V ([T, KVH, D]) into the cache at ``slot_mapping`` ([T]).
+
+    A flat ``index_copy_`` (``cache[0, blocks, :, offsets] = k`` would copy the whole layer)."""
+    _, _, kvh, block_size, d = kv_cache_layer.shape
+    if rows is None:
+        rows = kv_rows(slot_mapping, kvh, block_size)
     flat = kv_cache_layer.view(2, -1, d)
     flat[0].index_copy_(0, rows, k.reshape(-1, d))
     flat[1].index_copy_(0, rows, v.reshape(-1, d))
@@ -32,15 +41,67 @@ def gather_kv(kv_cache_layer: torch.Tensor, block_table: torch.Tensor, seq_len: 
     return kv[0, :, :seq_len], kv[1, :, :seq_len]
 
 
+class DecodePlan(NamedTuple):
+    """Per-step decode layout, the same for every layer (built once, by the first layer).
+
+    Sequences whose block tables start with the same run of full blocks (a shared system prompt,
+    n > 1 samples) form a group: they attend to that shared prefix in one matmul over one copy
+    of its K/V, then each to its own remaining ("suffix") blocks."""
+
+    prefix_groups: list[tuple[torch.Tensor, torch.Tensor]]  # (rows [n], shared block ids [nb])
+    suffix_blocks: torch.Tensor  # [B, nb_max] int64, padded with 0
+    suffix_pad: torch.Tensor  # [B, nb_max * block_size] bool, True past a sequence's suffix
+
+
+def decode_plan(block_tables: torch.Tensor, seq_lens: list[int], block_size: int) -> DecodePlan:
+    b = len(seq_lens)
+    tables = block_tables.tolist()
+    num_full = [n // block_size for n in seq_lens]
+    shared = [0] * b
+    groups: dict[int, list[int]] = {}
+    for r in range(b):
+        if num_full[r]:
+            groups.setdefault(tables[r][0], []).append(r)
+    dev = block_tables.device
+    prefix_groups = []
+    for rows in groups.values():
+        if len(rows) < 2:
+            continue
+        n = min(num_full[r] for r in rows)
+        first = tables[rows[0]]
+        for r in rows[1:]:
+            t, m = tables[r], 0
+            while m < n and t[m] == first[m]:
+                m += 1
+            n = m
+        if n < 2:
+            continue
+        for r in rows:
+            shared[r] = n
+        prefix_groups.append((torch.tensor(rows, device=dev), torch.tensor(first[:n], device=dev)))
+    suffix = [t[shared[r]:-(-seq_lens[r] // block_size)] for r, t in enumerate(tables)]
+    nb = max(1, max(len(t) for t in suffix))
+    suffix_blocks = torch.tensor([t + [0] * (nb - len(t)) for t in suffix], dtype=torch.int64, device=dev)
+    lens = torch.tensor([seq_lens[r] - shared[r] * block_size for r in range(b)], device=dev)
+    suffix_pad = torch.arange(nb * block_size, device=dev)[None, :] >= lens[:, None]
+    return DecodePlan(prefix_groups, suffix_blocks, suffix_pad)
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q, k, v, kv_cache_layer, meta: AttentionMetadata, scale: float):
-        write_kv(kv_cache_layer, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)  # [T, H, D]
+        kvh, bs = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
         nd = meta.num_decode_seqs
+        scratch = meta.scratch
+        if "rows" not in scratch:  # first layer of the step: build what every layer shares
+            scratch["rows"] = kv_rows(meta.slot_mapping, kvh, bs)
+            if nd:
+                scratch["decode"] = decode_plan(meta.block_tables[:nd], meta.seq_lens_cpu[:nd], bs)
+        write_kv(kv_cache_layer, k, v, meta.slot_mapping, scratch["rows"])
+        out = torch.empty_like(q)  # [T, H, D]
         if nd:
-            out[:nd] = self._decode(q[:nd], kv_cache_layer, meta.block_tables[:nd], meta.seq_lens_cpu[:nd], scale)
+            out[:nd] = self._decode(q[:nd], kv_cache_layer, scratch["decode"], scale)
         starts = meta.query_start_loc_cpu
         for s in range(nd, meta.num_seqs):
             a, b = starts[s], starts[s + 1]
@@ -66,48 +127,19 @@ class TorchAttentionBackend(AttentionBackend):
         return o[0].transpose(0, 1)  # [Q, H, D]
 
     @staticmethod
-    def _decode(q, kv_cache_layer, block_tables, seq_lens: list[int], scale: float):
+    def _decode(q, kv_cache_layer, plan: DecodePlan, scale: float):
         """Decode attention, one query per sequence at its last position. q [B, H, D] -> [B, H, D].
 
-        Sequences whose block tables start with the same blocks (a shared system prompt, n > 1
-        samples) attend to that shared prefix in one matmul over one copy of its K/V; each then
-        attends to its own remaining blocks, and the two parts are merged exactly through their
-        softmax statistics (max and sum), as in cascade / shared-prefix attention::
+        Each sequence attends to its own suffix blocks; a group's shared prefix is attended once
+        for all its members; the parts merge exactly through their softmax statistics (max, sum),
+        as in cascade / shared-prefix attention::
 
             blocks  [ shared by the group ............ | own ........ ]
             out  =  merge(softmax-part(prefix),          softmax-part(suffix))
         """
         b, h, d = q.shape
-        bs = kv_cache_layer.shape[3]
-        tables = block_tables.tolist()
-        num_full = [n // bs for n in seq_lens]
-        shared = [0] * b
-        prefix_parts = []
-        groups: dict[int, list[int]] = {}
-        for r in range(b):
-            if num_full[r]:
-                groups.setdefault(tables[r][0], []).append(r)
-        for rows in groups.values():
-            if len(rows) < 2:
-                continue
-            n = min(num_full[r] for r in rows)
-            first = tables[rows[0]]
-            for r in rows[1:]:
-                t = tables[r]
-                m = 0
-                while m < n and t[m] == first[m]:
-                    m += 1
-                n = m
-            if n < 2:
-                continue
-            for r in rows:
-                shared[r] = n
-            prefix_parts.append((rows, first[:n]))
-        suffix_tables = [t[shared[r]:-(-seq_lens[r] // bs)] for r, t in enumerate(tables)]
-        suffix_lens = [seq_lens[r] - shared[r] * bs for r in range(b)]
-        o, m, l = _partial_attention(q, kv_cache_layer, suffix_tables, suffix_lens, scale)
-        for rows, blocks in prefix_parts:
-            idx = torch.tensor(rows, device=q.device)
+        o, m, l = _partial_attention(q, kv_cache_layer, plan.suffix_blocks, plan.suffix_pad, scale)
+        for idx, blocks in plan.prefix_groups:
             po, pm, pl = _prefix_attention(q[idx], kv_cache_layer, blocks, scale)
             mm = torch.maximum(m[idx], pm)
             a, pa = torch.exp(m[idx] - mm), torch.exp(pm - mm)
@@ -120,21 +152,19 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _partial_attention(q, kv_cache_layer, tables: list[list[int]], lens: list[int], scale: float):
-    """Unnormalized attention of q [B, H, D] over each sequence's listed blocks (the first lens[r]
-    tokens of them). Returns o [B, KVH, G, D] (sum of exp(s - m) v), m and l [B, KVH, G]."""
+def _partial_attention(q, kv_cache_layer, blocks: torch.Tensor, pad: torch.Tensor, scale: float):
+    """Unnormalized attention of q [B, H, D] over each sequence's blocks ([B, nb]; positions where
+    ``pad`` [B, nb * block_size] is True excluded). Returns o [B, KVH, G, D] (sum of exp(s - m) v),
+    m and l [B, KVH, G]."""
     b, h, d = q.shape
     kvh, bs = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
     g = h // kvh
     acc = _acc_dtype(q.dtype)
-    nb = max(1, max(len(t) for t in tables))
-    padded = torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.int64, device=q.device)
-    kv = kv_cache_layer[:, padded]  # [2, B, nb, KVH, bs, D]
+    nb = blocks.shape[1]
+    kv = kv_cache_layer[:, blocks]  # [2, B, nb, KVH, bs, D]
     kv = kv.permute(0, 1, 3, 2, 4, 5).reshape(2, b, kvh, nb * bs, d)
     qg = q.view(b, kvh, g, d)  # [B, KVH, G, D]
     scores = torch.matmul(qg, kv[0].transpose(-1, -2)).to(acc) * scale  # [B, KVH, G, L]
-    lens_t = torch.tensor(lens, device=q.device)
-    pad = torch.arange(nb * bs, device=q.device)[None, :] >= lens_t[:, None]  # [B, L]
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     m = scores.amax(dim=-1)  # [B, KVH, G]; -inf for a row with no tokens here
     m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
@@ -144,15 +174,15 @@ def _partial_attention(q, kv_cache_layer, tables: list[list[int]], lens: list[in
     return o, m, l
 
 
-def _prefix_attention(q, kv_cache_layer, blocks: list[int], scale: float):
-    """Attention of q [n, H, D] over one shared run of full blocks, read once for all n queries.
-    Returns o [n, KVH, G, D] (unnormalized), m and l [n, KVH, G]."""
+def _prefix_attention(q, kv_cache_layer, blocks: torch.Tensor, scale: float):
+    """Attention of q [n, H, D] over one shared run of full blocks ([nb]), read once for all n
+    queries. Returns o [n, KVH, G, D] (unnormalized), m and l [n, KVH, G]."""
     n, h, d = q.shape
     kvh, bs = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
     g = h // kvh
     acc = _acc_dtype(q.dtype)
-    idx = torch.tensor(blocks, dtype=torch.int64, device=q.device)
-    kv = kv_cache_layer[:, idx].permute(0, 2, 1, 3, 4).reshape(2, kvh, len(blocks) * bs, d)  # [2, KVH, L, D]
+    idx = blocks
+    kv = kv_cache_layer[:, idx].permute(0, 2, 1, 3, 4).reshape(2, kvh, idx.shape[0] * bs, d)  # [2, KVH, L, D]
     qk = q.view(n, kvh, g, d).permute(1, 0, 2, 3).reshape(kvh, n * g, d)  # [KVH, n*G, D]
     scores = torch.matmul(qk, kv[0].transpose(-1, -2)).to(acc) * scale  # [KVH, n*G, L]
     m = scores.amax(dim=-1)

@@ -50,12 +50,12 @@ class KVCacheManager:
     def num_used_blocks(self) -> int:
         return self.pool.num_in_use
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+    def match_prefix(self, token_ids: Sequence[int], touch: bool = True) -> MatchResult:
         """Cached prefix usable for a request with these tokens: never all of them, because the
-        last token must be computed for its logits."""
+        last token must be computed for its logits. ``touch=False`` leaves the LRU order alone."""
         if not self.enable_prefix_caching or len(token_ids) <= 1:
             return MatchResult([], 0)
-        return self.radix.match(token_ids[:len(token_ids) - 1])
+        return self.radix.match(token_ids[:len(token_ids) - 1], touch=touch)
 
     def blocks_needed(self, seq_id: str, num_computed: int, num_new_tokens: int) -> int:
         table = self.block_tables.get(seq_id, ())
@@ -71,13 +71,11 @@ class KVCacheManager:
         num_computed: int,
         num_new_tokens: int,
         prefix: MatchResult | None = None,
-        reserve: int = 0,
     ) -> list[CopyOp] | None:
         """Make ``seq_id``'s table cover ``num_computed + num_new_tokens`` tokens.
 
         ``prefix`` (admission only) gives the matched cached blocks that start the table;
-        ``num_computed`` must then equal ``prefix.num_tokens``. Leaves ``reserve`` blocks
-        reclaimable for others (a watermark). Returns the copy-on-write ops, or None if the blocks
+        ``num_computed`` must then equal ``prefix.num_tokens``. Returns the copy-on-write ops, or None if the blocks
         cannot be had, in which case nothing changed.
         """
         bs = self.block_size
@@ -91,7 +89,7 @@ class KVCacheManager:
             self.num_cached_blocks[seq_id] = len(prefix.block_ids)
         table = self.block_tables[seq_id]
         need = self.blocks_needed(seq_id, num_computed, num_new_tokens)
-        if need + reserve > self.num_reclaimable_blocks:
+        if need > self.num_reclaimable_blocks:
             if new_table:
                 self._release(seq_id)
             return None

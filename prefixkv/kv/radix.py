@@ -65,16 +65,17 @@ class RadixIndex:
                 return
             node, pos = child, pos + m * bs
 
-    def match(self, tokens: Sequence[int]) -> MatchResult:
+    def match(self, tokens: Sequence[int], touch: bool = True) -> MatchResult:
         """Longest cached prefix of ``tokens`` in whole blocks.
 
-        Touches the matched nodes (LRU). Takes no references: the caller must incref the
-        returned blocks before anything may evict (any later allocation can).
+        Touches the matched nodes (LRU) unless ``touch`` is False. Takes no references: the caller
+        must incref the returned blocks before anything may evict (any later allocation can).
         """
         block_ids: list[int] = []
-        now = next(self._clock)
+        now = next(self._clock) if touch else 0
         for node, m, _ in self._walk(tokens):
-            node.last_access = now
+            if touch:
+                node.last_access = now
             block_ids.extend(node.block_ids[:m])
         return MatchResult(block_ids, len(block_ids) * self.block_size)
 

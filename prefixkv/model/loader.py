@@ -202,7 +202,6 @@ def load_model(path: Path, dtype: str, device: str) -> tuple[LlamaModel, object]
         sd.pop("lm_head.weight", None)
     sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
     model.load_state_dict(sd, strict=True, assign=True)
-    model.inv_freq = inv_freq.float()
     model = model.to(device=device, dtype=DTYPES[dtype])
     model.inv_freq = inv_freq.float().to(device)  # stays fp32 as in transformers
     model.eval()

@@ -39,7 +39,9 @@ class ModelRunner:
         device: str,
         dtype: torch.dtype,
         eos_token_ids: list[int],
+        max_model_len: int,
     ) -> None:
+        self.max_model_len = max_model_len
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -69,6 +71,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ inputs
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Step inputs; the returned logits rows hold one row per sampling sequence (a fork step's
+        n samples share it)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -88,7 +92,7 @@ class ModelRunner:
             seq_lens.append(end)
             tables.append(table)
             if s.num_samples:
-                logits_rows.extend([starts[-1] - 1] * s.num_samples)
+                logits_rows.append(starts[-1] - 1)
         max_blocks = max(len(t) for t in tables)
         bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
         dev = self.device
@@ -98,7 +102,10 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=bt.to(dev),
             num_decode_seqs=out.num_decodes,
-            max_seq_len=max(seq_lens),
+            # an upper bound: on the GPU the decode kernel's split-K choice then matches the
+            # captured graphs' (sized for max_model_len), so a batch's arithmetic does not depend
+            # on whether it fits a graph bucket
+            max_seq_len=self.max_model_len if self.device.type == "cuda" else max(seq_lens),
             max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
             seq_lens_cpu=seq_lens,
             query_start_loc_cpu=starts,
@@ -162,6 +169,9 @@ class ModelRunner:
                 for s in out.scheduled for k in range(s.num_samples)]
         if not rows:
             return ModelOutput([[] for _ in out.scheduled], [None for _ in out.scheduled])
+        if len(rows) != logits.shape[0]:  # the n samples of a fork step share one row of logits
+            logits = logits.repeat_interleave(
+                torch.tensor([s.num_samples for s in out.scheduled if s.num_samples], device=logits.device), dim=0)
         res = sample(logits, self.sampling_batch(rows))
         return self._split(out, res)
 
