@@ -30,8 +30,8 @@ def _requests(n: int, prompt_tokens: int, vocab: int = 49152, seed: int = 0, max
 
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [Request(f"r{start + i}", [rng.randrange(3, vocab) for _ in range(prompt_tokens)], params, start + i, 0,
-                    1 << 30) for i in range(n)]
+    return [Request(f"r{start + i}", [rng.randrange(3, vocab) for _ in range(prompt_tokens)], params, start + i, 0)
+            for i in range(n)]
 
 
 def _fake_sampled(out, tok: int = FAKE_TOKEN) -> list[list[int]]:
@@ -187,7 +187,7 @@ def simulate_paged(trace, budget_tokens: int, block_size: int, max_num_seqs: int
     params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
     targets = {}
     for i, (p, o) in enumerate(trace):
-        req = Request(f"m{i}", [3 + (i * 31 + k) % 40000 for k in range(p)], params, i, 0, 1 << 30)
+        req = Request(f"m{i}", [3 + (i * 31 + k) % 40000 for k in range(p)], params, i, 0)
         targets[req.seq_id] = o
         sched.add_request(req)
     running, util, steps = [], [], 0
