@@ -42,9 +42,15 @@ def machine_info(threads: int) -> dict:
                                 cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
+    try:  # the engine may be edited under a running benchmark: record what this process imported
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "prefixkv"], capture_output=True, text=True,
+                               cwd=Path(__file__).resolve().parent, timeout=10).stdout.split("\n")
+        dirty = [line[3:] for line in dirty if line.strip()]
+    except (OSError, subprocess.SubprocessError):
+        dirty = None
     return dict(cpu=cpu, cpu_count=os.cpu_count(), torch_threads=threads, torch=torch.__version__,
                 transformers=transformers.__version__, python=platform.python_version(),
-                platform=platform.platform(), git_commit=commit, gpu=None)
+                platform=platform.platform(), git_commit=commit, prefixkv_uncommitted=dirty, gpu=None)
 
 
 def _loadavg() -> list[float] | None:
@@ -230,6 +236,7 @@ def run_and_report(workload: Workload, systems: list[System], *, repeat: int, ou
                    progress: bool = True, stem: str | None = None, extra: dict | None = None,
                    max_wait_s: float = 0.0) -> dict:
     load0 = _loadavg()
+    machine = machine_info(threads)
     t0 = time.time()
     results, outputs = run_systems(workload, systems, repeat=repeat, lazy=lazy, progress=progress,
                                    max_wait_s=max_wait_s)
@@ -238,7 +245,7 @@ def run_and_report(workload: Workload, systems: list[System], *, repeat: int, ou
     doc = dict(
         workload=workload.name, params=workload.params, command=command, repeat=repeat,
         started=time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t0)), duration_s=round(time.time() - t0, 1),
-        machine=machine_info(threads), loadavg_start=load0, loadavg_end=_loadavg(),
+        machine=machine, loadavg_start=load0, loadavg_end=_loadavg(),
         engine_args=engine_args, systems=results,
         ratios=ratios(results), ratios_best=ratios(results, "output_tokens_per_s_best"),
         ratios_cpu=ratios(results, "output_tokens_per_cpu_s"),
