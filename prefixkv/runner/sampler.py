@@ -31,11 +31,18 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
+def _fmix32_int(h: int) -> int:
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _M32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
 def mix_seed(seed: int, sample_index: int) -> int:
-    """A 32-bit stream id for (request seed, sample index)."""
+    """A 32-bit stream id for (request seed, sample index). Plain ints: it runs per row per step."""
     x = (seed ^ (seed >> 32)) & _M32
-    x = int(_fmix32(torch.tensor([x ^ ((sample_index * 0x9E3779B9) & _M32)], dtype=torch.int64))[0])
-    return x
+    return _fmix32_int(x ^ ((sample_index * 0x9E3779B9) & _M32))
 
 
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
