@@ -44,6 +44,45 @@ def decode_engine(q, kv_layer, block_tables, seq_lens, scale):
     return TorchAttentionBackend._decode(q, kv_layer, plan, scale)
 
 
+def decode_engine_dim0(q, kv_layer, block_tables, seq_lens, scale):
+    """prefixkv's cascade decode with one change: K and V gathered separately along the block axis
+    of the contiguous [num_blocks + 1, KVH, bs, D] halves (``kv[0][blocks]``), instead of
+    ``kv[:, blocks]`` (an advanced index on axis 1 of the 5-D layer, a slow general gather)."""
+    from prefixkv.attention import torch_ref as tr
+
+    plan = tr.decode_plan(block_tables, seq_lens, kv_layer.shape[3])
+    b, h, d = q.shape
+    kvh, bs = kv_layer.shape[2], kv_layer.shape[3]
+    g = h // kvh
+    blocks, pad = plan.suffix_blocks, plan.suffix_pad
+    nb = blocks.shape[1]
+    k = kv_layer[0][blocks].permute(0, 2, 1, 3, 4).reshape(b, kvh, nb * bs, d)
+    v = kv_layer[1][blocks].permute(0, 2, 1, 3, 4).reshape(b, kvh, nb * bs, d)
+    scores = torch.matmul(q.view(b, kvh, g, d), k.transpose(-1, -2)) * scale
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    m = scores.amax(dim=-1)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(scores - m_safe[..., None])
+    l = p.sum(dim=-1)
+    o = torch.matmul(p, v)
+    for idx, pblocks in plan.prefix_groups:
+        n = idx.shape[0]
+        kp = kv_layer[0][pblocks].permute(1, 0, 2, 3).reshape(kvh, -1, d)
+        vp = kv_layer[1][pblocks].permute(1, 0, 2, 3).reshape(kvh, -1, d)
+        qk = q[idx].view(n, kvh, g, d).permute(1, 0, 2, 3).reshape(kvh, n * g, d)
+        sc = torch.matmul(qk, kp.transpose(-1, -2)) * scale
+        pm = sc.amax(dim=-1)
+        pp = torch.exp(sc - pm[..., None])
+        pl = pp.sum(dim=-1)
+        po = torch.matmul(pp, vp).view(kvh, n, g, d).permute(1, 0, 2, 3)
+        pm, pl = pm.view(kvh, n, g).permute(1, 0, 2), pl.view(kvh, n, g).permute(1, 0, 2)
+        mm = torch.maximum(m[idx], pm)
+        a, pa = torch.exp(m[idx] - mm), torch.exp(pm - mm)
+        o[idx] = o[idx] * a[..., None] + po * pa[..., None]
+        l[idx] = l[idx] * a + pl * pa
+    return (o / l[..., None]).view(b, h, d)
+
+
 def decode_padded(q, kv_layer, block_tables, seq_lens, scale):
     """No sharing: gather every sequence's blocks, permute+reshape (a second copy), batched matmuls
     (prefixkv's decode before cascade attention)."""
@@ -201,6 +240,7 @@ def main(argv=None) -> int:
     reps = 20
     variants = {
         "engine (cascade, plan included)": lambda: decode_engine(q, layer, bt, seq_lens, scale),
+        "engine, dim-0 K/V gathers": lambda: decode_engine_dim0(q, layer, bt, seq_lens, scale),
         "padded gather, no sharing": lambda: decode_padded(q, layer, bt, seq_lens, scale),
         "padded, one copy": lambda: decode_one_copy(q, layer, bt, seq_lens, scale),
         "cascade (this file)": lambda: decode_cascade(q, layer, bt, seq_lens, scale, shared),

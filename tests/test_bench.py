@@ -1,0 +1,79 @@
+"""Smoke test of ``python -m bench``: every workload at tiny sizes on a tiny random model (float64),
+systems prefixkv and hf-static; the JSON has its fields and prefixkv's greedy tokens equal
+hf-static's on the shared-prefix workload."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.__main__ import main
+
+COMMON = ["--dtype", "float64", "--systems", "prefixkv,hf-static", "--no-plot", "--no-progress",
+          "--kv-tokens", "4096", "--max-num-batched-tokens", "64", "--max-num-seqs", "8"]
+TINY = {
+    "shared-prefix": ["--groups", "2", "--per-group", "3", "--system-tokens", "40", "--question-tokens", "9",
+                      "--output-tokens", "5"],
+    "multi-turn": ["--conversations", "3", "--turns", "3", "--system-tokens", "20", "--user-tokens", "12",
+                   "--output-tokens", "4"],
+    "cold": ["--num-requests", "5", "--min-tokens", "8", "--max-tokens", "60", "--output-tokens", "4"],
+    "parallel-sampling": ["--num-requests", "2", "--prompt-tokens", "30", "--output-tokens", "3", "--n", "4"],
+}
+SYSTEM_FIELDS = ("wall_s", "cpu_s", "output_tokens", "output_tokens_per_s", "prompt_tokens_submitted",
+                 "prompt_tokens_computed", "repeats", "error")
+ENGINE_FIELDS = ("prefix_hit_tokens", "prefix_hit_rate", "kv_util_logical", "kv_util_physical",
+                 "internal_fragmentation", "peak_blocks_in_use", "num_steps")
+
+
+def _run(argv: list[str], out: Path, stem: str) -> dict:
+    assert main(argv + ["--out", str(out), "--stem", stem]) == 0
+    return json.loads((out / f"{stem}.json").read_text())
+
+
+@pytest.mark.parametrize("workload", list(TINY))
+def test_workload(tiny_llama, tmp_path, workload):
+    doc = _run([workload, "--model", str(tiny_llama)] + TINY[workload] + COMMON, tmp_path, workload)
+    assert doc["workload"] == workload and doc["command"].startswith("python -m bench")
+    assert doc["machine"]["torch_threads"] == 2
+    for name in ("prefixkv", "hf-static"):
+        r = doc["systems"][name]
+        assert r["error"] is None, r.get("traceback")
+        for f in SYSTEM_FIELDS:
+            assert f in r, f
+        assert r["output_tokens"] > 0 and r["output_tokens_per_s"] > 0
+    pk = doc["systems"]["prefixkv"]
+    for f in ENGINE_FIELDS:
+        assert pk[f] is not None, f
+    assert 0 < pk["kv_util_logical"] <= 1 and pk["peak_blocks_in_use"] > 0
+    assert pk["prompt_tokens_computed"] == pk["prompt_tokens_submitted"] - pk["prefix_hit_tokens"]
+    assert doc["ratios"]["prefixkv"]["hf-static"] > 0
+    if workload == "shared-prefix":
+        # 2 groups x 3 requests; the 40-token system prompt holds 2 full 16-token blocks
+        assert pk["prefix_hit_tokens"] >= 4 * 32
+        ident = doc["output_identity"]
+        assert ident["reference"] == "hf-static"
+        assert ident["systems"]["prefixkv"]["identical_fraction"] == 1.0, ident
+    if workload == "multi-turn":
+        assert pk["prefix_hit_rate"] > 0.3  # later turns find their history cached
+    if workload == "cold":
+        assert pk["prefix_hit_tokens"] == 0
+
+
+def test_ablate_and_micro(tiny_llama, tmp_path):
+    doc = _run(["ablate", "--model", str(tiny_llama), "--on", "shared-prefix", "--block-sizes", "1,64",
+                "--ablations", "policy,cache,chunked,block-size"] + TINY["shared-prefix"]
+               + [a for a in COMMON if a not in ("--systems", "prefixkv,hf-static")], tmp_path, "ablate")
+    assert {"prefixkv", "policy=static", "prefix-cache=off", "chunked-prefill=off", "block-size=1",
+            "block-size=64"} <= set(doc["systems"])
+    assert all(r["error"] is None for r in doc["systems"].values())
+    sweep = {p["block_size"]: p for p in doc["block_size_sweep"]}
+    assert sweep[1]["kv_util_logical"] == 1.0 and sweep[64]["kv_util_logical"] < sweep[16]["kv_util_logical"]
+    doc = _run(["sched-overhead", "--sizes", "4,8", "--steps", "5", "--no-plot"], tmp_path, "sched")
+    assert [r["num_running"] for r in doc["results"]] == [4, 8]
+    assert all(r["scheduler_us_per_req"] > 0 for r in doc["results"])
+    doc = _run(["memory", "--num-requests", "40", "--budget-tokens", "2048", "--max-model-len", "512",
+                "--max-prompt", "200", "--max-output", "64"], tmp_path, "mem")
+    paged, *contig = doc["results"]
+    assert paged["mean_running"] >= max(c["mean_running"] for c in contig)
