@@ -57,6 +57,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(argv: list[str]) -> int:
+    try:
+        from bench.__main__ import main as bench_main
+    except ModuleNotFoundError:  # an editable install run outside the checkout
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from bench.__main__ import main as bench_main
+    return bench_main(argv) or 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefixkv", description="lossless LLM inference engine")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -84,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks (see bench/)", add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER)
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # everything after `bench` is the benchmark's own command line
+        return _bench(argv[1:])
     args = parser.parse_args(argv)
     try:
         if args.cmd == "generate":
@@ -92,10 +106,6 @@ def main(argv: list[str] | None = None) -> int:
             from prefixkv.server.app import run_server
 
             return run_server(args)
-        if args.cmd == "bench":
-            from bench.__main__ import main as bench_main
-
-            return bench_main(args.rest)
     except (ValueError, FileNotFoundError) as e:
         print(f"prefixkv: error: {e}", file=sys.stderr)
         return 2
