@@ -248,11 +248,11 @@ class LLMEngine:
             sendable = max(sendable, st.num_sent_chars)
             delta = st.text[st.num_sent_chars:sendable]
             st.num_sent_chars = sendable
-            ids = seq.output_token_ids
+            ids = seq.output_token_ids  # a fresh slice
             delta_ids = ids[st.num_sent_tokens:]
             st.num_sent_tokens = len(ids)
             outs.append(CompletionOutput(
-                index=idx, token_ids=list(ids), text=st.text if st.finish_reason else st.text[:sendable],
+                index=idx, token_ids=ids, text=st.text if st.finish_reason else st.text[:sendable],
                 finish_reason=st.finish_reason, stop_reason=st.stop_reason,
                 logprobs=list(st.logprobs) if group.params.logprobs is not None else None,
                 delta_text=delta, delta_token_ids=delta_ids))

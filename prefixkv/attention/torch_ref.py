@@ -32,13 +32,21 @@ def write_kv(kv_cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slo
     flat[1].index_copy_(0, rows, v.reshape(-1, d))
 
 
+def gather_blocks(cache_half: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Keys (or values) of the listed blocks, token-major per head.
+
+    cache_half: [num_blocks + 1, KVH, bs, D] (``kv_cache_layer[0]`` or ``[1]``); blocks: [..., nb].
+    Returns [..., KVH, nb * bs, D]. Indexes the leading axis (a fast gather, unlike ``layer[:, blocks]``).
+    """
+    x = cache_half[blocks].transpose(-4, -3)  # [..., KVH, nb, bs, D]
+    return x.reshape(*x.shape[:-3], x.shape[-3] * x.shape[-2], x.shape[-1])
+
+
 def gather_kv(kv_cache_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's context: ([KVH, seq_len, D], [KVH, seq_len, D])."""
-    block_size = kv_cache_layer.shape[3]
-    nb = -(-seq_len // block_size)
-    kv = kv_cache_layer[:, block_table[:nb]]  # [2, nb, KVH, bs, D]
-    kv = kv.permute(0, 2, 1, 3, 4).reshape(2, kv.shape[2], nb * block_size, kv.shape[4])
-    return kv[0, :, :seq_len], kv[1, :, :seq_len]
+    blocks = block_table[:-(-seq_len // kv_cache_layer.shape[3])]
+    return (gather_blocks(kv_cache_layer[0], blocks)[:, :seq_len],
+            gather_blocks(kv_cache_layer[1], blocks)[:, :seq_len])
 
 
 class DecodePlan(NamedTuple):
@@ -157,20 +165,18 @@ def _partial_attention(q, kv_cache_layer, blocks: torch.Tensor, pad: torch.Tenso
     ``pad`` [B, nb * block_size] is True excluded). Returns o [B, KVH, G, D] (sum of exp(s - m) v),
     m and l [B, KVH, G]."""
     b, h, d = q.shape
-    kvh, bs = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
+    kvh = kv_cache_layer.shape[2]
     g = h // kvh
     acc = _acc_dtype(q.dtype)
-    nb = blocks.shape[1]
-    kv = kv_cache_layer[:, blocks]  # [2, B, nb, KVH, bs, D]
-    kv = kv.permute(0, 1, 3, 2, 4, 5).reshape(2, b, kvh, nb * bs, d)
+    keys, values = gather_blocks(kv_cache_layer[0], blocks), gather_blocks(kv_cache_layer[1], blocks)  # [B, KVH, L, D]
     qg = q.view(b, kvh, g, d)  # [B, KVH, G, D]
-    scores = torch.matmul(qg, kv[0].transpose(-1, -2)).to(acc) * scale  # [B, KVH, G, L]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).to(acc) * scale  # [B, KVH, G, L]
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     m = scores.amax(dim=-1)  # [B, KVH, G]; -inf for a row with no tokens here
     m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     p = torch.exp(scores - m_safe[..., None])
     l = p.sum(dim=-1)
-    o = torch.matmul(p.to(q.dtype), kv[1]).to(acc)  # [B, KVH, G, D]
+    o = torch.matmul(p.to(q.dtype), values).to(acc)  # [B, KVH, G, D]
     return o, m, l
 
 
@@ -178,16 +184,15 @@ def _prefix_attention(q, kv_cache_layer, blocks: torch.Tensor, scale: float):
     """Attention of q [n, H, D] over one shared run of full blocks ([nb]), read once for all n
     queries. Returns o [n, KVH, G, D] (unnormalized), m and l [n, KVH, G]."""
     n, h, d = q.shape
-    kvh, bs = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
+    kvh = kv_cache_layer.shape[2]
     g = h // kvh
     acc = _acc_dtype(q.dtype)
-    idx = blocks
-    kv = kv_cache_layer[:, idx].permute(0, 2, 1, 3, 4).reshape(2, kvh, idx.shape[0] * bs, d)  # [2, KVH, L, D]
+    keys, values = gather_blocks(kv_cache_layer[0], blocks), gather_blocks(kv_cache_layer[1], blocks)  # [KVH, L, D]
     qk = q.view(n, kvh, g, d).permute(1, 0, 2, 3).reshape(kvh, n * g, d)  # [KVH, n*G, D]
-    scores = torch.matmul(qk, kv[0].transpose(-1, -2)).to(acc) * scale  # [KVH, n*G, L]
+    scores = torch.matmul(qk, keys.transpose(-1, -2)).to(acc) * scale  # [KVH, n*G, L]
     m = scores.amax(dim=-1)
     p = torch.exp(scores - m[..., None])
     l = p.sum(dim=-1)
-    o = torch.matmul(p.to(q.dtype), kv[1]).to(acc)  # [KVH, n*G, D]
+    o = torch.matmul(p.to(q.dtype), values).to(acc)  # [KVH, n*G, D]
     return (o.view(kvh, n, g, d).permute(1, 0, 2, 3), m.view(kvh, n, g).permute(1, 0, 2),
             l.view(kvh, n, g).permute(1, 0, 2))
