@@ -14,6 +14,10 @@ Within prefixkv only::
     memory             requests that fit in a fixed KV budget: paged blocks vs contiguous reservation
     flops              machine matmul GFLOP/s and the fraction the systems reach on decode-heavy work
 
+Against ``prefixkv serve`` (spawned on loopback, or ``--url``)::
+
+    serving            TTFT / TPOT / latency p50-p90-p99 and throughput against the request rate (Poisson)
+
 Each run writes one JSON (and a PNG) into ``--out`` (default bench/out/, git-ignored).
 """
 
@@ -128,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=64)
     add_common(p, systems_default="prefixkv,hf-static")
+    p = sub.add_parser("serving", help="prefixkv serve: latency percentiles and throughput against request rate")
+    from bench.serving import add_arguments
+
+    add_arguments(p)
     return parser
 
 

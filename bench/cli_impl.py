@@ -152,6 +152,10 @@ def dispatch(args: argparse.Namespace, command: str) -> int:
         return micro.cmd_memory(args, command)
     if args.workload == "flops":
         return micro.cmd_flops(args, command)
+    if args.workload == "serving":
+        from bench import serving
+
+        return serving.cmd_serving(args, command)
     print(f"bench: unknown command {args.workload}", file=sys.stderr)
     return 2
 

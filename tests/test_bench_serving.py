@@ -1,0 +1,87 @@
+"""Smoke test of ``python -m bench serving`` against ``prefixkv serve`` on a tiny random model: the
+JSON has its fields, and the numbers behave (every request completes with exactly the requested
+tokens, percentiles are ordered, TTFT < latency, rate inf sends everything at once, requests after
+the first find the shared system prompt in the prefix cache)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench.__main__ import main
+from bench.serving import arrival_offsets
+
+SIZES = ["--system-tokens", "40", "--question-tokens", "24", "--output-tokens", "6"]
+SERVER = ["--", "--num-kv-blocks", "256", "--max-num-batched-tokens", "128"]
+RATE_FIELDS = ("rate", "num_requests", "sent", "not_sent", "completed", "errors", "output_tokens_per_s",
+               "request_throughput", "ttft_s", "tpot_s", "latency_s", "prefix_hit_fraction",
+               "server_prefix_hit_tokens", "requests")
+
+
+def _run(argv: list[str], out: Path, stem: str) -> dict:
+    """``argv``, the output flags, then the spawned server's engine arguments after ``--``."""
+    assert main(argv + ["--out", str(out), "--stem", stem, "--no-progress", *SERVER]) == 0
+    return json.loads((out / f"{stem}.json").read_text())
+
+
+def _ordered(p: dict) -> bool:
+    return 0 < p["p50"] <= p["p90"] <= p["p99"]
+
+
+def test_serving_chat(tiny_llama, tmp_path):
+    doc = _run(["serving", "--model", str(tiny_llama), "--rates", "2,inf", "--num-requests", "6", "--warmup", "0",
+                *SIZES, "--server-log", str(tmp_path / "server.log")], tmp_path, "serving")
+    assert doc["workload"] == "serving" and doc["command"].startswith("python -m bench serving")
+    assert doc["machine"]["git_commit"] is not None and doc["params"]["rates"] == ["2", "inf"]
+    assert doc["server"]["spawned"] and doc["server"]["exit_code"] == 0
+    assert (tmp_path / "serving.png").exists()
+    first, inf = doc["results"]
+    assert first["rate"] == 2.0 and inf["rate"] == "inf"
+    for r in doc["results"]:
+        for f in RATE_FIELDS:
+            assert f in r, f
+        assert r["completed"] == r["sent"] == 6 and r["errors"] == r["not_sent"] == 0, r["error_reasons"]
+        assert r["output_tokens"] == 6 * 6 and r["output_tokens_per_s"] > 0
+        for key in ("ttft_s", "tpot_s", "latency_s"):
+            assert _ordered(r[key]), (key, r[key])
+        for q in r["requests"]:
+            assert q["status"] == 200 and q["error"] is None and q["output_tokens"] == 6
+            assert 0 < q["ttft_s"] < q["latency_s"] and q["tpot_s"] > 0 and q["prompt_tokens"] > 40
+        # the server's counters agree with the usage the clients got
+        assert r["server_prefix_hit_tokens"] == r["cached_tokens"]
+    # Poisson arrivals at 2/s: sent in order, spread over time; inf: all sent at once
+    sent = [q["sent_s"] for q in first["requests"]]
+    assert sent == sorted(sent) and sent[-1] > 0.2 and 0 < first["achieved_rate"]
+    assert all(q["scheduled_s"] == 0 for q in inf["requests"]) and max(q["sent_s"] for q in inf["requests"]) < 0.1
+    # no warm-up: the first request is cold; any request sent after it finished finds its system prompt
+    # (2 full 16-token blocks of the 40-token prompt at least); at rate inf the previous rate left it cached
+    reqs = first["requests"]
+    assert reqs[0]["cached_tokens"] == 0
+    later = [q for q in reqs[1:] if q["sent_s"] > reqs[0]["finish_s"]]
+    assert later and all(q["cached_tokens"] >= 32 for q in later), reqs
+    assert all(q["cached_tokens"] >= 32 for q in inf["requests"])
+    assert 0 < first["prefix_hit_fraction"] < inf["prefix_hit_fraction"] < 1
+
+
+def test_serving_completions_with_warmup(tiny_llama, tmp_path):
+    doc = _run(["serving", "--model", str(tiny_llama), "--endpoint", "completions", "--rates", "inf",
+                "--num-requests", "4", "--no-plot", *SIZES], tmp_path, "completions")
+    assert [w["cached_tokens"] for w in doc["warmup"]["requests"]] == [0]
+    (r,) = doc["results"]
+    assert r["completed"] == 4 and r["output_tokens"] == 24
+    for q in r["requests"]:  # token-id prompts: exact lengths; the warm-up cached the system prompt
+        assert q["prompt_tokens"] == 40 + 24 and q["cached_tokens"] >= 32
+
+
+def test_arrivals_and_loopback_only(tmp_path):
+    slow, fast = arrival_offsets(200, 0.5, seed=3), arrival_offsets(200, 2.0, seed=3)
+    assert slow[0] == 0 and all(math.isclose(a, 4 * b) for a, b in zip(slow, fast))  # same draws, scaled
+    assert 0.7 < (fast[-1] / 199) / 0.5 < 1.3  # mean gap ~ 1 / rate
+    assert arrival_offsets(5, math.inf, seed=0) == [0.0] * 5
+    with pytest.raises(SystemExit, match="loopback"):
+        main(["serving", "--url", "http://192.0.2.1:8000", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="rates"):
+        main(["serving", "--rates", "1,-2", "--out", str(tmp_path)])
