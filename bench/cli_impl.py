@@ -12,7 +12,7 @@ from bench import workloads as wl
 from bench.corpus import TokenStream
 from bench.report import ratio_table, table
 from bench.run import run_and_report
-from bench.systems import PEERS, EngineArgs, PrefixKVSystem, make_system
+from bench.systems import OPTIONAL, PEERS, EngineArgs, PrefixKVSystem, make_system
 
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:
@@ -77,9 +77,9 @@ def print_summary(doc: dict) -> None:
 
 def cmd_workload(args: argparse.Namespace, command: str) -> int:
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
-    bad = [n for n in names if n not in PEERS]
+    bad = [n for n in names if n not in PEERS + OPTIONAL]
     if bad or not names:
-        raise SystemExit(f"bench: error: --systems: unknown {bad} (known: {', '.join(PEERS)})")
+        raise SystemExit(f"bench: error: --systems: unknown {bad} (known: {', '.join(PEERS + OPTIONAL)})")
     path, tok = load_tokenizer(args.model)
     w = build_workload(args.workload, args, tok)
     ea = engine_args(args)

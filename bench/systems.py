@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from bench.workloads import BenchRequest
 
 PEERS = ("prefixkv", "prefixkv-nocache", "hf-static", "hf-cb")
+# prefixkv with exact n-gram speculative decoding (opt-in, not in the default --systems)
+OPTIONAL = ("prefixkv-spec",)
+SPEC_TOKENS = 4
 
 
 @dataclass
@@ -34,13 +37,15 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "continuous"
     enable_chunked_prefill: bool = True
+    num_speculative_tokens: int = 0
 
     def llm_kwargs(self) -> dict:
         return dict(model=self.model, dtype=self.dtype, block_size=self.block_size,
                     max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
                     num_kv_blocks=max(1, self.kv_tokens // self.block_size),
                     enable_prefix_caching=self.enable_prefix_caching, scheduling_policy=self.scheduling_policy,
-                    enable_chunked_prefill=self.enable_chunked_prefill)
+                    enable_chunked_prefill=self.enable_chunked_prefill,
+                    num_speculative_tokens=self.num_speculative_tokens)
 
 
 @dataclass
@@ -51,6 +56,8 @@ class Counters:
     prefix_queried_tokens: int = 0
     num_steps: int = 0
     num_preemptions: int = 0
+    spec_draft_tokens: int = 0  # prefixkv-spec: draft tokens proposed / accepted
+    spec_accepted_tokens: int = 0
     # KV use, sampled once per engine step (prefixkv only)
     kv_util_logical: list[float] = field(default_factory=list)
     kv_util_physical: list[float] = field(default_factory=list)
@@ -183,6 +190,8 @@ class PrefixKVSystem(System):
         c.prompt_tokens_computed = c.prompt_tokens_submitted - hit
         c.num_steps = self.engine.num_steps - self._steps0
         c.num_preemptions = s["num_preemptions"] - self._stats0["num_preemptions"]
+        c.spec_draft_tokens = s["spec_draft_tokens"] - self._stats0["spec_draft_tokens"]
+        c.spec_accepted_tokens = s["spec_accepted_tokens"] - self._stats0["spec_accepted_tokens"]
 
     def teardown(self) -> None:
         self.llm = self.engine = None
@@ -193,7 +202,8 @@ class PrefixKVSystem(System):
         return dict(block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
                     max_num_seqs=a.max_num_seqs, num_kv_blocks=max(1, a.kv_tokens // a.block_size),
                     enable_prefix_caching=a.enable_prefix_caching, scheduling_policy=a.scheduling_policy,
-                    enable_chunked_prefill=a.enable_chunked_prefill)
+                    enable_chunked_prefill=a.enable_chunked_prefill,
+                    num_speculative_tokens=a.num_speculative_tokens)
 
 
 # ---------------------------------------------------------------------------------------- transformers
@@ -377,8 +387,10 @@ def make_system(name: str, args: EngineArgs, model_path) -> System:
         return PrefixKVSystem(name, replace(args, enable_prefix_caching=True))
     if name == "prefixkv-nocache":
         return PrefixKVSystem(name, replace(args, enable_prefix_caching=False))
+    if name == "prefixkv-spec":
+        return PrefixKVSystem(name, replace(args, enable_prefix_caching=True, num_speculative_tokens=SPEC_TOKENS))
     if name == "hf-static":
         return HFStaticSystem(model_path, args.dtype, args.max_num_seqs)
     if name == "hf-cb":
         return HFCBSystem(model_path, args.dtype, args)
-    raise ValueError(f"systems: unknown system {name!r} (known: {', '.join(PEERS)})")
+    raise ValueError(f"systems: unknown system {name!r} (known: {', '.join(PEERS + OPTIONAL)})")

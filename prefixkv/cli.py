@@ -21,6 +21,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting-requests", type=int, default=1024)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="exact n-gram (prompt lookup) speculative decoding for greedy requests: draft tokens per "
+                        "step, 0 = off")
+    g.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram a draft is looked up by")
+    g.add_argument("--prompt-lookup-max", type=int, default=3, help="longest n-gram a draft is looked up by")
+    g.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                   help="no drafts while this many requests are running or waiting")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -34,7 +41,10 @@ def engine_config_from_args(args: argparse.Namespace):
                           kv_cache_memory_bytes=int(args.kv_cache_memory * (1 << 30)),
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_num_seqs=args.max_num_seqs, max_waiting_requests=args.max_waiting_requests),
+                                  max_num_seqs=args.max_num_seqs, max_waiting_requests=args.max_waiting_requests,
+                                  num_speculative_tokens=args.num_speculative_tokens,
+                                  prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+                                  speculative_disable_by_batch_size=args.speculative_disable_by_batch_size),
     )
 
 

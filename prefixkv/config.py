@@ -46,6 +46,15 @@ class SchedulerConfig:
     # batch has drained (the classic static-batching baseline, for ablations).
     policy: str = "continuous"
     enable_chunked_prefill: bool = True
+    # Exact speculative decoding by n-gram prompt lookup (prefixkv/spec_decode.py): up to this many
+    # draft tokens per greedy decode, verified in the same pass; 0 = off.
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    # No drafts while this many requests or more are running or waiting (None: always draft). A
+    # draft makes a step compute more rows; that pays while weight streaming dominates (small
+    # batches, GPUs), not once a large batch already keeps the matmuls busy.
+    speculative_disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
@@ -56,6 +65,16 @@ class SchedulerConfig:
         _require(self.max_wait_steps >= 0, "max_wait_steps", "must be >= 0")
         _require(self.policy in ("continuous", "static"), "policy",
                  f"must be 'continuous' or 'static', got {self.policy!r}")
+        _require(isinstance(self.num_speculative_tokens, int) and 0 <= self.num_speculative_tokens <= 64,
+                 "num_speculative_tokens", f"must be an int in [0, 64], got {self.num_speculative_tokens!r}")
+        _require(isinstance(self.prompt_lookup_min, int) and isinstance(self.prompt_lookup_max, int)
+                 and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16, "prompt_lookup_min",
+                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max <= 16, got {self.prompt_lookup_min!r}, "
+                 f"{self.prompt_lookup_max!r}")
+        if self.speculative_disable_by_batch_size is not None:
+            _require(isinstance(self.speculative_disable_by_batch_size, int)
+                     and self.speculative_disable_by_batch_size >= 1, "speculative_disable_by_batch_size",
+                     f"must be a positive int or None, got {self.speculative_disable_by_batch_size!r}")
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ class _SeqState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[Logprob] = field(default_factory=list)
+    num_processed: int = 0  # output tokens already detokenized and checked for stops
 
 
 @dataclass
@@ -70,7 +71,7 @@ class LLMEngine:
         self.info = RuntimeInfo(num_kv_blocks=num_blocks, max_model_len=max_len,
                                 eos_token_ids=list(self.tokenizer.eos_token_ids), vocab_size=shape.vocab_size)
         backend = get_backend(config.attention_backend or ("torch" if config.device == "cpu" else "cuda"))
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_len)
         self.runner = ModelRunner(self.model, backend, num_blocks, bs, config.device, dtype, self.info.eos_token_ids,
                                   max_len)
         self.graph_capture_seconds = 0.0
@@ -171,7 +172,7 @@ class LLMEngine:
             if group is None:
                 continue
             group.seqs[seq.sample_index] = seq
-            self._process_token(group, seq)
+            self._process_tokens(group, seq)
             touched[group.request_id] = group
         if self.check_integrity_each_step:
             self.scheduler.check_integrity()
@@ -202,12 +203,25 @@ class LLMEngine:
             group.states[seq.sample_index] = st
         return st
 
-    def _process_token(self, group: _Group, seq: Request) -> None:
-        """Detokenize a sequence's new token and apply the stop conditions."""
+    def _process_tokens(self, group: _Group, seq: Request) -> None:
+        """Detokenize a sequence's new tokens (several after an accepted speculative draft) and apply
+        the stop conditions to each in turn; tokens after the one that finishes it are dropped."""
         st = self._state(group, seq)
+        while st.num_processed < seq.num_output_tokens:
+            st.num_processed += 1
+            if self._process_token(group, seq, st, seq.num_prompt_tokens + st.num_processed - 1):
+                del seq.token_ids[seq.num_prompt_tokens + st.num_processed:]
+                break
+        if seq.logprobs and len(st.logprobs) < len(seq.logprobs):
+            for chosen, top in seq.logprobs[len(st.logprobs):]:
+                st.logprobs.append(Logprob(seq.token_ids[seq.num_prompt_tokens + len(st.logprobs)], chosen, top))
+
+    def _process_token(self, group: _Group, seq: Request, st: _SeqState, i: int) -> bool:
+        """Token ``i`` of ``seq`` (the ``n_out``-th output token): detokenize it and check the stop
+        conditions. Returns True if it finished the sequence."""
         p = group.params
-        tok = seq.token_ids[-1]
-        n_out = seq.num_output_tokens
+        tok = seq.token_ids[i]
+        n_out = i + 1 - seq.num_prompt_tokens
         finish: tuple[RequestStatus, int | str | None] | None = None
         if not p.ignore_eos and tok in self.info.eos_token_ids and n_out > p.min_tokens - 1:
             finish = (RequestStatus.FINISHED_STOPPED, None)
@@ -224,13 +238,12 @@ class LLMEngine:
                     finish = (RequestStatus.FINISHED_STOPPED, stop)
         if finish is None and p.max_tokens is not None and n_out >= p.max_tokens:
             finish = (RequestStatus.FINISHED_LENGTH, None)
-        if finish is None and seq.num_tokens >= self.info.max_model_len:
+        if finish is None and i + 1 >= self.info.max_model_len:
             finish = (RequestStatus.FINISHED_LENGTH, None)
         if finish is not None:
             self._finish(group, seq, *finish)
-        if seq.logprobs and len(st.logprobs) < len(seq.logprobs):
-            for chosen, top in seq.logprobs[len(st.logprobs):]:
-                st.logprobs.append(Logprob(seq.token_ids[seq.num_prompt_tokens + len(st.logprobs)], chosen, top))
+            return True
+        return False
 
     def _finish(self, group: _Group, seq: Request, status: RequestStatus, reason: int | str | None) -> None:
         st = self._state(group, seq)
@@ -274,6 +287,8 @@ class LLMEngine:
             "prefix_queried_tokens": kv.num_queried_tokens,
             "prefix_hit_tokens": kv.num_hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
+            "spec_draft_tokens": self.scheduler.num_draft_tokens,
+            "spec_accepted_tokens": self.scheduler.num_accepted_tokens,
         }
 
 
@@ -323,6 +338,10 @@ class LLM:
         scheduling_policy: str = "continuous",
         enable_chunked_prefill: bool = True,
         max_waiting_requests: int = 1 << 20,
+        num_speculative_tokens: int = 0,
+        prompt_lookup_min: int = 1,
+        prompt_lookup_max: int = 3,
+        speculative_disable_by_batch_size: int | None = None,
     ) -> None:
         cfg = EngineConfig(
             model=model, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed,
@@ -332,7 +351,10 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       policy=scheduling_policy, enable_chunked_prefill=enable_chunked_prefill,
-                                      max_waiting_requests=max_waiting_requests),
+                                      max_waiting_requests=max_waiting_requests,
+                                      num_speculative_tokens=num_speculative_tokens,
+                                      prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
+                                      speculative_disable_by_batch_size=speculative_disable_by_batch_size),
         )
         self.engine = LLMEngine(cfg)
         self.tokenizer = self.engine.tokenizer

@@ -40,7 +40,7 @@ class Request:
     __slots__ = (
         "seq_id", "request_id", "sample_index", "prompt_token_ids", "token_ids", "sampling_params",
         "num_computed_tokens", "num_cached_tokens", "status", "arrival_order", "wait_steps",
-        "num_preemptions", "seed", "logprobs", "forked",
+        "num_preemptions", "seed", "logprobs", "forked", "ngram",
     )
 
     def __init__(
@@ -68,6 +68,15 @@ class Request:
         # One entry per output token: (chosen_logprob, [(token_id, logprob), ...]) when requested.
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         self.forked = sampling_params.n == 1
+        self.ngram = None  # NgramIndex of its tokens, once it speculates (prefixkv/spec_decode.py)
+
+    @property
+    def can_speculate(self) -> bool:
+        """Greedy with nothing that depends on per-position sampling state: a draft verified by
+        argmax then yields exactly the tokens plain greedy decoding would."""
+        p = self.sampling_params
+        return (p.greedy and p.n == 1 and p.logprobs is None and not p.uses_penalties
+                and self.num_output_tokens >= p.min_tokens)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from prefixkv.config import CacheConfig, SchedulerConfig
 from prefixkv.kv import CopyOp, KVCacheManager, MatchResult
 from prefixkv.request import Request, RequestStatus
+from prefixkv.spec_decode import NgramIndex
 
 # How many waiting requests the cache-aware ordering looks at per step.
 _ORDER_WINDOW = 128
@@ -34,6 +35,9 @@ class ScheduledRequest:
     # Sample after this chunk (it reaches the end of the known tokens); num_samples > 1 only
     # for the step that completes the prompt of an n > 1 request (the n samples fork it).
     num_samples: int
+    # Speculative draft tokens (decodes only): the query is [last token] + draft, every position
+    # is verified, and num_new_tokens == 1 + len(draft).
+    draft: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -53,8 +57,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 max_model_len: int | None = None) -> None:
         self.config = config
+        self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.waiting: list[Request] = []
@@ -62,6 +68,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # seq_id -> live request
         self.num_preemptions = 0
         self.num_steps = 0
+        self.num_draft_tokens = 0  # speculative tokens proposed ...
+        self.num_accepted_tokens = 0  # ... and accepted
 
     # ------------------------------------------------------------------ queue management
     def add_request(self, req: Request) -> None:
@@ -112,10 +120,15 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(num_new, budget)
+            draft = self._propose(req, budget) if num_new == 1 else []
+            num_new += len(draft)
             while True:
                 ops = self.kv.allocate_slots(req.seq_id, req.num_computed_tokens, num_new)
                 if ops is not None:
                     break
+                if draft:  # no room for the draft: decode plainly before preempting anyone
+                    num_new, draft = 1, []
+                    continue
                 if len(self.running) == 1:
                     # alone and still out of blocks: the whole cache cannot hold it; stop it
                     self.finish_request(req, RequestStatus.FINISHED_LENGTH)
@@ -129,8 +142,12 @@ class Scheduler:
             if ops is None:
                 break  # req itself was preempted or stopped: nobody younger is left
             copy_ops.extend(ops)
-            self.kv.cache_blocks(req.seq_id, req.token_ids, req.num_computed_tokens + num_new)
+            # only known tokens enter the prefix cache: a draft's KV is kept only once verified
+            self.kv.cache_blocks(req.seq_id, req.token_ids, req.num_computed_tokens + num_new - len(draft))
             sched = self._scheduled(req, num_new)
+            if draft:
+                sched.draft = draft
+                self.num_draft_tokens += len(draft)
             (decodes if sched.start == req.num_tokens - 1 and num_new == 1 else prefills).append(sched)
             budget -= num_new
             i += 1
@@ -154,9 +171,30 @@ class Scheduler:
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         end = req.num_computed_tokens + num_new
         samples = 0
-        if end == req.num_tokens:
+        if end >= req.num_tokens:  # > : a decode with a draft
             samples = 1 if req.forked else req.sampling_params.n
         return ScheduledRequest(req, num_new, req.num_computed_tokens, samples)
+
+    def _propose(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens for a decode (see spec_decode.py), within the step's budget, the request's
+        max_tokens and the model's context."""
+        cfg = self.config
+        if not cfg.num_speculative_tokens or not req.can_speculate:
+            return []
+        limit = cfg.speculative_disable_by_batch_size
+        if limit is not None and len(self.running) + len(self.waiting) >= limit:
+            return []
+        k = min(cfg.num_speculative_tokens, budget - 1)
+        p = req.sampling_params
+        if p.max_tokens is not None:
+            k = min(k, p.max_tokens - req.num_output_tokens - 1)
+        if self.max_model_len is not None:
+            k = min(k, self.max_model_len - req.num_tokens)
+        if k <= 0:
+            return []
+        if req.ngram is None:
+            req.ngram = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        return req.ngram.propose(req.token_ids, k)
 
     def _may_admit(self) -> bool:
         if self.config.policy == "continuous":
@@ -227,13 +265,24 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Request]:
         """Record a step's results. ``sampled[i]`` holds the tokens sampled for
-        ``out.scheduled[i]`` (``num_samples`` of them, or none). Returns the requests that got a
-        new token, forked children included, in batch order."""
+        ``out.scheduled[i]`` (``num_samples`` of them, or none; for a decode with a draft, the
+        accepted draft tokens and the next token). Returns the requests that got new tokens,
+        forked children included, in batch order."""
         changed: list[Request] = []
         for sched, toks in zip(out.scheduled, sampled):
             req = sched.req
             if req.is_finished or req.status != RequestStatus.RUNNING:
                 continue  # aborted meanwhile
+            if sched.draft:
+                # toks = the accepted draft tokens + the model's next one; the KV of the last known
+                # token and of the accepted draft tokens is now valid, the rest is overwritten later
+                assert 1 <= len(toks) <= len(sched.draft) + 1, (toks, sched.draft)
+                req.num_computed_tokens = sched.start + len(toks)
+                req.token_ids.extend(toks)
+                self.kv.cache_blocks(req.seq_id, req.token_ids, req.num_computed_tokens)
+                self.num_accepted_tokens += len(toks) - 1
+                changed.append(req)
+                continue
             req.num_computed_tokens = sched.start + sched.num_new_tokens
             if not sched.num_samples:
                 continue

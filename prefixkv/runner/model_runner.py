@@ -19,6 +19,7 @@ from prefixkv.runner.sampler import SamplingBatch, SamplerOutput, mix_seed, samp
 if TYPE_CHECKING:
     from prefixkv.runner.cuda_graph import CudaGraphRunner
 from prefixkv.scheduler import SchedulerOutput
+from prefixkv.spec_decode import accept_greedy
 
 
 @dataclass
@@ -85,13 +86,19 @@ class ModelRunner:
             req = s.req
             table = out.block_tables[req.seq_id]
             end = s.start + s.num_new_tokens
-            input_ids.extend(req.token_ids[s.start:end])
+            if s.draft:  # the last sampled token, then the draft: every position is verified
+                input_ids.append(req.token_ids[s.start])
+                input_ids.extend(s.draft)
+            else:
+                input_ids.extend(req.token_ids[s.start:end])
             positions.extend(range(s.start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(s.start, end))
             starts.append(starts[-1] + s.num_new_tokens)
             seq_lens.append(end)
             tables.append(table)
-            if s.num_samples:
+            if s.draft:
+                logits_rows.extend(range(starts[-2], starts[-1]))
+            elif s.num_samples:
                 logits_rows.append(starts[-1] - 1)
         max_blocks = max(len(t) for t in tables)
         bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
@@ -166,12 +173,13 @@ class ModelRunner:
         else:
             logits = self.model(input_ids, positions, self.kv_cache, meta, self.backend, logits_rows)
         rows = [(s.req, k if not s.req.forked else s.req.sample_index)
-                for s in out.scheduled for k in range(s.num_samples)]
+                for s in out.scheduled for k in range(s.num_samples + len(s.draft))]
         if not rows:
             return ModelOutput([[] for _ in out.scheduled], [None for _ in out.scheduled])
         if len(rows) != logits.shape[0]:  # the n samples of a fork step share one row of logits
             logits = logits.repeat_interleave(
-                torch.tensor([s.num_samples for s in out.scheduled if s.num_samples], device=logits.device), dim=0)
+                torch.tensor([s.num_samples if not s.draft else 1 for s in out.scheduled
+                              for _ in range(1 + len(s.draft)) if s.num_samples], device=logits.device), dim=0)
         res = sample(logits, self.sampling_batch(rows))
         return self._split(out, res)
 
@@ -185,6 +193,11 @@ class ModelRunner:
         sampled, logprobs = [], []
         i = 0
         for s in out.scheduled:
+            if s.draft:  # greedy at every verified position; no logprobs (see spec_decode.py)
+                sampled.append(accept_greedy(s.draft, res.token_ids[i:i + 1 + len(s.draft)]))
+                logprobs.append(None)
+                i += 1 + len(s.draft)
+                continue
             toks = res.token_ids[i:i + s.num_samples]
             sampled.append(toks)
             lp = None
