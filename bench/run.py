@@ -43,7 +43,8 @@ def machine_info(threads: int) -> dict:
     except (OSError, subprocess.SubprocessError):
         commit = ""
     try:  # the engine may be edited under a running benchmark: record what this process imported
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "prefixkv"], capture_output=True, text=True,
+        # (":/prefixkv" is from the repository root; a bare "prefixkv" would be relative to bench/)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", ":/prefixkv"], capture_output=True, text=True,
                                cwd=Path(__file__).resolve().parent, timeout=10).stdout.split("\n")
         dirty = [line[3:] for line in dirty if line.strip()]
     except (OSError, subprocess.SubprocessError):

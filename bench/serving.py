@@ -504,17 +504,6 @@ async def run_all(base: str, args: argparse.Namespace, rates: list[float], bodie
     return out, info
 
 
-def uncommitted_engine_files() -> list[str] | None:
-    """prefixkv/ files that differ from HEAD: the spawned server runs the working tree. (A pathspec
-    from the repository root, ``:/prefixkv``; ``prefixkv`` alone would be relative to bench/.)"""
-    try:
-        text = subprocess.run(["git", "status", "--porcelain", "--", ":/prefixkv"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return [line[3:] for line in text.splitlines() if line.strip()]
-
-
 def cmd_serving(args: argparse.Namespace, command: str) -> int:
     from bench.cli_impl import load_tokenizer
     from bench.run import _loadavg, machine_info, write_result
@@ -527,7 +516,6 @@ def cmd_serving(args: argparse.Namespace, command: str) -> int:
     base = check_loopback(args.url) if args.url else None
     load0 = _loadavg()
     machine = machine_info(args.threads)
-    machine["prefixkv_uncommitted"] = uncommitted_engine_files()
     _, tok = load_tokenizer(args.model)
     pb = wl.PromptBuilder(tok, TokenStream.build(tok))
     n = args.num_requests
