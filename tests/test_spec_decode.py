@@ -263,3 +263,42 @@ def test_cli_flags_reach_the_scheduler():
     s = cfg.scheduler
     assert (s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max,
             s.speculative_disable_by_batch_size) == (3, 1, 4, 8)
+
+
+def test_server_with_drafts(tiny_llama, monkeypatch):
+    """``prefixkv serve --num-speculative-tokens``: streamed and non-streamed chat answers equal plain
+    decoding's, several tokens arrive per step, and /metrics counts drafts and accepted tokens."""
+    import urllib.request
+
+    import openai
+
+    from prefixkv.async_engine import AsyncEngine
+    from prefixkv.config import EngineConfig, SchedulerConfig
+    from prefixkv.engine import LLMEngine
+    from prefixkv.server.app import BackgroundServer, ServerConfig
+
+    plain = LLM(model=str(tiny_llama), dtype="float64")
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "count to ten"}]
+    want = plain.chat(messages, greedy)[0].outputs[0].text
+
+    def oracle(self, tokens, k):  # plain greedy's next k tokens, the last one made wrong
+        nxt = plain.generate([list(tokens)], SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True))
+        toks = list(nxt[0].outputs[0].token_ids)
+        return toks[:-1] + [(toks[-1] + 1) % 384] if len(toks) > 1 else toks
+
+    monkeypatch.setattr(NgramIndex, "propose", oracle)
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), dtype="float64",
+                                    scheduler=SchedulerConfig(num_speculative_tokens=4)))
+    with BackgroundServer(AsyncEngine(engine), ServerConfig("tiny")) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        kw = dict(model="tiny", messages=messages, max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True})
+        r = client.chat.completions.create(**kw)
+        assert r.choices[0].message.content == want and r.usage.completion_tokens == 12
+        chunks = [c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                  if c.choices]
+        assert "".join(chunks) == want
+        assert len([c for c in chunks if c]) < 12  # several tokens per chunk: drafts were accepted
+        text = urllib.request.urlopen(srv.url + "/metrics", timeout=10).read().decode()
+    m = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert float(m["prefixkv_spec_draft_tokens_total"]) > float(m["prefixkv_spec_accepted_tokens_total"]) > 0

@@ -31,6 +31,9 @@ _ENGINE_METRICS = (
     ("prefix_hit_tokens", "prefixkv_prefix_cache_hit_tokens",
      "Prompt tokens found in the prefix cache.", "counter"),
     ("num_preemptions", "prefixkv_preemptions", "Requests preempted (recomputed later).", "counter"),
+    ("spec_draft_tokens", "prefixkv_spec_draft_tokens", "Speculative draft tokens proposed.", "counter"),
+    ("spec_accepted_tokens", "prefixkv_spec_accepted_tokens",
+     "Speculative draft tokens accepted (equal to greedy decoding's).", "counter"),
 )
 
 
