@@ -6,7 +6,8 @@
 // the build). 16-bit values are stored as raw bits and converted with single PTX instructions.
 // Every PTX primitive (cvt, cp.async, ldmatrix, mma) has a portable equivalent in its #else branch
 // (plain loads, shuffles), used below sm_80 and when the kernels are compiled as host C++ against
-// an emulated SIMT runtime; the two must compute the same thing.
+// the SIMT emulator in tests/kernel_emu (PREFIXKV_EMULATOR: cp.async then lands only at its
+// wait, so a missing wait shows up in the CPU tests); the two must compute the same thing.
 //
 // KV layout (defined in prefixkv/attention/base.py, read here):
 //   kv_cache_layer: [2, num_blocks + 1, num_kv_heads, block_size, head_dim]
@@ -178,7 +179,9 @@ __device__ __forceinline__ float warp_sum(float x) {
 // Copies 16 bytes from `gmem` to `smem`, or writes 16 zero bytes when `valid` is false (then
 // `gmem` is not read, but must still be a valid address).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if defined(PREFIXKV_EMULATOR)
+  emu_cp_async16(smem, gmem, valid);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes)
@@ -192,7 +195,9 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
 }
 
 __device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if defined(PREFIXKV_EMULATOR)
+  emu_cp_async_commit();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
@@ -200,7 +205,9 @@ __device__ __forceinline__ void cp_async_commit() {
 // Waits until at most N of this thread's committed groups are still in flight.
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if defined(PREFIXKV_EMULATOR)
+  emu_cp_async_wait(N);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
 }
@@ -292,6 +299,9 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned int (&r)[4], const void* ro
   const int g = lane / 4;
   const int q = lane % 4;
   const unsigned long long addr = reinterpret_cast<unsigned long long>(row_addr);
+#if defined(PREFIXKV_EMULATOR)
+  emu_check_align(addr, 16);  // ldmatrix row addresses must be 16-byte aligned
+#endif
   for (int i = 0; i < 4; ++i) {
     if constexpr (TRANS) {
       const unsigned short* r0 = reinterpret_cast<const unsigned short*>(__shfl_sync(FULL_MASK, addr, 8 * i + 2 * q));

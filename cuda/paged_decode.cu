@@ -239,21 +239,22 @@ __global__ void __launch_bounds__(HEAD_DIM) paged_decode_reduce_kernel(
 #define PREFIXKV_INST_DECODE_REDUCE(T, D)                                                      \
   template __global__ void prefixkv::paged_decode_reduce_kernel<T, D>(                         \
       T*, const float*, const float*, const float*, const int*, int, int, long long);
-// The offline compile check (tools/kernel_check) builds these; at run time CuPy instantiates
-// exactly the kernels a model needs through name expressions.
-PREFIXKV_INST_DECODE(prefixkv::half_t, 64, 16, 4, false)
-PREFIXKV_INST_DECODE(prefixkv::half_t, 64, 16, 8, true)
-PREFIXKV_INST_DECODE(prefixkv::half_t, 128, 16, 4, false)
-PREFIXKV_INST_DECODE(prefixkv::half_t, 128, 16, 8, true)
-PREFIXKV_INST_DECODE(prefixkv::bf16_t, 64, 16, 4, false)
-PREFIXKV_INST_DECODE(prefixkv::bf16_t, 64, 16, 8, true)
-PREFIXKV_INST_DECODE(prefixkv::bf16_t, 128, 16, 4, false)
-PREFIXKV_INST_DECODE(prefixkv::bf16_t, 128, 32, 8, true)
-PREFIXKV_INST_DECODE(float, 128, 16, 4, false)
-PREFIXKV_INST_DECODE(float, 64, 32, 1, true)
-PREFIXKV_INST_DECODE_REDUCE(prefixkv::half_t, 64)
-PREFIXKV_INST_DECODE_REDUCE(prefixkv::half_t, 128)
-PREFIXKV_INST_DECODE_REDUCE(prefixkv::bf16_t, 64)
-PREFIXKV_INST_DECODE_REDUCE(prefixkv::bf16_t, 128)
-PREFIXKV_INST_DECODE_REDUCE(float, 64)
+// The offline compile check (tools/kernel_check) builds these: every dtype x head_dim {64, 128} x
+// block size {16, 32}, the plain kernel for a GQA group of 4 and split-K for 8, plus the extremes
+// (head_dim 256, GROUP 1). At run time CuPy instantiates exactly what a model needs.
+#define PREFIXKV_INST_DECODE_DIMS(T, D)      \
+  PREFIXKV_INST_DECODE(T, D, 16, 4, false)   \
+  PREFIXKV_INST_DECODE(T, D, 32, 4, false)   \
+  PREFIXKV_INST_DECODE(T, D, 16, 8, true)    \
+  PREFIXKV_INST_DECODE(T, D, 32, 8, true)    \
+  PREFIXKV_INST_DECODE_REDUCE(T, D)
+#define PREFIXKV_INST_DECODE_TYPE(T)   \
+  PREFIXKV_INST_DECODE_DIMS(T, 64)     \
+  PREFIXKV_INST_DECODE_DIMS(T, 128)    \
+  PREFIXKV_INST_DECODE(T, 256, 16, 8, true) \
+  PREFIXKV_INST_DECODE(T, 128, 16, 1, false) \
+  PREFIXKV_INST_DECODE_REDUCE(T, 256)
+PREFIXKV_INST_DECODE_TYPE(prefixkv::half_t)
+PREFIXKV_INST_DECODE_TYPE(prefixkv::bf16_t)
+PREFIXKV_INST_DECODE_TYPE(float)
 #endif

@@ -461,17 +461,20 @@ __global__ void __launch_bounds__(PREFILL_NUM_THREADS) paged_prefill_mma_kernel(
   template __global__ void prefixkv::paged_prefill_kernel<T, D, BS> PREFIXKV_PREFILL_PARAMS(T);
 #define PREFIXKV_INST_PREFILL_MMA(T, D, BS) \
   template __global__ void prefixkv::paged_prefill_mma_kernel<T, D, BS> PREFIXKV_PREFILL_PARAMS(T);
-// The offline compile check (tools/kernel_check) builds these; at run time CuPy instantiates
-// exactly the kernels a model needs through name expressions.
-PREFIXKV_INST_PREFILL(prefixkv::half_t, 64, 16)
-PREFIXKV_INST_PREFILL(prefixkv::half_t, 128, 16)
-PREFIXKV_INST_PREFILL(prefixkv::bf16_t, 64, 16)
-PREFIXKV_INST_PREFILL(prefixkv::bf16_t, 128, 32)
+// The offline compile check (tools/kernel_check) builds these: every dtype x head_dim {64, 128} x
+// block size {16, 32} (tensor-core kernel: fp16 / bf16), plus head_dim 256 (32-row SIMT tiles). At
+// run time CuPy instantiates exactly what a model needs.
+#define PREFIXKV_INST_PREFILL_BS(T, D) PREFIXKV_INST_PREFILL(T, D, 16) PREFIXKV_INST_PREFILL(T, D, 32)
+#define PREFIXKV_INST_PREFILL_MMA_BS(T, D) PREFIXKV_INST_PREFILL_MMA(T, D, 16) PREFIXKV_INST_PREFILL_MMA(T, D, 32)
+PREFIXKV_INST_PREFILL_BS(prefixkv::half_t, 64)
+PREFIXKV_INST_PREFILL_BS(prefixkv::half_t, 128)
+PREFIXKV_INST_PREFILL_BS(prefixkv::bf16_t, 64)
+PREFIXKV_INST_PREFILL_BS(prefixkv::bf16_t, 128)
+PREFIXKV_INST_PREFILL_BS(float, 64)
+PREFIXKV_INST_PREFILL_BS(float, 128)
 PREFIXKV_INST_PREFILL(prefixkv::bf16_t, 256, 16)
-PREFIXKV_INST_PREFILL(float, 64, 16)
-PREFIXKV_INST_PREFILL(float, 128, 16)
-PREFIXKV_INST_PREFILL_MMA(prefixkv::half_t, 64, 16)
-PREFIXKV_INST_PREFILL_MMA(prefixkv::half_t, 128, 16)
-PREFIXKV_INST_PREFILL_MMA(prefixkv::bf16_t, 64, 32)
-PREFIXKV_INST_PREFILL_MMA(prefixkv::bf16_t, 128, 16)
+PREFIXKV_INST_PREFILL_MMA_BS(prefixkv::half_t, 64)
+PREFIXKV_INST_PREFILL_MMA_BS(prefixkv::half_t, 128)
+PREFIXKV_INST_PREFILL_MMA_BS(prefixkv::bf16_t, 64)
+PREFIXKV_INST_PREFILL_MMA_BS(prefixkv::bf16_t, 128)
 #endif

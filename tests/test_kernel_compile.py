@@ -28,6 +28,14 @@ def test_kernel_check_passes():
         assert kernel in proc.stdout, f"{kernel} missing from the report:\n{proc.stdout}"
     for arch in ("sm_80", "sm_90"):
         assert arch in proc.stdout
+    # the matrix the issue asks for: fp16 / bf16 / fp32, head_dim 64 and 128, block sizes 16 and 32
+    for t in ("half_t", "bf16_t", "float"):
+        for d in (64, 128):
+            for bs in (16, 32):
+                assert f"paged_decode_kernel<{t}, {d}, {bs}," in proc.stdout
+                assert f"paged_prefill_kernel<{t}, {d}, {bs}>" in proc.stdout
+                if t != "float":
+                    assert f"paged_prefill_mma_kernel<{t}, {d}, {bs}>" in proc.stdout
 
 
 def test_cuda_module_imports_without_cupy_or_gpu():
@@ -58,3 +66,50 @@ def test_decode_group_choice():
     from prefixkv.attention.cuda import _decode_group
 
     assert [_decode_group(n) for n in (1, 4, 7, 8, 12, 16, 11, 32)] == [1, 4, 7, 8, 6, 8, 8, 8]
+
+
+def test_missing_cupy_is_a_clear_error():
+    import importlib.util
+
+    from prefixkv.attention import cuda
+
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("cupy is installed here")
+    with pytest.raises(ImportError, match="CuPy"):
+        cuda._cupy()
+
+
+def test_name_expressions_cover_what_the_wrappers_launch():
+    """name_expressions (used by kernel_check --nvrtc) lists the instantiations a model can launch."""
+    from prefixkv.attention import cuda
+
+    names = cuda.name_expressions(torch.bfloat16, 128, 16, 4)
+    assert names["paged_decode.cu"] == ["prefixkv::paged_decode_kernel<prefixkv::bf16_t, 128, 16, 4, false>",
+                                        "prefixkv::paged_decode_kernel<prefixkv::bf16_t, 128, 16, 4, true>",
+                                        "prefixkv::paged_decode_reduce_kernel<prefixkv::bf16_t, 128>"]
+    assert names["paged_prefill.cu"] == ["prefixkv::paged_prefill_kernel<prefixkv::bf16_t, 128, 16>",
+                                         "prefixkv::paged_prefill_mma_kernel<prefixkv::bf16_t, 128, 16>"]
+    assert cuda.name_expressions(torch.float32, 64, 32, 1)["paged_prefill.cu"] == [
+        "prefixkv::paged_prefill_kernel<float, 64, 32>"]
+
+
+def test_launch_constants_match_the_kernel_sources():
+    """The wrapper's block sizes, partition size and tile rows are copies of constants in cuda/*.cu."""
+    import re
+
+    from prefixkv.attention import cuda
+
+    def const(file_name: str, name: str) -> int:
+        m = re.search(rf"inline constexpr int {name} = (\w+);", (ROOT / "cuda" / file_name).read_text())
+        assert m, f"{name} not found in {file_name}"
+        return int(m.group(1)) if m.group(1).isdigit() else {"WARP_SIZE": 32}[m.group(1)]
+
+    assert const("paged_decode.cu", "DECODE_NUM_WARPS") * 32 == cuda._DECODE_THREADS
+    assert const("paged_decode.cu", "DECODE_PARTITION_SIZE") == cuda.DECODE_PARTITION_SIZE
+    assert const("paged_prefill.cu", "PREFILL_NUM_THREADS") == cuda._PREFILL_THREADS
+    assert const("paged_prefill.cu", "PREFILL_MMA_BLOCK_M") == cuda._PREFILL_MMA_BLOCK_M
+    assert const("cache_ops.cu", "CACHE_OPS_THREADS") == cuda._CACHE_OPS_THREADS
+    simt = (ROOT / "cuda" / "paged_prefill.cu").read_text()
+    assert "WIDE = ROW_BYTES > 256" in simt and "BLOCK_M = WIDE ? 32 : 64" in simt
+    assert cuda._prefill_block_m("simt", torch.float32, 128) == 32  # 512-byte rows
+    assert cuda._prefill_block_m("simt", torch.float16, 128) == 64

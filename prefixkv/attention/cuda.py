@@ -79,10 +79,20 @@ def _source(file_name: str) -> str:
     return expand(path)
 
 
+def _cupy():
+    try:
+        import cupy
+    except ImportError as e:  # the one optional dependency of the GPU path
+        raise ImportError("the 'cuda' attention backend compiles its kernels through CuPy, which is not "
+                          "importable here; install the wheel matching your CUDA (e.g. pip install "
+                          "'prefixkv[cuda]' for cupy-cuda13x), or use attention_backend='torch'") from e
+    return cupy
+
+
 @functools.cache
 def _kernel(file_name: str, name_expr: str, device_index: int):
-    import cupy
-
+    """Compiles (NVRTC; CuPy also caches the binary on disk) and loads one instantiation."""
+    cupy = _cupy()
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=_source(file_name), options=_NVRTC_OPTIONS, name_expressions=(name_expr,))
         return module.get_function(name_expr)
@@ -90,9 +100,12 @@ def _kernel(file_name: str, name_expr: str, device_index: int):
 
 def _launch(file_name: str, name_expr: str, grid: tuple[int, int, int], block: int, args: tuple,
             device: torch.device) -> None:
-    """Launches ``name_expr`` from ``cuda/<file_name>`` on torch's current stream of ``device``."""
-    import cupy
+    """Launches ``name_expr`` from ``cuda/<file_name>`` on torch's current stream of ``device``.
 
+    The stream is looked up at every launch (never cached): under ``torch.cuda.graph`` the current
+    stream is the capture stream, and launching anywhere else would leave the kernel out of the graph.
+    """
+    cupy = _cupy()
     kernel = _kernel(file_name, name_expr, device.index)
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
     with cupy.cuda.Device(device.index):
@@ -116,6 +129,43 @@ def _i32(x: int) -> np.int32:
 
 def _i64(x: int) -> np.int64:
     return np.int64(x)
+
+
+# ---- kernel names (CuPy name expressions: one compiled instantiation each) ----------------------
+
+
+def _cache_op_name(kernel: str, dtype: torch.dtype) -> str:
+    return f"prefixkv::{kernel}<{_TYPE_NAMES[dtype]}>"
+
+
+def _decode_name(dtype: torch.dtype, head_dim: int, block_size: int, group: int, split_k: bool) -> str:
+    return (f"prefixkv::paged_decode_kernel<{_TYPE_NAMES[dtype]}, {head_dim}, {block_size}, {group}, "
+            f"{'true' if split_k else 'false'}>")
+
+
+def _decode_reduce_name(dtype: torch.dtype, head_dim: int) -> str:
+    return f"prefixkv::paged_decode_reduce_kernel<{_TYPE_NAMES[dtype]}, {head_dim}>"
+
+
+def _prefill_name(impl: str, dtype: torch.dtype, head_dim: int, block_size: int) -> str:
+    kernel = "paged_prefill_mma_kernel" if impl == "mma" else "paged_prefill_kernel"
+    return f"prefixkv::{kernel}<{_TYPE_NAMES[dtype]}, {head_dim}, {block_size}>"
+
+
+def name_expressions(dtype: torch.dtype, head_dim: int, block_size: int, queries_per_kv: int,
+                     mma: bool = True) -> dict[str, list[str]]:
+    """Every kernel instantiation a model of this shape can launch, by source file (for offline
+    compile checks; at run time each is compiled on first use)."""
+    group = _decode_group(queries_per_kv)
+    prefill = [_prefill_name("simt", dtype, head_dim, block_size)]
+    if mma and dtype in (torch.float16, torch.bfloat16) and head_dim <= 128:
+        prefill.append(_prefill_name("mma", dtype, head_dim, block_size))
+    return {
+        "cache_ops.cu": [_cache_op_name(k, dtype) for k in ("write_kv_kernel", "copy_blocks_kernel")],
+        "paged_decode.cu": [_decode_name(dtype, head_dim, block_size, group, split) for split in (False, True)]
+        + [_decode_reduce_name(dtype, head_dim)],
+        "paged_prefill.cu": prefill,
+    }
 
 
 # ---- argument checks ---------------------------------------------------------------------------
@@ -210,7 +260,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slo
     args = (_ptr(kv_cache_layer), _ptr(kv_cache_layer[1]), _ptr(k), _ptr(v), _ptr(slot_mapping),
             _i32(num_kv_heads), _i32(head_dim), _i32(block_size), _i64(num_blocks_total * block_size),
             _i64(k.stride(0)), _i64(v.stride(0)))
-    name = f"prefixkv::write_kv_kernel<{_TYPE_NAMES[k.dtype]}>"
+    name = _cache_op_name("write_kv_kernel", k.dtype)
     _launch("cache_ops.cu", name, (num_tokens, 1, 1), _CACHE_OPS_THREADS, args, kv_cache_layer.device)
 
 
@@ -232,7 +282,7 @@ def copy_blocks(kv_cache: torch.Tensor, src_dst: torch.Tensor) -> None:
     if 2 * num_layers > _MAX_GRID_YZ:
         raise ValueError(f"kv_cache: too many layers ({num_layers})")
     args = (_ptr(kv_cache), _ptr(src_dst), _i64(num_blocks_total), _i64(num_kv_heads * block_size * head_dim))
-    name = f"prefixkv::copy_blocks_kernel<{_TYPE_NAMES[kv_cache.dtype]}>"
+    name = _cache_op_name("copy_blocks_kernel", kv_cache.dtype)
     _launch("cache_ops.cu", name, (num_copies, 2 * num_layers, 1), _CACHE_OPS_THREADS, args, kv_cache.device)
 
 
@@ -267,9 +317,7 @@ def _decode(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, block_table
     num_parts = max(1, -(-max_seq_len // DECODE_PARTITION_SIZE)) if split_k else 1
     if num_parts > _MAX_GRID_YZ:
         raise ValueError(f"max_seq_len {max_seq_len} too long for split-K")
-    type_name = _TYPE_NAMES[q.dtype]
-    name = (f"prefixkv::paged_decode_kernel<{type_name}, {head_dim}, {block_size}, {group}, "
-            f"{'true' if split_k else 'false'}>")
+    name = _decode_name(q.dtype, head_dim, block_size, group, split_k)
     part_max = part_sum = part_out = None
     if split_k:
         part_max = torch.empty((num_seqs, num_heads, num_parts), dtype=torch.float32, device=q.device)
@@ -283,7 +331,7 @@ def _decode(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, block_table
     if split_k:
         args = (_ptr(out), _ptr(part_max), _ptr(part_sum), _ptr(part_out), _ptr(seq_lens), _i32(num_heads),
                 _i32(num_parts), _i64(out.stride(0)))
-        name = f"prefixkv::paged_decode_reduce_kernel<{type_name}, {head_dim}>"
+        name = _decode_reduce_name(q.dtype, head_dim)
         _launch("paged_decode.cu", name, (num_heads, num_seqs, 1), head_dim, args, cache.device)
 
 
@@ -348,8 +396,7 @@ def _prefill(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, block_tabl
     num_chunks = -(-queries_per_kv // heads_per_cta)
     tokens_per_cta = block_m // heads_per_cta
     grid = (-(-max_query_len // tokens_per_cta), num_kv_heads * num_chunks, num_prefill)
-    kernel = "paged_prefill_mma_kernel" if impl == "mma" else "paged_prefill_kernel"
-    name = f"prefixkv::{kernel}<{_TYPE_NAMES[q.dtype]}, {head_dim}, {block_size}>"
+    name = _prefill_name(impl, q.dtype, head_dim, block_size)
     args = (_ptr(out), _ptr(q), _ptr(cache), _ptr(cache[1]), _ptr(block_tables), _ptr(seq_lens),
             _ptr(query_start_loc), _i32(first_seq), _i32(num_heads), _i32(num_kv_heads),
             _i32(block_tables.stride(0)), _i32(heads_per_cta), _i64(q.stride(0)), _i64(out.stride(0)),

@@ -1,10 +1,14 @@
 """CUDA graphs for decode steps.
 
-One graph per padded batch bucket (1, 2, 4, 8, then steps of 8 up to ``max_num_seqs``), captured
-once at start-up, largest first, all in one shared memory pool. Each graph reads its inputs from
-static buffers; a replay copies the step's inputs into them. Padding rows (bucket size minus real
-sequences) write their K/V into the reserved dummy block and attend to it alone, so they touch no
-real block. Prefill steps, and decode batches above the largest bucket, run eagerly.
+One graph per padded batch bucket (1, 2, 4, 8, then steps of 8 up to ``max_num_seqs``; the last
+bucket rounds ``max_num_seqs`` up to a multiple of 8), captured once at start-up, largest first,
+all in one shared memory pool. Each graph reads its inputs from static buffers; a replay copies the
+step's inputs into them. Padding rows (bucket size minus real sequences) write their K/V into the
+reserved dummy block and attend to it alone, so they touch no real block. Prefill steps, and
+decode batches above the largest bucket, run eagerly.
+
+The attention metadata's ``max_seq_len`` is ``max_model_len`` both here and in eager GPU steps
+(model_runner), so the decode kernel's grid (split-K partitions) is sized alike in both.
 """
 
 from __future__ import annotations
@@ -52,9 +56,11 @@ class CudaGraphRunner:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.logits_rows = torch.arange(n, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # [bucket, vocab] logits, written by each replay
         self.pool = None
-        self.capture_seconds = 0.0
+        self.warmup_seconds = 0.0  # the first eager pass (compiles the kernels a decode step uses)
+        self.capture_seconds = 0.0  # the captures of every bucket (each after one eager pass)
+        self.bucket_seconds: dict[int, float] = {}
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -68,23 +74,29 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> float:
-        """Capture every bucket; returns the seconds it took."""
-        t0 = time.perf_counter()
+        """Capture every bucket, largest first, into one memory pool; returns ``capture_seconds``
+        (the warm-up pass that compiles the kernels is timed apart, in ``warmup_seconds``). The
+        static inputs name only the dummy block while capturing."""
         self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
+        stream = torch.cuda.Stream(device=self.kv_cache.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
+            t0 = time.perf_counter()
+            self._forward(self.buckets[-1])
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            self.warmup_seconds = t1 - t0
             for b in reversed(self.buckets):
-                for _ in range(2):  # warm up: compile kernels, settle allocations
-                    self._forward(b)
-                torch.cuda.synchronize()
+                tb = time.perf_counter()
+                self._forward(b)  # one eager pass at this shape before capturing it
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     self.outputs[b] = self._forward(b)
                 self.graphs[b] = graph
+                self.bucket_seconds[b] = time.perf_counter() - tb
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - t0
+        self.capture_seconds = time.perf_counter() - t1
         return self.capture_seconds
 
     def bucket_for(self, num_seqs: int) -> int | None:
@@ -94,15 +106,18 @@ class CudaGraphRunner:
         return None
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Run a decode-only step (``meta.num_decode_seqs == num_seqs``); returns [num_seqs, vocab]."""
+        """Run a decode-only step (``meta.num_decode_seqs == num_seqs``); returns [num_seqs, vocab],
+        a view of the graph's output that the next replay overwrites."""
         n = meta.num_seqs
         b = self.bucket_for(n)
-        assert b is not None and n == meta.num_decode_seqs == input_ids.shape[0]
+        w = meta.block_tables.shape[1]
+        if b is None or not 0 < n == meta.num_decode_seqs == input_ids.shape[0] or w > self.max_blocks:
+            raise ValueError(f"replay: {n} sequences ({meta.num_decode_seqs} decodes, {input_ids.shape[0]} tokens, "
+                             f"{w} blocks each) do not fit buckets {self.buckets} x {self.max_blocks} blocks")
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens)
-        w = meta.block_tables.shape[1]
         self.block_tables[:n, :w].copy_(meta.block_tables)
         if n < b:  # padding rows: the dummy block only
             self.input_ids[n:b].zero_()

@@ -21,11 +21,13 @@ from tiny_models import build_model, build_tokenizer  # noqa: E402
 
 @pytest.fixture(scope="module", autouse=True)
 def no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
     yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old[:2]
+    torch.set_float32_matmul_precision(old[2])
 
 
 @pytest.fixture(scope="module", params=[("llama", 64), ("mistral", 128)])
@@ -52,6 +54,7 @@ def _hf_greedy(path, prompts, max_tokens):
         out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=max_tokens, do_sample=False,
                           eos_token_id=None, pad_token_id=0)
         refs.append(out[0, len(p):].tolist())
+    assert all(len(r) == max_tokens for r in refs), "transformers stopped early (eos_token_id=None ignored?)"
     return refs
 
 
@@ -87,14 +90,17 @@ def test_replay_reads_new_inputs(gpu_model):
     g = runner.graphs
     from prefixkv.attention import AttentionMetadata
 
+    block = 1  # a real block (no request holds one): the dummy block is the padding rows' to write
+
     def step(tokens):
-        # sequence i writes its K/V into slot i of the dummy block and attends to slots 0..i
+        # sequence i writes its K/V into slot i of `block` and attends to slots 0..i; 3 sequences
+        # replay the 4-bucket graph, whose padding row writes into the dummy block
         n = len(tokens)
         meta = AttentionMetadata(
-            slot_mapping=torch.arange(n, device="cuda") + g.dummy_block * g.block_size,
+            slot_mapping=torch.arange(n, device="cuda") + block * g.block_size,
             query_start_loc=torch.arange(n + 1, dtype=torch.int32, device="cuda"),
             seq_lens=torch.arange(1, n + 1, dtype=torch.int32, device="cuda"),
-            block_tables=torch.full((n, 2), g.dummy_block, dtype=torch.int32, device="cuda"),
+            block_tables=torch.full((n, 2), block, dtype=torch.int32, device="cuda"),
             num_decode_seqs=n, max_seq_len=g.max_model_len, max_query_len=1)
         ids = torch.tensor(tokens, device="cuda")
         pos = torch.arange(n, dtype=torch.int64, device="cuda")
@@ -102,6 +108,7 @@ def test_replay_reads_new_inputs(gpu_model):
         eager = runner.model(ids, pos, runner.kv_cache, meta, runner.backend, torch.arange(n, device="cuda"))
         return replayed, eager
 
+    assert g.bucket_for(3) == 4
     r1, e1 = step([5, 6, 7])
     r2, e2 = step([9, 10, 11])
     torch.testing.assert_close(r1, e1, rtol=1e-4, atol=1e-4)

@@ -1,5 +1,6 @@
 """The CUDA kernels (prefixkv.attention.cuda) against a plain float64 reference that walks each
-sequence's block table token by token.
+sequence's block table token by token (tests/kernel_reference.py; the same cases also run on the
+CPU through the SIMT emulator in tests/test_kernel_emulation.py).
 
 Cache slots outside every sequence's context hold NaN, so a kernel that reads past a context (or
 multiplies a masked-out value by zero instead of skipping it) fails loudly. Block ids are shuffled,
@@ -20,72 +21,20 @@ if not torch.cuda.is_available():
 pytest.importorskip("cupy")
 
 from prefixkv.attention import cuda as kernels  # noqa: E402
-from prefixkv.attention.base import AttentionMetadata  # noqa: E402
+
+from kernel_reference import forward_inputs, make_batch as _make_batch, reference_attention  # noqa: E402
 
 DEVICE = torch.device("cuda")
+
+
+def make_batch(*args, **kwargs):
+    return _make_batch(*args, device=DEVICE, **kwargs)
+
+
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 # Inputs are rounded identically for kernel and reference; the error left is the output rounding
 # (and, on the tensor-core path, P rounded to the input dtype as in FlashAttention-2).
 TOL = {F16: 5e-3, BF16: 3e-2, F32: 1e-4}
-
-
-# ---- reference and inputs ------------------------------------------------------------------------
-
-
-def reference_attention(q, kv_cache_layer, block_tables, seq_lens, query_start_loc, scale, first_seq=0):
-    """float64 causal attention of every query token, K/V gathered token by token via the block table.
-    Rows of sequences before ``first_seq`` stay zero."""
-    q = q.detach().cpu().double()
-    cache = kv_cache_layer.detach().cpu()
-    num_heads, (num_kv_heads, block_size) = q.shape[1], cache.shape[2:4]
-    out = torch.zeros_like(q)
-    starts = query_start_loc.tolist()
-    tables = block_tables.tolist()
-    for s, seq_len in enumerate(seq_lens.tolist()):
-        if s < first_seq:
-            continue
-        q0, q1 = starts[s], starts[s + 1]
-        ctx = seq_len - (q1 - q0)
-        keys, values = [], []
-        for pos in range(seq_len):
-            block, offset = tables[s][pos // block_size], pos % block_size
-            keys.append(cache[0, block, :, offset])
-            values.append(cache[1, block, :, offset])
-        k = torch.stack(keys).double().repeat_interleave(num_heads // num_kv_heads, dim=1)  # [seq_len, H, D]
-        v = torch.stack(values).double().repeat_interleave(num_heads // num_kv_heads, dim=1)
-        scores = torch.einsum("nhd,lhd->hnl", q[q0:q1], k) * scale
-        query_pos = ctx + torch.arange(q1 - q0)[:, None]
-        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
-        out[q0:q1] = torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), v)
-    return out
-
-
-def make_batch(dtype, head_dim, block_size, num_kv_heads, queries_per_kv, specs, seed=0):
-    """specs: [(seq_len, query_len)], decodes (query_len 1) first. The contexts' K/V are in the cache
-    (random, shuffled blocks); every other slot is NaN. Returns a dict of device tensors."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-seq_len // block_size) for seq_len, _ in specs]
-    num_blocks = sum(blocks_per_seq) + 3
-    cache = torch.full((2, num_blocks + 1, num_kv_heads, block_size, head_dim), float("nan"))
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.zeros((len(specs), max(blocks_per_seq) + 2), dtype=torch.int32)  # padded with 0
-    for s, (seq_len, _) in enumerate(specs):
-        blocks, perm = perm[: blocks_per_seq[s]], perm[blocks_per_seq[s]:]
-        tables[s, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        for pos in range(seq_len):
-            cache[:, blocks[pos // block_size], :, pos % block_size] = torch.randn(
-                (2, num_kv_heads, head_dim), generator=gen)
-    query_start_loc = [0]
-    for _, query_len in specs:
-        query_start_loc.append(query_start_loc[-1] + query_len)
-    q = torch.randn((query_start_loc[-1], num_kv_heads * queries_per_kv, head_dim), generator=gen)
-    num_decodes = next((i for i, (_, ql) in enumerate(specs) if ql != 1), len(specs))
-    return dict(
-        cache=cache.to(dtype).to(DEVICE), q=q.to(dtype).to(DEVICE), block_tables=tables.to(DEVICE),
-        seq_lens=torch.tensor([L for L, _ in specs], dtype=torch.int32, device=DEVICE),
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=DEVICE),
-        num_decodes=num_decodes, max_seq_len=max(L for L, _ in specs), max_query_len=max(ql for _, ql in specs),
-    )
 
 
 def assert_close(got, want, dtype, rows=None):
@@ -123,7 +72,7 @@ DECODE_CASES = [
 @pytest.mark.parametrize("dtype,head_dim,block_size,num_kv_heads,queries_per_kv,split_k", DECODE_CASES)
 def test_paged_decode(dtype, head_dim, block_size, num_kv_heads, queries_per_kv, split_k):
     rng = random.Random(head_dim * 1000 + block_size * 10 + queries_per_kv)
-    lens = [1, block_size, block_size + 1, rng.randint(2, 700), 1500, rng.randint(500, 1100)]
+    lens = [1, block_size, block_size + 1, rng.randint(2, 700), 1500, rng.randint(500, 1100), 512, 513]
     b = make_batch(dtype, head_dim, block_size, num_kv_heads, queries_per_kv, [(L, 1) for L in lens])
     scale = 1 / math.sqrt(head_dim)
     out = kernels.paged_decode_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], scale,
@@ -139,6 +88,17 @@ def test_paged_decode_split_k_grid_sized_by_an_upper_bound():
     out = kernels.paged_decode_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], 0.1, 4096,
                                          split_k=True)
     want = reference_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], b["query_start_loc"], 0.1)
+    assert_close(out, want, BF16)
+
+
+@pytest.mark.parametrize("split_k", [False, True])
+def test_paged_decode_empty_context_rows_are_zero(split_k):
+    b = make_batch(BF16, 128, 32, 2, 8, [(L, 1) for L in (5, 600, 1)])
+    b["seq_lens"][1] = 0
+    out = kernels.paged_decode_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], 0.1, 600,
+                                         split_k=split_k)
+    want = reference_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], b["query_start_loc"], 0.1)
+    assert (out[1] == 0).all()
     assert_close(out, want, BF16)
 
 
@@ -195,11 +155,13 @@ def test_write_kv(dtype, block_size):
     # k and v are strided views of a fused [num_tokens, 3, num_kv_heads, head_dim] buffer
     fused = torch.randn((num_tokens, 3, num_kv_heads, head_dim)).to(dtype).to(DEVICE)
     k, v = fused[:, 0], fused[:, 2]
-    slots = random.Random(block_size).sample(range((num_blocks + 1) * block_size), num_tokens - 1) + [-1]
+    # random slots (the dummy block's included), then one skipped (-1) and one past the cache
+    slots = random.Random(block_size).sample(range((num_blocks + 1) * block_size), num_tokens - 2)
+    slots += [-1, (num_blocks + 1) * block_size]
     slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
     want = cache.clone()
     for t, slot in enumerate(slots):
-        if slot >= 0:
+        if 0 <= slot < (num_blocks + 1) * block_size:
             want[0, slot // block_size, :, slot % block_size] = k[t]
             want[1, slot // block_size, :, slot % block_size] = v[t]
     kernels.write_kv(k, v, cache, slot_mapping)
@@ -209,9 +171,10 @@ def test_write_kv(dtype, block_size):
 @pytest.mark.parametrize("dtype", [F16, BF16, F32])
 def test_copy_blocks_all_layers_one_launch(dtype):
     kv_cache = torch.randn((3, 2, 9, 2, 16, 64)).to(dtype).to(DEVICE)
-    src_dst = torch.tensor([[1, 5], [2, 7], [8, 0]], dtype=torch.int64)  # on the CPU: moved by the wrapper
+    # on the CPU (moved by the wrapper); the last two pairs name blocks outside the cache: skipped
+    src_dst = torch.tensor([[1, 5], [2, 7], [8, 0], [3, 9], [-1, 4]], dtype=torch.int64)
     want = kv_cache.clone()
-    want[:, :, src_dst[:, 1]] = want[:, :, src_dst[:, 0]]
+    want[:, :, src_dst[:3, 1]] = want[:, :, src_dst[:3, 0]]
     kernels.copy_blocks(kv_cache, src_dst)
     assert same_bits(kv_cache, want)
     kernels.CudaAttentionBackend().copy_blocks(kv_cache, torch.empty((0, 2), dtype=torch.int64))
@@ -229,26 +192,7 @@ FORWARD_CASES = [
 
 
 def _forward_inputs(dtype, head_dim, block_size, num_kv_heads, queries_per_kv, specs, seed=0):
-    """A batch plus this step's k/v: q, k, v are views of one fused qkv projection (strided rows)."""
-    b = make_batch(dtype, head_dim, block_size, num_kv_heads, queries_per_kv, specs, seed)
-    num_tokens, num_heads = b["q"].shape[:2]
-    qkv = torch.randn((num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)).to(dtype).to(DEVICE)
-    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    q.copy_(b["q"])
-    k = qkv[:, num_heads * head_dim: (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
-    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(num_tokens, num_kv_heads, head_dim)
-    tables = b["block_tables"].tolist()
-    slots = [tables[s][pos // block_size] * block_size + pos % block_size
-             for s, (seq_len, query_len) in enumerate(specs) for pos in range(seq_len - query_len, seq_len)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE), query_start_loc=b["query_start_loc"],
-        seq_lens=b["seq_lens"], block_tables=b["block_tables"], num_decode_seqs=b["num_decodes"],
-        max_seq_len=b["max_seq_len"], max_query_len=b["max_query_len"])
-    want_cache = b["cache"].clone()
-    for t, slot in enumerate(slots):
-        want_cache[0, slot // block_size, :, slot % block_size] = k[t]
-        want_cache[1, slot // block_size, :, slot % block_size] = v[t]
-    return b, q, k, v, meta, want_cache
+    return forward_inputs(dtype, head_dim, block_size, num_kv_heads, queries_per_kv, specs, seed, device=DEVICE)
 
 
 @pytest.mark.parametrize("dtype,head_dim,block_size,num_kv_heads,queries_per_kv,specs", FORWARD_CASES)

@@ -1,0 +1,294 @@
+"""The CUDA kernels, run on the CPU through the SIMT emulator (tests/kernel_emu), against the float64
+reference that walks the block table token by token (tests/kernel_reference.py).
+
+This is the same source the GPU compiles (minus the PTX branches: mma.sync and ldmatrix run as their
+shuffle-based equivalents in common.cuh) behind the real Python wrappers, so it checks indexing
+(block tables, slot mapping, the dummy block, causal offsets, split-K partitions and their
+reduction, GQA head chunks, padding rows), synchronization (every barrier reached by every
+thread; cp.async data and shared memory read only after they are written) and alignment, on
+every dtype, head_dim 32-256, block sizes 8-64 and ragged contexts. What it cannot show: speed,
+races between threads, and the PTX instructions themselves (tests/gpu covers those on a device).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from kernel_emu import EmulatorError, KernelEmulator, emulated, find_compiler
+from kernel_reference import forward_inputs, make_batch, reference_attention
+
+pytestmark = pytest.mark.skipif(find_compiler() is None, reason="no C++ compiler for the kernel emulator")
+
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+TOL = {F16: 5e-3, BF16: 3e-2, F32: 1e-4}
+
+DECODE_CASES = [
+    # dtype, head_dim, block_size, num_kv_heads, queries_per_kv, split_k, context lengths
+    (F16, 128, 16, 2, 4, False, [1, 16, 17, 300, 1500]),
+    (BF16, 128, 32, 2, 8, True, [1, 511, 512, 513, 1025]),  # partition boundaries
+    (F32, 128, 16, 1, 4, True, [3, 1024, 1030]),
+    (BF16, 64, 16, 4, 1, False, [2, 33, 700]),
+    (F16, 64, 32, 1, 8, True, [64, 1100]),
+    (F32, 64, 16, 2, 1, None, [7, 1030]),  # few CTAs, long context: split-K picked
+    (BF16, 128, 16, 1, 12, False, [9, 200]),  # GQA group in 2 chunks of 6 heads
+    (F16, 128, 16, 1, 11, True, [40, 600]),  # 11 heads: a chunk of 8 and a partial chunk of 3
+    (BF16, 64, 8, 2, 7, True, [9, 520]),
+    (F16, 64, 64, 1, 5, False, [65, 130]),
+    (BF16, 256, 16, 1, 2, True, [50, 530]),
+    (F32, 32, 16, 1, 3, False, [1, 40]),
+]
+
+PREFILL_CASES = [
+    # dtype, head_dim, block_size, num_kv_heads, queries_per_kv, impl, [(seq_len, query_len)]
+    # fresh prompts, chunks after a cached prefix, a lone last token, several q and kv tiles
+    (F16, 128, 16, 2, 4, "mma", [(37, 37), (150, 45), (300, 1), (100, 70)]),
+    (BF16, 128, 32, 1, 4, "mma", [(130, 70), (5, 5)]),
+    (F16, 64, 16, 2, 1, "mma", [(200, 150), (64, 64)]),
+    (BF16, 64, 32, 1, 7, "mma", [(90, 50), (3, 3), (66, 1)]),  # 7 heads x 9 tokens: a padding row
+    (F16, 32, 8, 1, 80, "mma", [(20, 3), (6, 6)]),  # 80 heads per kv head: 2 head chunks, 1 token each
+    (F16, 128, 16, 2, 4, "simt", [(37, 37), (300, 45), (600, 1), (200, 130)]),
+    (BF16, 64, 16, 1, 8, "simt", [(80, 13), (64, 64)]),
+    (F32, 128, 16, 2, 2, "simt", [(50, 20), (9, 9)]),  # 512-byte rows: 32-row tiles
+    (F32, 64, 32, 1, 1, "simt", [(100, 100), (33, 1)]),
+    (F16, 128, 32, 1, 12, "simt", [(60, 25), (17, 17)]),
+    (BF16, 256, 16, 1, 2, "simt", [(40, 40), (70, 33)]),
+    (F32, 32, 16, 1, 80, "simt", [(20, 3), (6, 6)]),
+]
+
+
+@pytest.fixture(scope="module")
+def emulator() -> KernelEmulator:
+    """One build with every instantiation the tests below need (learnt by a recording pass)."""
+    names: set[str] = set()
+    with emulated(None, record=names):
+        for case in DECODE_CASES:
+            _decode(case)
+        for case in PREFILL_CASES:
+            _prefill(case)
+        for dtype in (F16, BF16, F32):
+            _write_and_copy(dtype)
+        _mixed_forward(BF16)
+        _mixed_forward(F32)
+        _decode((F32, 64, 16, 2, 2, False, [5]))  # the tiny engine model below
+        _prefill((F32, 64, 16, 2, 2, "simt", [(5, 5)]))
+    return KernelEmulator.for_names(names)
+
+
+def _decode(case, seed=0):
+    dtype, head_dim, block_size, num_kv_heads, queries_per_kv, split_k, lens = case
+    from prefixkv.attention import cuda as kernels
+
+    b = make_batch(dtype, head_dim, block_size, num_kv_heads, queries_per_kv, [(L, 1) for L in lens], seed)
+    scale = 1 / math.sqrt(head_dim)
+    out = kernels.paged_decode_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], scale,
+                                         b["max_seq_len"], split_k=split_k)
+    return b, out, scale
+
+
+def _prefill(case, seed=0):
+    dtype, head_dim, block_size, num_kv_heads, queries_per_kv, impl, specs = case
+    from prefixkv.attention import cuda as kernels
+
+    b = make_batch(dtype, head_dim, block_size, num_kv_heads, queries_per_kv, specs, seed)
+    scale = 1 / math.sqrt(head_dim)
+    out = kernels.paged_prefill_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"],
+                                          b["query_start_loc"], scale, b["max_query_len"], impl=impl)
+    return b, out, scale
+
+
+def _assert_close(got, want, dtype):
+    got = got.detach().double()
+    assert not got.isnan().any(), "NaN in the kernel output (a read of unwritten or out-of-context memory)"
+    torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{str(c[0])[6:]}-d{c[1]}-bs{c[2]}-kv{c[3]}x{c[4]}-split{c[5]}")
+def test_decode_matches_reference(emulator, case):
+    with emulated(emulator, num_sms=132):
+        b, out, scale = _decode(case)
+    want = reference_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], b["query_start_loc"], scale)
+    _assert_close(out, want, case[0])
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"{c[5]}-{str(c[0])[6:]}-d{c[1]}-bs{c[2]}-kv{c[3]}x{c[4]}")
+def test_prefill_matches_reference(emulator, case):
+    with emulated(emulator):
+        b, out, scale = _prefill(case)
+    want = reference_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], b["query_start_loc"], scale)
+    _assert_close(out, want, case[0])
+
+
+@pytest.mark.parametrize("split_k", [False, True])
+def test_decode_empty_context_rows_are_zero(emulator, split_k):
+    """A row with seq_len 0 (nothing to attend to) comes out as zeros, not NaN, and its
+    neighbours are unaffected."""
+    from prefixkv.attention import cuda as kernels
+
+    case = (BF16, 128, 32, 2, 8, split_k, [5, 600, 1])
+    b = make_batch(*case[:5], [(L, 1) for L in case[6]])
+    b["seq_lens"][1] = 0
+    with emulated(emulator):
+        out = kernels.paged_decode_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], 0.1, 600,
+                                             split_k=split_k)
+    want = reference_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], b["query_start_loc"], 0.1)
+    assert (out[1] == 0).all()
+    _assert_close(out, want, BF16)
+
+
+def test_decode_split_k_grid_sized_by_an_upper_bound(emulator):
+    """Split-K with the grid sized for max_model_len (as in a captured CUDA graph): partitions past
+    a sequence's end exit, and the reduction only reads the partitions that were written."""
+    from prefixkv.attention import cuda as kernels
+
+    b = make_batch(BF16, 128, 32, 2, 8, [(L, 1) for L in (3, 513, 1025)])
+    with emulated(emulator):
+        out = kernels.paged_decode_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], 0.1, 4096,
+                                             split_k=True)
+    want = reference_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], b["query_start_loc"], 0.1)
+    _assert_close(out, want, BF16)
+
+
+def test_prefill_first_seq_and_empty_query_chunks(emulator):
+    """Only sequences from first_seq on are computed (the rows before are left alone), and a
+    sequence with no query token this step launches nothing that writes."""
+    from prefixkv.attention import cuda as kernels
+
+    case = (F16, 128, 16, 2, 4, "mma", [(10, 1), (20, 1), (50, 30), (40, 0), (37, 37)])
+    dtype, head_dim, block_size, num_kv_heads, qpk, impl, specs = case
+    b = make_batch(dtype, head_dim, block_size, num_kv_heads, qpk, specs)
+    out = torch.full_like(b["q"], 7.0)
+    with emulated(emulator):
+        kernels.paged_prefill_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], b["query_start_loc"],
+                                        0.125, b["max_query_len"], first_seq=2, out=out, impl=impl)
+    want = reference_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], b["query_start_loc"], 0.125,
+                               first_seq=2)
+    assert (out[:2] == 7.0).all()
+    _assert_close(out[2:], want[2:], dtype)
+
+
+def _write_and_copy(dtype, block_size=16):
+    from prefixkv.attention import cuda as kernels
+
+    num_blocks, num_kv_heads, head_dim, num_tokens = 6, 2, 64, 9
+    cache = torch.randn((2, num_blocks + 1, num_kv_heads, block_size, head_dim)).to(dtype)
+    fused = torch.randn((num_tokens, 3, num_kv_heads, head_dim)).to(dtype)  # k, v: strided views
+    k, v = fused[:, 0], fused[:, 2]
+    dummy = num_blocks * block_size  # first slot of the dummy block
+    slots = random.Random(block_size).sample(range(num_blocks * block_size), num_tokens - 3)
+    slots += [dummy + 3, -1, (num_blocks + 1) * block_size]  # the dummy block, skipped, past the cache
+    want = cache.clone()
+    for t, slot in enumerate(slots[:-2]):
+        want[0, slot // block_size, :, slot % block_size] = k[t]
+        want[1, slot // block_size, :, slot % block_size] = v[t]
+    kernels.write_kv(k, v, cache, torch.tensor(slots, dtype=torch.int64))
+    kv_cache = torch.randn((3, 2, 9, 2, 16, 64)).to(dtype)
+    pairs = torch.tensor([[1, 5], [2, 7], [8, 0], [3, 9], [-1, 4]], dtype=torch.int64)  # last two: skipped
+    want_kv = kv_cache.clone()
+    want_kv[:, :, pairs[:3, 1]] = want_kv[:, :, pairs[:3, 0]]
+    kernels.copy_blocks(kv_cache, pairs)
+    return cache, want, kv_cache, want_kv
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32])
+def test_write_kv_and_copy_blocks_are_exact(emulator, dtype):
+    with emulated(emulator):
+        cache, want, kv_cache, want_kv = _write_and_copy(dtype)
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(kv_cache.view(torch.uint8), want_kv.view(torch.uint8))
+
+
+def _mixed_forward(dtype):
+    from prefixkv.attention import cuda as kernels
+
+    specs = [(30, 1), (1100, 1), (9, 1), (40, 17), (20, 20), (90, 33)]
+    b, q, k, v, meta, want_cache = forward_inputs(dtype, 64, 16, 2, 4, specs)
+    out = kernels.CudaAttentionBackend().forward(q, k, v, b["cache"], meta, 0.125)
+    return b, q, out, want_cache
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_backend_forward_mixed_batch(emulator, dtype):
+    """Decodes and prefill chunks in one batch, q/k/v strided views of a fused projection: the
+    backend writes exactly the slots of slot_mapping, then attends (decode + prefill kernels)."""
+    with emulated(emulator):
+        b, q, out, want_cache = _mixed_forward(dtype)
+    assert torch.equal(b["cache"].view(torch.uint8), want_cache.view(torch.uint8))
+    want = reference_attention(q, want_cache, b["block_tables"], b["seq_lens"], b["query_start_loc"], 0.125)
+    _assert_close(out, want, dtype)
+
+
+def test_engine_with_the_cuda_backend_equals_transformers(emulator, tmp_path):
+    """The whole engine (chunked prefill, shared prefixes, n=2 forks with copy-on-write) with
+    attention_backend="cuda" running the emulated kernels: greedy tokens equal transformers'
+    (float32), as tests/gpu/test_engine_gpu.py checks on a device."""
+    from transformers import AutoModelForCausalLM
+
+    from prefixkv import LLM, SamplingParams
+    from tiny_models import build_model, build_tokenizer
+
+    build_model(tmp_path, "llama", build_tokenizer(tmp_path), head_dim=64)
+    rng = random.Random(0)
+    shared = [rng.randrange(3, 384) for _ in range(40)]
+    prompts = [(shared if i % 2 else []) + [rng.randrange(3, 384) for _ in range(rng.randrange(1, 70))]
+               for i in range(6)]
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    refs = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=10,
+                        do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    launches = emulator.num_launches
+    with emulated(emulator):
+        llm = LLM(model=str(tmp_path), device="cpu", dtype="float32", attention_backend="cuda", block_size=16,
+                  max_num_batched_tokens=48, num_kv_blocks=64)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+        forks = llm.generate(prompts[1:3], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, n=2))
+    assert emulator.num_launches > launches
+    assert [o.token_ids for o in outs] == refs
+    assert [[c.token_ids for c in o.outputs] for o in forks] == [[r[:6], r[:6]] for r in refs[1:3]]
+    assert llm.engine.scheduler.kv.num_used_blocks == 0
+
+
+# ---- the emulator catches what a GPU would ------------------------------------------------------
+
+
+def _mutated_sources(file_name: str, old: str, new: str) -> dict[str, str]:
+    from kernel_emu import _sources
+
+    sources = _sources()
+    assert sources[file_name].count(old) >= 1, f"{old!r} not in {file_name}"
+    sources[file_name] = sources[file_name].replace(old, new, 1)
+    return sources
+
+
+@pytest.mark.parametrize("file_name,old,new,expect", [
+    # the prefill SIMT kernel reading K before its cp.async group has landed
+    ("paged_prefill.cu", "cp_async_wait<1>();  // Q and K(it) have landed", "// (no wait)", "NaN"),
+    # the decode kernel merging the warps' partial results without the barrier
+    ("paged_decode.cu", "  __syncthreads();\n\n  for (int i = tid; i < num_active * HEAD_DIM", "\n  for (int i = tid; "
+     "i < num_active * HEAD_DIM", "NaN"),
+    # a shuffle inside a branch only some lanes take
+    ("paged_decode.cu", "const float m_new = fmaxf(m[g], warp_max<WARP_SIZE>(s));",
+     "const float m_new = fmaxf(m[g], lane < 16 ? warp_max<WARP_SIZE>(s) : s);", "divergent|deadlock|left waiting"),
+])
+def test_emulator_catches_synchronization_bugs(file_name, old, new, expect):
+    """Each mutation is a classic kernel bug; the emulator must flag it (not pass by luck)."""
+    import re
+
+    from kernel_emu import build_from_sources
+
+    case = (F16, 64, 16, 2, 2, "simt", [(80, 40)]) if "prefill" in file_name else \
+        (F16, 64, 16, 2, 2, False, [40, 70])
+    names: set[str] = set()
+    run = _prefill if "prefill" in file_name else _decode
+    with emulated(None, record=names):
+        run(case)
+    emu = KernelEmulator(build_from_sources(_mutated_sources(file_name, old, new), names))
+    try:
+        with emulated(emu):
+            b, out, scale = run(case)
+    except EmulatorError as e:
+        assert re.search(expect, str(e)), str(e)
+        return
+    assert expect == "NaN" and out.isnan().any(), "the mutated kernel passed unnoticed"
