@@ -190,7 +190,9 @@ class Scheduler:
             k = min(k, p.max_tokens - req.num_output_tokens - 1)
         if self.max_model_len is not None:
             k = min(k, self.max_model_len - req.num_tokens)
-        if k <= 0:
+        # a draft takes only blocks nobody else needs: free ones, with one left per running request
+        # (so drafts never evict cached prefixes or preempt a younger request's plain decode)
+        if k <= 0 or self.kv.pool.num_free < len(self.running) + -(-k // self.block_size):
             return []
         if req.ngram is None:
             req.ngram = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)

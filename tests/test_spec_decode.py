@@ -99,7 +99,7 @@ def test_drafts_never_change_greedy_output(tiny_llama, monkeypatch, k, chunk, bl
     refs = hf_reference(tiny_llama, prompts, max_tokens=MAX_TOKENS)
     oracle = OracleDrafts(prompts, refs, p_wrong=0.25, seed=k)
     llm, outs = run(tiny_llama, prompts, k=k, chunk=chunk, block_size=block_size, prefix=prefix,
-                    oracle=oracle, monkeypatch=monkeypatch)
+                    num_kv_blocks=4096 // block_size, oracle=oracle, monkeypatch=monkeypatch)  # no preemption
     assert [o.outputs[0].token_ids for o in outs] == refs
     st = llm.engine.stats()
     # the drafts were really used: most tokens came from accepted drafts
