@@ -95,57 +95,28 @@ def decode_plan(block_tables: torch.Tensor, seq_lens: list[int], block_size: int
     return DecodePlan(prefix_groups, suffix_blocks, suffix_pad)
 
 
-# Prefill chunks of at most this many query tokens (speculative drafts being verified, small
-# chunks) run through the decode path, one row per query token, instead of one SDPA call each.
-SHORT_QUERY = 16
-
-
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q, k, v, kv_cache_layer, meta: AttentionMetadata, scale: float):
         kvh, bs = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
+        nd = meta.num_decode_seqs
         scratch = meta.scratch
         if "rows" not in scratch:  # first layer of the step: build what every layer shares
             scratch["rows"] = kv_rows(meta.slot_mapping, kvh, bs)
-            scratch["decode"], scratch["long"] = self._plan(meta, bs)
+            if nd:
+                scratch["decode"] = decode_plan(meta.block_tables[:nd], meta.seq_lens_cpu[:nd], bs)
         write_kv(kv_cache_layer, k, v, meta.slot_mapping, scratch["rows"])
         out = torch.empty_like(q)  # [T, H, D]
-        plan = scratch["decode"]
-        if plan is not None:
-            out[plan[0]] = self._decode(q[plan[0]], kv_cache_layer, plan[1], scale)
+        if nd:
+            out[:nd] = self._decode(q[:nd], kv_cache_layer, scratch["decode"], scale)
         starts = meta.query_start_loc_cpu
-        for s in scratch["long"]:
+        for s in range(nd, meta.num_seqs):
             a, b = starts[s], starts[s + 1]
             seq_len = meta.seq_lens_cpu[s]
             kk, vv = gather_kv(kv_cache_layer, meta.block_tables[s], seq_len)
             out[a:b] = self._prefill(q[a:b], kk, vv, seq_len, scale)
         return out
-
-    @staticmethod
-    def _plan(meta: AttentionMetadata, block_size: int):
-        """((query rows, DecodePlan) or None, sequences left to the prefill path).
-
-        Every decode, and every query token of a chunk of at most SHORT_QUERY tokens, is a decode
-        row: query token i of such a chunk attends like a decode whose context ends at its own
-        position (the rows of one chunk share their whole prefix, read once per group)."""
-        nd = meta.num_decode_seqs
-        starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        tok, ctx, seqs, long = list(range(nd)), list(lens[:nd]), list(range(nd)), []
-        for s in range(nd, meta.num_seqs):
-            a, b = starts[s], starts[s + 1]
-            if b - a > SHORT_QUERY:
-                long.append(s)
-                continue
-            for i in range(b - a):
-                tok.append(a + i)
-                ctx.append(lens[s] - (b - a) + i + 1)
-                seqs.append(s)
-        if not tok:
-            return None, long
-        tables = meta.block_tables[:nd] if len(seqs) == nd else meta.block_tables[torch.tensor(seqs)]
-        rows = slice(0, nd) if len(tok) == nd else torch.tensor(tok, device=meta.block_tables.device)
-        return (rows, decode_plan(tables, ctx, block_size)), long
 
     @staticmethod
     def _prefill(q, k, v, seq_len: int, scale: float):
