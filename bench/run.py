@@ -168,6 +168,7 @@ def _one_repeat(workload: Workload, s: System, res: dict, outputs: dict, rep: in
         prompt_tokens_submitted=c.prompt_tokens_submitted, prompt_tokens_computed=c.prompt_tokens_computed,
         prefix_hit_tokens=c.prefix_hit_tokens, prefix_queried_tokens=c.prefix_queried_tokens,
         num_steps=c.num_steps, num_preemptions=c.num_preemptions,
+        spec_draft_tokens=c.spec_draft_tokens, spec_accepted_tokens=c.spec_accepted_tokens,
         kv_util_logical=_mean(c.kv_util_logical), kv_util_physical=_mean(c.kv_util_physical),
         peak_blocks_in_use=max(c.blocks_in_use) if c.blocks_in_use else None,
         mean_blocks_in_use=_mean(c.blocks_in_use), canary_gflops=canary, waited_for_quiet_s=waited,
@@ -198,7 +199,8 @@ def _summarize(res: dict) -> None:
         kv_util_logical=last["kv_util_logical"], kv_util_physical=last["kv_util_physical"],
         internal_fragmentation=round(1 - last["kv_util_logical"], 4) if last["kv_util_logical"] is not None else None,
         peak_blocks_in_use=last["peak_blocks_in_use"], num_steps=last["num_steps"],
-        num_preemptions=last["num_preemptions"])
+        num_preemptions=last["num_preemptions"], spec_draft_tokens=last.get("spec_draft_tokens"),
+        spec_accepted_tokens=last.get("spec_accepted_tokens"))
 
 
 def ratios(results: dict, key: str = "output_tokens_per_s") -> dict:
