@@ -171,14 +171,15 @@ def _trace(n: int, min_p: int, max_p: int, min_o: int, max_o: int, seed: int):
     return [(rng.randint(min_p, max_p), rng.randint(min_o, max_o)) for _ in range(n)]
 
 
-def simulate_paged(trace, budget_tokens: int, block_size: int, max_num_seqs: int, step_tokens: int) -> dict:
+def simulate_paged(trace, budget_tokens: int, block_size: int, max_num_seqs: int, step_tokens: int,
+                   watermark: float = 0.01) -> dict:
     from prefixkv.config import CacheConfig, SchedulerConfig
     from prefixkv.request import RequestStatus
     from prefixkv.scheduler import Scheduler
 
     num_blocks = budget_tokens // block_size
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=step_tokens, max_num_seqs=max_num_seqs,
-                                      max_waiting_requests=len(trace) + 1),
+                                      max_waiting_requests=len(trace) + 1, watermark=watermark),
                       CacheConfig(block_size=block_size, num_kv_blocks=num_blocks, enable_prefix_caching=False),
                       num_blocks)
     from prefixkv.request import Request
@@ -205,7 +206,7 @@ def simulate_paged(trace, budget_tokens: int, block_size: int, max_num_seqs: int
             if req.num_output_tokens >= targets[req.seq_id]:
                 sched.finish_request(req, RequestStatus.FINISHED_LENGTH)
         assert steps < 10_000_000
-    return dict(policy=f"paged (block_size={block_size})", peak_running=max(running),
+    return dict(policy=f"paged (block_size={block_size}, watermark={watermark})", peak_running=max(running),
                 mean_running=round(statistics.fmean(running), 2), steps=steps,
                 kv_util=round(statistics.fmean(util), 4), num_preemptions=sched.num_preemptions)
 
@@ -263,7 +264,8 @@ def cmd_memory(args: argparse.Namespace, command: str) -> int:
     big = max(args.num_requests, 1)
     step_tokens = 2048
     load0 = _loadavg()
-    rows = [simulate_paged(trace, args.budget_tokens, args.block_size, big, step_tokens)]
+    rows = [simulate_paged(trace, args.budget_tokens, args.block_size, big, step_tokens, wm)
+            for wm in (0.01, 0.0, 0.05)]  # the default first: the ratios below compare against it
     rows.append(simulate_contiguous(trace, args.budget_tokens, lambda p, o: p + args.max_output, big, step_tokens,
                                     f"contiguous, reserve prompt + max_tokens={args.max_output}"))
     rows.append(simulate_contiguous(trace, args.budget_tokens, lambda p, o: p + o, big, step_tokens,
@@ -271,7 +273,7 @@ def cmd_memory(args: argparse.Namespace, command: str) -> int:
     rows.append(simulate_contiguous(trace, args.budget_tokens, lambda p, o: args.max_model_len, big, step_tokens,
                                     f"contiguous, reserve max_model_len={args.max_model_len}"))
     for r in rows:
-        print(f"{r['policy']:<52} peak {r['peak_running']:>4} running, mean {r['mean_running']:>7.1f}, "
+        print(f"{r['policy']:<60} peak {r['peak_running']:>4} running, mean {r['mean_running']:>7.1f}, "
               f"{r['steps']:>6} steps, KV util {r['kv_util']:.3f}, preemptions {r['num_preemptions']}")
     doc = dict(workload="memory", command=command,
                params=dict(num_requests=args.num_requests, budget_tokens=args.budget_tokens,
@@ -282,7 +284,7 @@ def cmd_memory(args: argparse.Namespace, command: str) -> int:
                            mean_output=statistics.fmean(o for _, o in trace)),
                machine=machine_info(args.threads), loadavg_start=load0, results=rows,
                mean_running_ratio_paged_vs_contiguous={r["policy"]: round(rows[0]["mean_running"] / r["mean_running"], 3)
-                                                      for r in rows[1:]})
+                                                      for r in rows[3:]})
     stem = args.stem or f"memory-{time.strftime('%Y%m%d-%H%M%S')}"
     path = write_result(doc, args.out, stem)
     print(f"wrote {path}")

@@ -46,6 +46,9 @@ class SchedulerConfig:
     # batch has drained (the classic static-batching baseline, for ablations).
     policy: str = "continuous"
     enable_chunked_prefill: bool = True
+    # Admission leaves this fraction of the KV blocks free (or evictable) while others run, so the
+    # running requests' next decode blocks rarely force a preemption (recompute) right away.
+    watermark: float = 0.01
     # Exact speculative decoding by n-gram prompt lookup (prefixkv/spec_decode.py): up to this many
     # draft tokens per greedy decode, verified in the same pass; 0 = off.
     num_speculative_tokens: int = 0
@@ -65,6 +68,8 @@ class SchedulerConfig:
         _require(self.max_wait_steps >= 0, "max_wait_steps", "must be >= 0")
         _require(self.policy in ("continuous", "static"), "policy",
                  f"must be 'continuous' or 'static', got {self.policy!r}")
+        _require(isinstance(self.watermark, (int, float)) and 0.0 <= self.watermark < 1.0, "watermark",
+                 f"must be a fraction in [0, 1), got {self.watermark!r}")
         _require(isinstance(self.num_speculative_tokens, int) and 0 <= self.num_speculative_tokens <= 64,
                  "num_speculative_tokens", f"must be an int in [0, 64], got {self.num_speculative_tokens!r}")
         _require(isinstance(self.prompt_lookup_min, int) and isinstance(self.prompt_lookup_max, int)

@@ -4,7 +4,8 @@ Each step:
 1. Running requests, oldest first, get their remaining tokens (1 for a decode, a chunk for a
    prefill) within the budget. If blocks run out, the youngest running request is preempted
    (its blocks freed, it is requeued and later recomputed from its tokens: output unchanged).
-2. Waiting requests are admitted while budget, ``max_num_seqs`` and blocks allow, in
+2. Waiting requests are admitted while budget, ``max_num_seqs`` and blocks allow (keeping a
+   ``watermark`` of free blocks while others run), in
    cache-aware order (longest cached prefix first), except that preempted requests and requests
    passed over for ``max_wait_steps`` steps go first, oldest first (aging).
 
@@ -68,6 +69,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # seq_id -> live request
         self.num_preemptions = 0
         self.num_steps = 0
+        self.watermark_blocks = int(config.watermark * num_blocks)
         self.num_draft_tokens = 0  # speculative tokens proposed ...
         self.num_accepted_tokens = 0  # ... and accepted
 
@@ -236,6 +238,8 @@ class Scheduler:
             if num_new > budget and not self.config.enable_chunked_prefill and (self.running or admitted):
                 break
             num_new = min(num_new, budget)
+            if (self.running or admitted) and not self._above_watermark(match, num_new):
+                break
             ops = self.kv.allocate_slots(req.seq_id, match.num_tokens, num_new, prefix=match)
             if ops is None:
                 break
@@ -255,6 +259,14 @@ class Scheduler:
             ids = {id(r) for r in admitted}
             self.waiting = [r for r in self.waiting if id(r) not in ids]
         return budget
+
+    def _above_watermark(self, match: MatchResult, num_new: int) -> bool:
+        """Would admitting this request (its new blocks, and the cached blocks it locks) still leave
+        ``watermark`` of all blocks free or evictable?"""
+        kv = self.kv
+        need = -(-(match.num_tokens + num_new) // self.block_size) - len(match.block_ids)
+        locked = sum(1 for b in match.block_ids if kv.pool.ref_cnt[b] == 1)  # evictable until then
+        return kv.num_reclaimable_blocks - need - locked >= self.watermark_blocks
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -75,5 +75,9 @@ def test_ablate_and_micro(tiny_llama, tmp_path):
     assert all(r["scheduler_us_per_req"] > 0 for r in doc["results"])
     doc = _run(["memory", "--num-requests", "40", "--budget-tokens", "2048", "--max-model-len", "512",
                 "--max-prompt", "200", "--max-output", "64"], tmp_path, "mem")
-    paged, *contig = doc["results"]
+    paged, paged_no_wm, paged_wm5, *contig = doc["results"]
+    assert [r["policy"] for r in (paged, paged_no_wm, paged_wm5)] == [
+        "paged (block_size=16, watermark=0.01)", "paged (block_size=16, watermark=0.0)",
+        "paged (block_size=16, watermark=0.05)"]
     assert paged["mean_running"] >= max(c["mean_running"] for c in contig)
+    assert paged_wm5["num_preemptions"] <= paged_no_wm["num_preemptions"]

@@ -253,3 +253,53 @@ def test_max_num_seqs_counts_the_samples_a_request_will_fork_into():
                 s.finish_request(req, RequestStatus.FINISHED_LENGTH)
         peak = max(peak, s.num_seats, len(s.running))
     assert peak == 4
+
+
+def test_admission_keeps_the_watermark_free_while_others_run():
+    # 10 blocks of 4 tokens, watermark 0.2 -> 2 blocks stay free at admission
+    s = _sched(num_blocks=10, block_size=4, budget=64, watermark=0.2)
+    assert s.watermark_blocks == 2
+    a, b, c = _req(0, list(range(1, 8))), _req(1, list(range(20, 40))), _req(2, list(range(50, 57)))
+    for r in (a, b, c):
+        s.add_request(r)
+    out = s.schedule()  # a: 2 blocks (8 left), b: 5 blocks (3 left), c would leave 1 < 2
+    assert [x.req for x in out.scheduled] == [a, b] and s.waiting == [c]
+    assert s.kv.pool.num_free == 3
+    s.check_integrity()
+    # without a watermark c is admitted in the same situation
+    s0 = _sched(num_blocks=10, block_size=4, budget=64, watermark=0.0)
+    for r in (_req(0, list(range(1, 8))), _req(1, list(range(20, 40))), _req(2, list(range(50, 57)))):
+        s0.add_request(r)
+    assert len(s0.schedule().scheduled) == 3
+    # alone, a request is admitted even if it leaves less than the watermark
+    s1 = _sched(num_blocks=10, block_size=4, budget=64, watermark=0.5)
+    big = _req(0, list(range(1, 33)))  # 8 blocks
+    s1.add_request(big)
+    assert [x.req for x in s1.schedule().scheduled] == [big]
+
+
+def test_watermark_counts_cached_blocks_an_admission_locks():
+    s = _sched(num_blocks=8, block_size=4, budget=64, watermark=0.25)  # keep 2
+    warm = _req(0, list(range(1, 13)))  # 12 tokens -> 3 blocks; cached once computed
+    s.add_request(warm)
+    s.update(s.schedule(), [[5]])
+    s.finish_request(warm, RequestStatus.FINISHED_STOPPED)
+    assert s.kv.pool.num_evictable == 3 and s.kv.num_reclaimable_blocks == 8
+    runner = _req(1, [90, 91, 92])  # 1 block
+    s.add_request(runner)
+    s.update(s.schedule(), [[6]])
+    # hot matches the 3 cached blocks (locking them) and needs 2 more: 7 - 2 - 3 = 2 >= 2
+    hot = _req(2, list(range(1, 13)) + [7] * 5)
+    s.add_request(hot)
+    assert [x.req for x in s.schedule().scheduled] == [runner, hot]
+    # the same request with one block more would leave 1 < 2
+    s.finish_request(hot, RequestStatus.FINISHED_ABORTED)
+    hot2 = _req(3, list(range(1, 13)) + [7] * 9)
+    s.add_request(hot2)
+    out = s.schedule()
+    assert [x.req for x in out.scheduled] == [runner] and s.waiting == [hot2]
+
+
+def test_bad_watermark():
+    with pytest.raises(ValueError, match="^watermark: "):
+        SchedulerConfig(watermark=1.0)
