@@ -148,6 +148,13 @@ class TorchAttentionBackend(AttentionBackend):
         b, h, d = q.shape
         o, m, l = _partial_attention(q, kv_cache_layer, plan.suffix_blocks, plan.suffix_pad, scale)
         for idx, blocks in plan.prefix_groups:
+            if idx.numel() == b:  # one group holds every row (rows ascending): no gather/scatter
+                po, pm, pl = _prefix_attention(q, kv_cache_layer, blocks, scale)
+                mm = torch.maximum(m, pm)
+                a, pa = torch.exp(m - mm), torch.exp(pm - mm)
+                o = o * a[..., None] + po * pa[..., None]
+                l = l * a + pl * pa
+                continue
             po, pm, pl = _prefix_attention(q[idx], kv_cache_layer, blocks, scale)
             mm = torch.maximum(m[idx], pm)
             a, pa = torch.exp(m[idx] - mm), torch.exp(pm - mm)
