@@ -122,15 +122,10 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(num_new, budget)
-            draft = self._propose(req, budget) if num_new == 1 else []
-            num_new += len(draft)
             while True:
                 ops = self.kv.allocate_slots(req.seq_id, req.num_computed_tokens, num_new)
                 if ops is not None:
                     break
-                if draft:  # no room for the draft: decode plainly before preempting anyone
-                    num_new, draft = 1, []
-                    continue
                 if len(self.running) == 1:
                     # alone and still out of blocks: the whole cache cannot hold it; stop it
                     self.finish_request(req, RequestStatus.FINISHED_LENGTH)
@@ -144,18 +139,16 @@ class Scheduler:
             if ops is None:
                 break  # req itself was preempted or stopped: nobody younger is left
             copy_ops.extend(ops)
-            # only known tokens enter the prefix cache: a draft's KV is kept only once verified
-            self.kv.cache_blocks(req.seq_id, req.token_ids, req.num_computed_tokens + num_new - len(draft))
+            self.kv.cache_blocks(req.seq_id, req.token_ids, req.num_computed_tokens + num_new)
             sched = self._scheduled(req, num_new)
-            if draft:
-                sched.draft = draft
-                self.num_draft_tokens += len(draft)
             (decodes if sched.start == req.num_tokens - 1 and num_new == 1 else prefills).append(sched)
             budget -= num_new
             i += 1
 
         if not preempted and not out_of_memory and self._may_admit():
             budget = self._admit(budget, prefills)
+        if self.config.num_speculative_tokens and decodes and budget > 0:
+            budget = self._add_drafts(budget, decodes, prefills)
         for req in self.waiting:
             req.wait_steps += 1
 
@@ -177,24 +170,49 @@ class Scheduler:
             samples = 1 if req.forked else req.sampling_params.n
         return ScheduledRequest(req, num_new, req.num_computed_tokens, samples)
 
-    def _propose(self, req: Request, budget: int) -> list[int]:
-        """Draft tokens for a decode (see spec_decode.py), within the step's budget, the request's
-        max_tokens and the model's context."""
+    def _add_drafts(self, budget: int, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]) -> int:
+        """Second pass: extend decodes (oldest first) with speculative drafts, from what is left of
+        the budget once every running and newly admitted request got its tokens, and only into free
+        blocks above the watermark (a draft never evicts a cached prefix or preempts anyone). A
+        decode with a draft becomes a multi-token row: it moves to the prefill part of the batch."""
         cfg = self.config
-        if not cfg.num_speculative_tokens or not req.can_speculate:
-            return []
         limit = cfg.speculative_disable_by_batch_size
         if limit is not None and len(self.running) + len(self.waiting) >= limit:
+            return budget
+        kept = []
+        for sched in decodes:
+            req = sched.req
+            draft = self._propose(req, budget) if budget > 0 else []
+            if draft:
+                need = -(-(req.num_tokens + len(draft)) // self.block_size) - len(self.kv.block_tables[req.seq_id])
+                if need > self.kv.pool.num_free - self.watermark_blocks:
+                    draft = []
+            if not draft:
+                kept.append(sched)
+                continue
+            extended = self.kv.extend(req.seq_id, req.num_tokens + len(draft))
+            assert extended
+            sched.draft = draft
+            sched.num_new_tokens = 1 + len(draft)
+            self.num_draft_tokens += len(draft)
+            budget -= len(draft)
+            prefills.insert(0, sched)
+        decodes[:] = kept
+        return budget
+
+    def _propose(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens for a decode (see spec_decode.py), within ``budget``, the request's
+        max_tokens and the model's context."""
+        cfg = self.config
+        if not req.can_speculate:
             return []
-        k = min(cfg.num_speculative_tokens, budget - 1)
+        k = min(cfg.num_speculative_tokens, budget)
         p = req.sampling_params
         if p.max_tokens is not None:
             k = min(k, p.max_tokens - req.num_output_tokens - 1)
         if self.max_model_len is not None:
             k = min(k, self.max_model_len - req.num_tokens)
-        # a draft takes only blocks nobody else needs: free ones, with one left per running request
-        # (so drafts never evict cached prefixes or preempt a younger request's plain decode)
-        if k <= 0 or self.kv.pool.num_free < len(self.running) + -(-k // self.block_size):
+        if k <= 0:
             return []
         if req.ngram is None:
             req.ngram = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
@@ -294,6 +312,7 @@ class Scheduler:
                 req.num_computed_tokens = sched.start + len(toks)
                 req.token_ids.extend(toks)
                 self.kv.cache_blocks(req.seq_id, req.token_ids, req.num_computed_tokens)
+                self.kv.trim(req.seq_id, req.num_tokens)  # blocks that held only rejected tokens
                 self.num_accepted_tokens += len(toks) - 1
                 changed.append(req)
                 continue

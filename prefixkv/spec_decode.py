@@ -22,6 +22,11 @@ from __future__ import annotations
 from typing import Sequence
 
 
+# Only n-grams within this many tokens of the end are looked up: the first proposal of a long
+# prompt indexes at most this window (~3 dict entries per token), not the whole prompt.
+MAX_WINDOW = 4096
+
+
 class NgramIndex:
     __slots__ = ("nmin", "nmax", "ends", "upto")
 
@@ -37,7 +42,7 @@ class NgramIndex:
         n_tok = len(tokens)
         ends = self.ends
         # index every n-gram ending at e < n_tok (never the suffix itself: it would match itself)
-        for e in range(max(self.upto, 1), n_tok):
+        for e in range(max(self.upto, 1, n_tok - MAX_WINDOW), n_tok):
             for n in range(self.nmin, min(self.nmax, e) + 1):
                 ends[tuple(tokens[e - n:e])] = e
         self.upto = max(self.upto, n_tok)

@@ -121,6 +121,28 @@ class KVCacheManager:
         self.radix.insert(token_ids[:num_full * bs], table[:num_full])
         self.num_cached_blocks[seq_id] = num_full
 
+    def extend(self, seq_id: str, num_tokens: int) -> bool:
+        """Append free blocks (never evicting) until the table covers ``num_tokens``; for a
+        speculative draft after the step's own allocation (which did any copy-on-write). False,
+        and nothing changed, if the free blocks do not suffice."""
+        table = self.block_tables[seq_id]
+        need = -(-num_tokens // self.block_size) - len(table)
+        if need > self.pool.num_free:
+            return False
+        for _ in range(need):
+            table.append(self.pool.allocate())
+        return True
+
+    def trim(self, seq_id: str, num_tokens: int) -> None:
+        """Free the blocks past the first ``num_tokens`` tokens (a rejected speculative draft's):
+        they hold nothing verified, so they are in no tree and shared with nobody."""
+        table = self.block_tables[seq_id]
+        keep = -(-num_tokens // self.block_size)
+        while len(table) > keep:
+            b = table.pop()
+            assert self.pool.ref_cnt[b] == 1 and not self.pool.cached[b], (seq_id, b)
+            self.pool.decref(b)
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent (including the partial last block)."""
         table = self.block_tables[parent_id]

@@ -90,7 +90,7 @@ def lm_head(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(h, weight)``: h [S, hidden], weight [vocab, hidden] -> [S, vocab]."""
     if h.device.type != "cpu" or h.dtype != torch.float32 or weight.shape[0] <= _LM_HEAD_SLICE:
         return F.linear(h, weight)
-    out = torch.empty(h.shape[0], weight.shape[0], dtype=h.dtype)
+    out = torch.empty(h.shape[0], weight.shape[0], dtype=h.dtype, device=h.device)
     for w, o in zip(weight.split(_LM_HEAD_SLICE), out.split(_LM_HEAD_SLICE, dim=1)):
         torch.mm(h, w.t(), out=o)
     return out
