@@ -1,5 +1,6 @@
 """Scheduler fuzzing on a tiny float64 model: random arrivals, prompt lengths, aborts, n, chunk
-budgets, block sizes and KV budgets small enough to force preemption. Every request finishes exactly
+budgets, block sizes, KV budgets small enough to force preemption, and speculative drafts (partly
+wrong on purpose) on some engines. Every request finishes exactly
 once or is aborted, every finished output equals transformers' greedy reference, and no block is in
 use at the end."""
 
@@ -7,12 +8,14 @@ from __future__ import annotations
 
 import os
 import random
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from prefixkv import LLM, SamplingParams
+from prefixkv.spec_decode import NgramIndex
 
 from test_lossless import hf_reference
 
@@ -32,11 +35,12 @@ def corpus(tiny_llama):
 _ENGINES: dict = {}
 
 
-def _engine(model_dir, block_size, num_blocks, chunk, prefix):
-    key = (block_size, num_blocks, chunk, prefix)
+def _engine(model_dir, block_size, num_blocks, chunk, prefix, spec=0):
+    key = (block_size, num_blocks, chunk, prefix, spec)
     if key not in _ENGINES:
         llm = LLM(model=str(model_dir), dtype="float64", block_size=block_size, num_kv_blocks=num_blocks,
-                  max_num_batched_tokens=chunk, enable_prefix_caching=prefix, max_num_seqs=8)
+                  max_num_batched_tokens=chunk, enable_prefix_caching=prefix, max_num_seqs=8,
+                  num_speculative_tokens=spec)
         llm.engine.check_integrity_each_step = True
         _ENGINES[key] = llm.engine
     return _ENGINES[key]
@@ -49,15 +53,33 @@ def _engine(model_dir, block_size, num_blocks, chunk, prefix):
     kv_tokens=st.integers(70, 300),
     chunk=st.sampled_from([5, 16, 64]),
     prefix=st.booleans(),
+    spec=st.sampled_from([0, 0, 3]),
     events=st.lists(st.tuples(st.integers(0, NUM_PROMPTS - 1), st.integers(0, 6), st.sampled_from([1, 1, 2, 3]),
                               st.booleans()), min_size=1, max_size=10),
 )
 # always run: 4 blocks of 16 tokens for four requests without prefix sharing must preempt
-@example(block_size=16, kv_tokens=64, chunk=64, prefix=False,
+@example(block_size=16, kv_tokens=64, chunk=64, prefix=False, spec=0,
          events=[(0, 0, 1, False), (3, 0, 1, False), (6, 0, 1, False), (9, 0, 2, False)])
-def test_random_traffic(tiny_llama, corpus, block_size, kv_tokens, chunk, prefix, events):
+def test_random_traffic(tiny_llama, corpus, block_size, kv_tokens, chunk, prefix, spec, events):
     prompts, refs = corpus
-    engine = _engine(tiny_llama, block_size, max(kv_tokens // block_size, 60 // block_size + 1), chunk, prefix)
+    engine = _engine(tiny_llama, block_size, max(kv_tokens // block_size, 60 // block_size + 1), chunk, prefix, spec)
+    with mock.patch.object(NgramIndex, "propose", _oracle(prompts, refs)):
+        _run_traffic(engine, prompts, refs, events)
+
+
+def _oracle(prompts, refs):
+    """Speculative drafts cut from the reference outputs, every third position made wrong."""
+    def propose(_index, tokens, k):
+        for p, ref in zip(prompts, refs):
+            n = len(p)
+            if tokens[:n] == p and tokens[n:] == ref[:len(tokens) - n]:
+                draft = ref[len(tokens) - n:len(tokens) - n + k]
+                return [t if (len(tokens) + j) % 3 else (t + 1) % 384 for j, t in enumerate(draft)]
+        raise AssertionError("a request's tokens left the reference")
+    return propose
+
+
+def _run_traffic(engine, prompts, refs, events):
     arrivals = {}  # step -> [(rid, prompt index, n, abort?)]
     for i, (p, step, n, abort) in enumerate(events):
         arrivals.setdefault(step, []).append((f"f{i}", p, n, abort))
@@ -93,6 +115,7 @@ def test_random_traffic(tiny_llama, corpus, block_size, kv_tokens, chunk, prefix
     engine.check_integrity()
 
 
-def test_the_fuzzing_above_forced_preemption():
+def test_the_fuzzing_above_forced_preemption_and_accepted_drafts():
     assert _ENGINES, "runs after test_random_traffic"
     assert sum(e.scheduler.num_preemptions for e in _ENGINES.values()) > 0
+    assert sum(e.scheduler.num_accepted_tokens for e in _ENGINES.values()) > 0
