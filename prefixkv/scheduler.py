@@ -183,15 +183,9 @@ class Scheduler:
         for sched in decodes:
             req = sched.req
             draft = self._propose(req, budget) if budget > 0 else []
-            if draft:
-                need = -(-(req.num_tokens + len(draft)) // self.block_size) - len(self.kv.block_tables[req.seq_id])
-                if need > self.kv.pool.num_free - self.watermark_blocks:
-                    draft = []
-            if not draft:
+            if not draft or not self.kv.extend(req.seq_id, req.num_tokens + len(draft), self.watermark_blocks):
                 kept.append(sched)
                 continue
-            extended = self.kv.extend(req.seq_id, req.num_tokens + len(draft))
-            assert extended
             sched.draft = draft
             sched.num_new_tokens = 1 + len(draft)
             self.num_draft_tokens += len(draft)
@@ -256,9 +250,8 @@ class Scheduler:
             if num_new > budget and not self.config.enable_chunked_prefill and (self.running or admitted):
                 break
             num_new = min(num_new, budget)
-            if (self.running or admitted) and not self._above_watermark(match, num_new):
-                break
-            ops = self.kv.allocate_slots(req.seq_id, match.num_tokens, num_new, prefix=match)
+            reserve = self.watermark_blocks if self.running or admitted else 0
+            ops = self.kv.allocate_slots(req.seq_id, match.num_tokens, num_new, prefix=match, reserve=reserve)
             if ops is None:
                 break
             assert not ops
@@ -277,14 +270,6 @@ class Scheduler:
             ids = {id(r) for r in admitted}
             self.waiting = [r for r in self.waiting if id(r) not in ids]
         return budget
-
-    def _above_watermark(self, match: MatchResult, num_new: int) -> bool:
-        """Would admitting this request (its new blocks, and the cached blocks it locks) still leave
-        ``watermark`` of all blocks free or evictable?"""
-        kv = self.kv
-        need = -(-(match.num_tokens + num_new) // self.block_size) - len(match.block_ids)
-        locked = sum(1 for b in match.block_ids if kv.pool.ref_cnt[b] == 1)  # evictable until then
-        return kv.num_reclaimable_blocks - need - locked >= self.watermark_blocks
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

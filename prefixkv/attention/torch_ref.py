@@ -148,18 +148,13 @@ class TorchAttentionBackend(AttentionBackend):
         b, h, d = q.shape
         o, m, l = _partial_attention(q, kv_cache_layer, plan.suffix_blocks, plan.suffix_pad, scale)
         for idx, blocks in plan.prefix_groups:
-            if idx.numel() == b:  # one group holds every row (rows ascending): no gather/scatter
-                po, pm, pl = _prefix_attention(q, kv_cache_layer, blocks, scale)
-                mm = torch.maximum(m, pm)
-                a, pa = torch.exp(m - mm), torch.exp(pm - mm)
-                o = o * a[..., None] + po * pa[..., None]
-                l = l * a + pl * pa
-                continue
-            po, pm, pl = _prefix_attention(q[idx], kv_cache_layer, blocks, scale)
-            mm = torch.maximum(m[idx], pm)
-            a, pa = torch.exp(m[idx] - mm), torch.exp(pm - mm)
-            o[idx] = o[idx] * a[..., None] + po * pa[..., None]
-            l[idx] = l[idx] * a + pl * pa
+            # a group holding every row (rows ascending) is indexed by a slice: views, no gather
+            rows = slice(None) if idx.numel() == b else idx
+            po, pm, pl = _prefix_attention(q[rows], kv_cache_layer, blocks, scale)
+            mm = torch.maximum(m[rows], pm)
+            a, pa = torch.exp(m[rows] - mm), torch.exp(pm - mm)
+            o[rows] = o[rows] * a[..., None] + po * pa[..., None]
+            l[rows] = l[rows] * a + pl * pa
         return (o / l[..., None]).to(q.dtype).view(b, h, d)
 
 

@@ -71,11 +71,13 @@ class KVCacheManager:
         num_computed: int,
         num_new_tokens: int,
         prefix: MatchResult | None = None,
+        reserve: int = 0,
     ) -> list[CopyOp] | None:
         """Make ``seq_id``'s table cover ``num_computed + num_new_tokens`` tokens.
 
         ``prefix`` (admission only) gives the matched cached blocks that start the table;
-        ``num_computed`` must then equal ``prefix.num_tokens``. Returns the copy-on-write ops, or None if the blocks
+        ``num_computed`` must then equal ``prefix.num_tokens``. Leaves ``reserve`` blocks
+        reclaimable for others (a watermark). Returns the copy-on-write ops, or None if the blocks
         cannot be had, in which case nothing changed.
         """
         bs = self.block_size
@@ -89,7 +91,7 @@ class KVCacheManager:
             self.num_cached_blocks[seq_id] = len(prefix.block_ids)
         table = self.block_tables[seq_id]
         need = self.blocks_needed(seq_id, num_computed, num_new_tokens)
-        if need > self.num_reclaimable_blocks:
+        if need + reserve > self.num_reclaimable_blocks:
             if new_table:
                 self._release(seq_id)
             return None
@@ -121,13 +123,13 @@ class KVCacheManager:
         self.radix.insert(token_ids[:num_full * bs], table[:num_full])
         self.num_cached_blocks[seq_id] = num_full
 
-    def extend(self, seq_id: str, num_tokens: int) -> bool:
-        """Append free blocks (never evicting) until the table covers ``num_tokens``; for a
-        speculative draft after the step's own allocation (which did any copy-on-write). False,
-        and nothing changed, if the free blocks do not suffice."""
+    def extend(self, seq_id: str, num_tokens: int, reserve: int = 0) -> bool:
+        """Append free blocks (never evicting, leaving ``reserve`` free) until the table covers
+        ``num_tokens``; for a speculative draft after the step's own allocation (which did any
+        copy-on-write). False, and nothing changed, if the free blocks do not suffice."""
         table = self.block_tables[seq_id]
         need = -(-num_tokens // self.block_size) - len(table)
-        if need > self.pool.num_free:
+        if need + reserve > self.pool.num_free:
             return False
         for _ in range(need):
             table.append(self.pool.allocate())

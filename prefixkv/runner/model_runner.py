@@ -172,14 +172,20 @@ class ModelRunner:
             logits = self.graphs.replay(input_ids, positions, meta)
         else:
             logits = self.model(input_ids, positions, self.kv_cache, meta, self.backend, logits_rows)
-        rows = [(s.req, k if not s.req.forked else s.req.sample_index)
-                for s in out.scheduled for k in range(s.num_samples + len(s.draft))]
+        rows: list[tuple[Request, int]] = []  # (request, sample index) per token to sample
+        repeats: list[int] = []  # per row of logits: how many of those tokens it serves
+        for s in out.scheduled:
+            req = s.req
+            if s.draft:  # one row per verified position
+                rows += [(req, req.sample_index)] * (1 + len(s.draft))
+                repeats += [1] * (1 + len(s.draft))
+            elif s.num_samples:  # the n samples of a fork step share one row of logits
+                rows += [(req, req.sample_index if req.forked else k) for k in range(s.num_samples)]
+                repeats.append(s.num_samples)
         if not rows:
             return ModelOutput([[] for _ in out.scheduled], [None for _ in out.scheduled])
-        if len(rows) != logits.shape[0]:  # the n samples of a fork step share one row of logits
-            logits = logits.repeat_interleave(
-                torch.tensor([s.num_samples if not s.draft else 1 for s in out.scheduled
-                              for _ in range(1 + len(s.draft)) if s.num_samples], device=logits.device), dim=0)
+        if len(rows) != logits.shape[0]:
+            logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
         res = sample(logits, self.sampling_batch(rows))
         return self._split(out, res)
 
