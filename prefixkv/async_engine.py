@@ -214,8 +214,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine thread
     def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, sink: _Sink) -> None:
-        if request_id in self._sinks:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+        # LLMEngine.add_request rejects an id in use; every id in _sinks is one of its requests
         self.engine.add_request(request_id, prompt, params)
         self._sinks[request_id] = sink
 
@@ -223,7 +222,7 @@ class AsyncEngine:
         sink = self._sinks.pop(request_id, None)
         found = self.engine.abort(request_id)
         if sink is not None:
-            _post(sink.loop, [(sink.queue, RequestAbortedError(f"request {request_id!r} was aborted"))])
+            _deliver([(sink, RequestAbortedError(f"request {request_id!r} was aborted"))])
         return found
 
     def _abort_if(self, request_id: str, sink: _Sink) -> None:
@@ -279,29 +278,27 @@ class AsyncEngine:
             logger.exception("engine step failed; aborting the %d in-flight requests", len(self._sinks))
             self._finish_all(e)
             return
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        items = []
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
             if out.finished:
                 del self._sinks[out.request_id]
-            batches.setdefault(sink.loop, []).append((sink.queue, out))
-        for loop, items in batches.items():
-            _post(loop, items)
+            items.append((sink, out))
+        _deliver(items)
 
     def _finish_all(self, error: BaseException) -> None:
         """Abort every request we serve and hand ``error`` to its consumer."""
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for request_id, sink in list(self._sinks.items()):
+        items = []
+        for request_id, sink in self._sinks.items():
             try:
                 self.engine.abort(request_id)
             except Exception:  # pragma: no cover - keep aborting the rest
                 logger.exception("abort of %s failed", request_id)
-            batches.setdefault(sink.loop, []).append((sink.queue, error))
+            items.append((sink, error))
         self._sinks.clear()
-        for loop, items in batches.items():
-            _post(loop, items)
+        _deliver(items)
 
     def _fail_pending_commands(self) -> None:
         while True:
@@ -318,8 +315,13 @@ def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
         q.put_nowait(item)
 
 
-def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:
-    try:
-        loop.call_soon_threadsafe(_put_all, items)
-    except RuntimeError:  # that event loop is closed: nobody is listening
-        pass
+def _deliver(items: list[tuple[_Sink, RequestOutput | BaseException]]) -> None:
+    """Hand items to their sinks' queues: one ``call_soon_threadsafe`` per event loop."""
+    batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+    for sink, item in items:
+        batches.setdefault(sink.loop, []).append((sink.queue, item))
+    for loop, batch in batches.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # that event loop is closed: nobody is listening
+            pass

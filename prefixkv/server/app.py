@@ -33,7 +33,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 from aiohttp import web
@@ -48,8 +48,10 @@ from prefixkv.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatMessageOut,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
@@ -58,6 +60,7 @@ from prefixkv.server.protocol import (
     ModelCard,
     ModelList,
     ProtocolError,
+    TokenText,
     Usage,
     chat_logprobs,
     completion_logprobs,
@@ -232,68 +235,75 @@ class _ChoiceState:
 
 
 @dataclass
-class _ChatFormat:
+class _Format:
+    """One endpoint's wire objects (stream chunks, the full response) built from engine outputs.
+    A subclass gives the object types, the choice shapes and the logprobs format."""
+
+    id_prefix: ClassVar[str]
+    chunk_type: ClassVar[type]
+    response_type: ClassVar[type]
+    # (index, text, logprobs, finish_reason) -> one choice of a response / of a stream chunk
+    _choice: ClassVar[Callable[..., msgspec.Struct]]
+    _delta_choice: ClassVar[Callable[..., msgspec.Struct]]
     id: str
     created: int
     model: str
     num_top_logprobs: int
-    token_text: Callable[[int], tuple[str, bytes]]
-
-    def start_chunks(self, num_choices: int) -> list[msgspec.Struct]:
-        return [self._chunk([ChatChunkChoice(i, DeltaMessage(role="assistant", content=""))])
-                for i in range(num_choices)]
-
-    def delta_chunk(self, index: int, text: str, lps: list[Logprob] | None, text_offset: int,
-                    finish_reason: str | None) -> msgspec.Struct:
-        logprobs = chat_logprobs(lps, self.token_text, self.num_top_logprobs) if lps is not None else None
-        return self._chunk([ChatChunkChoice(index, DeltaMessage(content=text), logprobs, finish_reason)])
-
-    def usage_chunk(self, usage: Usage) -> msgspec.Struct:
-        return ChatCompletionChunk(self.id, self.created, self.model, [], usage)
-
-    def response(self, choices: list[tuple[int, CompletionOutput]], usage: Usage) -> msgspec.Struct:
-        out = []
-        for index, co in choices:
-            logprobs = (chat_logprobs(co.logprobs, self.token_text, self.num_top_logprobs)
-                        if co.logprobs is not None else None)
-            out.append(ChatChoice(index, ChatMessageOut("assistant", co.text), logprobs, co.finish_reason))
-        return ChatCompletionResponse(self.id, self.created, self.model, out, usage)
-
-    def _chunk(self, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
-        return ChatCompletionChunk(self.id, self.created, self.model, choices)
-
-
-@dataclass
-class _CompletionFormat:
-    id: str
-    created: int
-    model: str
-    num_top_logprobs: int
-    token_text: Callable[[int], tuple[str, bytes]]
+    token_text: TokenText
 
     def start_chunks(self, num_choices: int) -> list[msgspec.Struct]:
         return []
 
     def delta_chunk(self, index: int, text: str, lps: list[Logprob] | None, text_offset: int,
                     finish_reason: str | None) -> msgspec.Struct:
-        logprobs = (completion_logprobs(lps, self.token_text, self.num_top_logprobs, text_offset)
-                    if lps is not None else None)
-        return CompletionResponse(self.id, self.created, self.model,
-                                  [CompletionChoice(index, text, logprobs, finish_reason)])
+        choice = self._delta_choice(index, text, self._logprobs_or_none(lps, text_offset), finish_reason)
+        return self.chunk_type(self.id, self.created, self.model, [choice])
 
     def usage_chunk(self, usage: Usage) -> msgspec.Struct:
-        return CompletionResponse(self.id, self.created, self.model, [], usage)
+        return self.chunk_type(self.id, self.created, self.model, [], usage)
 
     def response(self, choices: list[tuple[int, CompletionOutput]], usage: Usage) -> msgspec.Struct:
-        out = []
-        for index, co in choices:
-            logprobs = (completion_logprobs(co.logprobs, self.token_text, self.num_top_logprobs)
-                        if co.logprobs is not None else None)
-            out.append(CompletionChoice(index, co.text, logprobs, co.finish_reason))
-        return CompletionResponse(self.id, self.created, self.model, out, usage)
+        out = [self._choice(index, co.text, self._logprobs_or_none(co.logprobs, 0), co.finish_reason)
+               for index, co in choices]
+        return self.response_type(self.id, self.created, self.model, out, usage)
+
+    def _logprobs_or_none(self, lps: list[Logprob] | None, text_offset: int) -> msgspec.Struct | None:
+        return None if lps is None else self._logprobs(lps, text_offset)
+
+    def _logprobs(self, lps: list[Logprob], text_offset: int) -> msgspec.Struct:
+        raise NotImplementedError
 
 
-_Format = _ChatFormat | _CompletionFormat
+class _ChatFormat(_Format):
+    id_prefix = "chatcmpl"
+    chunk_type = ChatCompletionChunk
+    response_type = ChatCompletionResponse
+
+    def start_chunks(self, num_choices: int) -> list[msgspec.Struct]:
+        return [self.chunk_type(self.id, self.created, self.model,
+                                [ChatChunkChoice(i, DeltaMessage(role="assistant", content=""))])
+                for i in range(num_choices)]
+
+    @staticmethod
+    def _choice(index: int, text: str, logprobs: ChatLogprobs | None, finish_reason: str | None) -> ChatChoice:
+        return ChatChoice(index, ChatMessageOut("assistant", text), logprobs, finish_reason)
+
+    @staticmethod
+    def _delta_choice(index: int, text: str, logprobs: ChatLogprobs | None,
+                      finish_reason: str | None) -> ChatChunkChoice:
+        return ChatChunkChoice(index, DeltaMessage(content=text), logprobs, finish_reason)
+
+    def _logprobs(self, lps: list[Logprob], text_offset: int) -> ChatLogprobs:
+        return chat_logprobs(lps, self.token_text, self.num_top_logprobs)
+
+
+class _CompletionFormat(_Format):
+    id_prefix = "cmpl"
+    chunk_type = response_type = CompletionResponse  # OpenAI streams the response object itself
+    _choice = _delta_choice = staticmethod(CompletionChoice)
+
+    def _logprobs(self, lps: list[Logprob], text_offset: int) -> CompletionLogprobs:
+        return completion_logprobs(lps, self.token_text, self.num_top_logprobs, text_offset)
 
 
 def _sse(obj: object) -> bytes:
@@ -442,10 +452,7 @@ class _Server:
             prompt = await self.engine.run(lambda e: e.tokenizer.apply_chat_template(messages))
         except ValueError as e:
             raise bad_request(e) from None
-        fmt = _ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.config.model_name,
-                          params.logprobs or 0, self.token_text)
-        return await self._generate(request, t0, fmt, [prompt], params, bool(req.stream), req.include_usage,
-                                    aliases)
+        return await self._generate(request, t0, _ChatFormat, req, [prompt], params, aliases)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         t0 = asyncio.get_running_loop().time()
@@ -461,9 +468,7 @@ class _Server:
             raise ApiError(400, f"prompt: a batch of {len(prompts)} prompts is larger than the server's waiting "
                                 f"queue ({limit})", param="prompt")
         params = self._params(req, req.max_tokens, req.logprobs, {})
-        fmt = _CompletionFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.config.model_name,
-                                params.logprobs or 0, self.token_text)
-        return await self._generate(request, t0, fmt, prompts, params, bool(req.stream), req.include_usage, {})
+        return await self._generate(request, t0, _CompletionFormat, req, prompts, params, {})
 
     def _params(self, req: Any, max_tokens: int | None, logprobs: int | None,
                 aliases: dict[str, str]) -> SamplingParams:
@@ -478,9 +483,11 @@ class _Server:
         except ValueError as e:
             raise bad_request(e, aliases) from None
 
-    async def _generate(self, request: web.Request, t0: float, fmt: _Format, prompts: list,
-                        params: SamplingParams, stream: bool, include_usage: bool,
+    async def _generate(self, request: web.Request, t0: float, fmt_type: type[_Format],
+                        req: ChatCompletionRequest | CompletionRequest, prompts: list, params: SamplingParams,
                         aliases: dict[str, str]) -> web.StreamResponse:
+        fmt = fmt_type(f"{fmt_type.id_prefix}-{uuid.uuid4().hex}", int(time.time()), self.config.model_name,
+                       params.logprobs or 0, self.token_text)
         deadline = t0 + self.config.request_timeout
         streams: list[RequestStream] = []
         try:
@@ -496,8 +503,8 @@ class _Server:
                 raise bad_request(e, aliases) from None
             except (TimeoutError, EngineDeadError) as e:
                 raise _engine_error(e) from None
-            if stream:
-                return await self._stream(request, t0, deadline, fmt, streams, params, include_usage)
+            if req.stream:
+                return await self._stream(request, t0, deadline, fmt, streams, params, req.include_usage)
             return await self._complete(t0, deadline, fmt, streams, params)
         finally:
             for s in streams:
@@ -520,8 +527,7 @@ class _Server:
         done = [f for f in finals if f is not None]
         assert len(done) == len(finals), "a stream ended without a finished output"
         choices = [(i * params.n + co.index, co) for i, out in enumerate(done) for co in out.outputs]
-        self._observe(t0, ttft, done)
-        return _json(fmt.response(choices, _usage(done)))
+        return _json(fmt.response(choices, self._observe(t0, ttft, done)))
 
     async def _stream(self, request: web.Request, t0: float, deadline: float, fmt: _Format,
                       streams: list[RequestStream], params: SamplingParams, include_usage: bool) -> web.StreamResponse:
@@ -532,7 +538,6 @@ class _Server:
         finals: list[RequestOutput | None] = [None] * len(streams)
         states = [_ChoiceState() for _ in range(num_choices)]
         ttft = None
-        error: ApiError | None = None
         try:
             await resp.prepare(request)
             try:
@@ -545,50 +550,50 @@ class _Server:
                             ttft = loop.time() - t0
                         if out.finished:
                             finals[i] = out
-                        chunks = self._delta_chunks(fmt, i * params.n, out, states, params)
+                        chunks = _delta_chunks(fmt, i * params.n, out, states)
                         if chunks:
                             await resp.write(b"".join(map(_sse, chunks)))
-            except (ConnectionResetError, asyncio.CancelledError):
+            except ConnectionResetError:
                 raise
-            except Exception as e:
-                error = _engine_error(e)
-            if error is not None:
-                await resp.write(_sse(error.body()))
+            except Exception as e:  # the engine failed or the deadline passed: the stream ends with the error
+                await resp.write(_sse(_engine_error(e).body()))
             else:
-                done = [f for f in finals if f is not None]
-                self._observe(t0, ttft, done)
+                usage = self._observe(t0, ttft, [f for f in finals if f is not None])
                 if include_usage:
-                    await resp.write(_sse(fmt.usage_chunk(_usage(done))))
+                    await resp.write(_sse(fmt.usage_chunk(usage)))
             await resp.write(_SSE_DONE)
             await resp.write_eof()
         except ConnectionResetError:  # the client went away; the caller aborts the streams
             request[_STATUS_KEY] = _CLIENT_CLOSED
         return resp
 
-    @staticmethod
-    def _delta_chunks(fmt: _Format, base: int, out: RequestOutput, states: list[_ChoiceState],
-                      params: SamplingParams) -> list[msgspec.Struct]:
-        chunks = []
-        for co in out.outputs:
-            index = base + co.index
-            st = states[index]
-            lps = None
-            if params.logprobs is not None and co.logprobs is not None:
-                lps = co.logprobs[st.num_sent_logprobs:]
-                st.num_sent_logprobs = len(co.logprobs)
-            finish = co.finish_reason if co.finish_reason and not st.finished else None
-            if not co.delta_text and not lps and finish is None:
-                continue
-            st.finished = st.finished or finish is not None
-            chunks.append(fmt.delta_chunk(index, co.delta_text, lps, st.num_sent_chars, finish))
-            st.num_sent_chars += len(co.delta_text)
-        return chunks
-
-    def _observe(self, t0: float, ttft: float | None, finals: list[RequestOutput]) -> None:
+    def _observe(self, t0: float, ttft: float | None, finals: list[RequestOutput]) -> Usage:
+        """Record a finished request in the metrics; returns its usage."""
+        usage = _usage(finals)
         e2e = asyncio.get_running_loop().time() - t0
         steps = max((len(co.token_ids) for f in finals for co in f.outputs), default=0)
-        self.metrics.observe_request(ttft, e2e, sum(f.num_prompt_tokens for f in finals),
-                                     sum(f.num_output_tokens for f in finals), steps)
+        self.metrics.observe_request(ttft, e2e, usage.prompt_tokens, usage.completion_tokens, steps)
+        return usage
+
+
+def _delta_chunks(fmt: _Format, base: int, out: RequestOutput, states: list[_ChoiceState]) -> list[msgspec.Struct]:
+    """The stream chunks for one engine output: new text, new logprobs (the engine sends the whole
+    list, and only when they were asked for), and each choice's finish reason once."""
+    chunks = []
+    for co in out.outputs:
+        index = base + co.index
+        st = states[index]
+        lps = None
+        if co.logprobs is not None:
+            lps = co.logprobs[st.num_sent_logprobs:]
+            st.num_sent_logprobs = len(co.logprobs)
+        finish = co.finish_reason if co.finish_reason and not st.finished else None
+        if not co.delta_text and not lps and finish is None:
+            continue
+        st.finished = st.finished or finish is not None
+        chunks.append(fmt.delta_chunk(index, co.delta_text, lps, st.num_sent_chars, finish))
+        st.num_sent_chars += len(co.delta_text)
+    return chunks
 
 
 def _json(obj: object, status: int = 200) -> web.Response:
