@@ -6,12 +6,11 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, replace
-from pathlib import Path
 
 from bench import workloads as wl
 from bench.corpus import TokenStream
 from bench.report import ratio_table, table
-from bench.run import run_and_report
+from bench.run import rewrite_result, run_and_report
 from bench.systems import OPTIONAL, PEERS, EngineArgs, PrefixKVSystem, make_system
 
 
@@ -124,8 +123,7 @@ def cmd_ablate(args: argparse.Namespace, command: str) -> int:
                                   peak_kv_slots=(r["peak_blocks_in_use"] or 0) * a.block_size))
     if len(sweep) > 1:
         doc["block_size_sweep"] = sorted(sweep, key=lambda p: p["block_size"])
-        jp = Path(doc["json_path"])
-        jp.write_text(json.dumps({k: v for k, v in doc.items() if k not in ("json_path", "png_path")}, indent=2) + "\n")
+        jp = rewrite_result(doc)
         if not args.no_plot:
             from bench.report import plot_block_sweep
 
@@ -140,7 +138,9 @@ def cmd_ablate(args: argparse.Namespace, command: str) -> int:
 
 
 def dispatch(args: argparse.Namespace, command: str) -> int:
-    if args.workload in wl_names():
+    from bench.__main__ import WORKLOADS
+
+    if args.workload in WORKLOADS:
         return cmd_workload(args, command)
     if args.workload == "ablate":
         return cmd_ablate(args, command)
@@ -158,9 +158,3 @@ def dispatch(args: argparse.Namespace, command: str) -> int:
         return serving.cmd_serving(args, command)
     print(f"bench: unknown command {args.workload}", file=sys.stderr)
     return 2
-
-
-def wl_names():
-    from bench.__main__ import WORKLOADS
-
-    return WORKLOADS

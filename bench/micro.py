@@ -13,29 +13,32 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 from types import SimpleNamespace
 
-from bench.run import _loadavg, machine_info, write_result
+from bench.run import _loadavg, machine_info, rewrite_result, write_result
 
 FAKE_TOKEN = 1000
 
 
-def _requests(n: int, prompt_tokens: int, vocab: int = 49152, seed: int = 0, max_tokens=None, start: int = 0):
+def _requests(n: int, prompt_tokens: int, vocab: int = 49152):
     from prefixkv.request import Request
     from prefixkv.sampling_params import SamplingParams
 
-    rng = random.Random(seed)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [Request(f"r{start + i}", [rng.randrange(3, vocab) for _ in range(prompt_tokens)], params, start + i, 0)
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    return [Request(f"r{i}", [rng.randrange(3, vocab) for _ in range(prompt_tokens)], params, i, 0)
             for i in range(n)]
 
 
 def _fake_sampled(out, tok: int = FAKE_TOKEN) -> list[list[int]]:
     return [[tok] * s.num_samples for s in out.scheduled]
+
+
+def _sampling_rows(out) -> list:
+    """(request, sample index) per token to sample, for ``ModelRunner.sampling_batch``."""
+    return [(s.req, 0) for s in out.scheduled for _ in range(s.num_samples)]
 
 
 # ------------------------------------------------------------------------------------------ scheduler
@@ -68,8 +71,7 @@ def scheduler_overhead(num_running: int, steps: int, prompt_tokens: int, block_s
         t1 = time.perf_counter()
         ModelRunner.prepare(runner, out)
         t2 = time.perf_counter()
-        rows = [(s.req, 0) for s in out.scheduled for _ in range(s.num_samples)]
-        ModelRunner.sampling_batch(runner, rows)
+        ModelRunner.sampling_batch(runner, _sampling_rows(out))
         t3 = time.perf_counter()
         sched.update(out, _fake_sampled(out))
         t4 = time.perf_counter()
@@ -100,7 +102,7 @@ def engine_overhead(llm, num_running: int, steps: int, prompt_tokens: int) -> di
 
     def fake_execute(out):
         runner.prepare(out)
-        rows = [(s.req, 0) for s in out.scheduled for _ in range(s.num_samples)]
+        rows = _sampling_rows(out)
         if rows:
             runner.sampling_batch(rows)
         return ModelOutput(_fake_sampled(out, tok), [None] * len(out.scheduled))
@@ -174,7 +176,8 @@ def _trace(n: int, min_p: int, max_p: int, min_o: int, max_o: int, seed: int):
 def simulate_paged(trace, budget_tokens: int, block_size: int, max_num_seqs: int, step_tokens: int,
                    watermark: float = 0.01) -> dict:
     from prefixkv.config import CacheConfig, SchedulerConfig
-    from prefixkv.request import RequestStatus
+    from prefixkv.request import Request, RequestStatus
+    from prefixkv.sampling_params import SamplingParams
     from prefixkv.scheduler import Scheduler
 
     num_blocks = budget_tokens // block_size
@@ -182,9 +185,6 @@ def simulate_paged(trace, budget_tokens: int, block_size: int, max_num_seqs: int
                                       max_waiting_requests=len(trace) + 1, watermark=watermark),
                       CacheConfig(block_size=block_size, num_kv_blocks=num_blocks, enable_prefix_caching=False),
                       num_blocks)
-    from prefixkv.request import Request
-    from prefixkv.sampling_params import SamplingParams
-
     params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
     targets = {}
     for i, (p, o) in enumerate(trace):
@@ -364,10 +364,7 @@ def cmd_flops(args: argparse.Namespace, command: str) -> int:
                         fraction_of_decode_shape_matmul=round(achieved / decode_peak, 4))
     doc.update(matmul_before=before, matmul_after=after, peak_gflops=peak, decode_shape_gflops=decode_peak,
                model_flops=fl)
-    jp = Path(doc["json_path"])
-    import json
-
-    jp.write_text(json.dumps({k: v for k, v in doc.items() if k not in ("json_path", "png_path")}, indent=2) + "\n")
+    jp = rewrite_result(doc)
     print(table(doc))
     print(ratio_table(doc))
     print("\nmatmul GFLOP/s (best of ~1 s) before / after:")

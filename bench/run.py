@@ -66,9 +66,10 @@ def _mean(xs) -> float | None:
 
 
 def run_systems(workload: Workload, systems: list[System], repeat: int = 1, lazy: bool = False,
-                progress: bool = True, max_wait_s: float = 0.0) -> dict:
-    """Returns ({system name: result dict}, {system name: outputs of its first repeat}). ``lazy``: set each system up just before its turn and
-    tear it down after (for many engine variants that would not fit in memory together)."""
+                progress: bool = True, max_wait_s: float = 0.0) -> tuple[dict, dict]:
+    """Returns ({system name: result dict}, {system name: outputs of its first repeat}). ``lazy``: set
+    each system up just before its turn and tear it down after (for many engine variants that would
+    not fit in memory together)."""
     from tqdm import tqdm
 
     num_req = len(workload.rounds[0]) * workload.total_rounds
@@ -96,7 +97,7 @@ def run_systems(workload: Workload, systems: list[System], repeat: int = 1, lazy
     if not lazy:
         for s in systems:
             s.teardown()
-    for name, res in results.items():
+    for res in results.values():
         _summarize(res)
     return results, outputs
 
@@ -232,6 +233,12 @@ def write_result(doc: dict, out_dir: str | Path, stem: str) -> Path:
     path = out / f"{stem}.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")
     return path
+
+
+def rewrite_result(doc: dict) -> Path:
+    """Write a ``run_and_report`` doc again (fields were added) to its ``json_path``, without the paths."""
+    path = Path(doc["json_path"])
+    return write_result({k: v for k, v in doc.items() if k not in ("json_path", "png_path")}, path.parent, path.stem)
 
 
 def run_and_report(workload: Workload, systems: list[System], *, repeat: int, out_dir: str, command: str,

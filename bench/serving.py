@@ -29,27 +29,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
 import math
-import os
 import random
-import re
-import signal
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-import urllib.parse
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench import workloads as wl
 from bench.corpus import TokenStream
+from bench.server_client import SSEEvents, SpawnedServer, check_loopback, drain, scrape, wait_health
 
-METRIC_LINE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$")
+PROG = "bench serving"
 PERCENTILES = (50, 90, 99)
 
 
@@ -111,22 +104,6 @@ def parse_rates(text: str) -> list[float]:
 
 def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
-
-
-def check_loopback(url: str) -> str:
-    """``http://<loopback>:PORT`` -> its base URL; anything else is refused."""
-    u = urllib.parse.urlsplit(url)
-    host = u.hostname or ""
-    ok = host == "localhost"
-    if not ok:
-        try:
-            ok = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            ok = False
-    if u.scheme != "http" or not ok or u.port is None:
-        raise SystemExit(f"bench serving: --url must be http://<loopback address>:PORT "
-                         f"(127.0.0.1, ::1, localhost), got {url!r}")
-    return f"http://{u.netloc}"
 
 
 # ---------------------------------------------------------------------- prompts
@@ -213,22 +190,14 @@ async def send_one(session, url: str, body: dict, headers: dict, res: Result, t_
 
 async def _stream(session, url: str, body: dict, headers: dict, res: Result, t0: float) -> None:
     t_first = t_last = None
-    done = False
     async with session.post(url, json=body, headers=headers) as resp:
         res.status = resp.status
         if resp.status != 200:
             res.error = f"HTTP {resp.status}: {(await resp.read())[:200].decode('utf-8', 'replace')}"
             return
-        async for line in resp.content:
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                done = True
-                break
+        events = SSEEvents(resp.content)
+        async for event in events:
             now = time.perf_counter()
-            event = json.loads(data)
             if "error" in event:
                 err = event["error"]
                 res.error = f"SSE error: {err.get('type')}/{err.get('code')}: {err.get('message')}"
@@ -243,7 +212,7 @@ async def _stream(session, url: str, body: dict, headers: dict, res: Result, t0:
                 res.output_tokens = usage.get("completion_tokens")
                 res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     t_end = time.perf_counter()
-    if not done:
+    if not events.done:
         res.error = "stream ended without [DONE]"
     elif t_first is None:
         res.error = "no content chunk"
@@ -256,115 +225,6 @@ async def _stream(session, url: str, body: dict, headers: dict, res: Result, t0:
     res.finish_s = res.sent_s + res.latency_s
     if res.output_tokens > 1:
         res.tpot_s = (t_last - t_first) / (res.output_tokens - 1)
-
-
-# ---------------------------------------------------------------------- the server
-class SpawnedServer:
-    """``prefixkv serve`` on 127.0.0.1, port 0 (a free one); its stderr goes to a log file."""
-
-    def __init__(self, model: str | None, dtype: str, server_args: list[str], log: str | None,
-                 api_key: str | None) -> None:
-        self.cmd = [sys.executable, "-m", "prefixkv.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-                    "--dtype", dtype]
-        if model:
-            self.cmd += ["--model", model]
-        self.cmd += server_args
-        if log:
-            self.log_path = Path(log)
-        else:
-            fd, name = tempfile.mkstemp(prefix="prefixkv-bench-serving-", suffix=".log")
-            os.close(fd)
-            self.log_path = Path(name)
-        self._log = open(self.log_path, "w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if api_key:
-            env["PREFIXKV_API_KEY"] = api_key
-        root = str(Path(__file__).resolve().parent.parent)  # prefixkv importable from the checkout
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
-        self.url: str | None = None
-        self._ready = threading.Event()
-        threading.Thread(target=self._read_stdout, daemon=True).start()
-
-    def _read_stdout(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            m = re.match(r"prefixkv serving .* at (http://127\.0\.0\.1:\d+)$", line.strip())
-            if m and self.url is None:
-                self.url = m.group(1)
-                self._ready.set()
-        self._ready.set()  # the process exited
-
-    def wait_ready(self, timeout_s: float) -> str:
-        if not self._ready.wait(timeout_s) or self.url is None:
-            code = self.proc.poll()
-            why = f"exited with code {code}" if code is not None else f"did not start within {timeout_s:.0f} s"
-            self.stop()
-            tail = self.log_path.read_text(errors="replace")[-2000:]
-            raise SystemExit(f"bench serving: the server {why} ({' '.join(self.cmd)}); log tail:\n{tail}")
-        return self.url
-
-    def stop(self, timeout_s: float = 60.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                self._log.close()
-                return None
-        self._log.close()
-        return self.proc.returncode
-
-
-async def scrape(session, base: str) -> dict[str, float]:
-    """/metrics as {name{labels}: value}; {} if the server has none."""
-    import aiohttp
-
-    try:
-        async with session.get(base + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as resp:
-            if resp.status != 200:
-                return {}
-            text = await resp.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        return {}
-    out = {}
-    for line in text.splitlines():
-        m = METRIC_LINE.match(line)
-        if m:
-            try:
-                out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-            except ValueError:
-                pass
-    return out
-
-
-async def wait_health(session, base: str, timeout_s: float) -> None:
-    import aiohttp
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            async with session.get(base + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                if resp.status == 200:
-                    return
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"bench serving: {base}/health did not answer 200 within {timeout_s:.0f} s")
-        await asyncio.sleep(0.2)
-
-
-async def wait_idle(session, base: str, timeout_s: float = 30.0) -> dict[str, float]:
-    """Until the engine has no running or waiting request (a rate's aborted stragglers); last scrape."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = await scrape(session, base)
-        if (m.get("prefixkv_num_requests_running", 0) == 0 and m.get("prefixkv_num_requests_waiting", 0) == 0) \
-                or time.monotonic() > deadline:
-            return m
-        await asyncio.sleep(0.2)
 
 
 # ---------------------------------------------------------------------- one rate
@@ -417,7 +277,7 @@ async def run_rate(session, base: str, path: str, bodies: list[tuple[Prompt, dic
         tasks.append(task)
     await asyncio.gather(*tasks)
     bar.close()
-    run.metrics_after = await wait_idle(session, base)
+    _, run.metrics_after, _ = await drain(session, base, 30.0)  # a rate's aborted stragglers
     return run
 
 
@@ -485,7 +345,7 @@ async def run_all(base: str, args: argparse.Namespace, rates: list[float], bodie
     connector = aiohttp.TCPConnector(limit=args.num_requests + 8)
     info: dict = {}
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
-        await wait_health(session, base, 60)
+        await wait_health(session, base, 60, PROG)
         t0 = time.perf_counter()
         warm = []
         for prompt, body in warmup:  # one at a time: each system prompt's KV ends up in the prefix cache
@@ -513,11 +373,18 @@ def cmd_serving(args: argparse.Namespace, command: str) -> int:
         raise SystemExit("bench serving: --num-requests, --groups and the token counts must be positive")
     if args.url and args.server_args:
         raise SystemExit("bench serving: arguments after -- are for a spawned server (not with --url)")
-    base = check_loopback(args.url) if args.url else None
+    base = check_loopback(args.url, PROG) if args.url else None
     load0 = _loadavg()
     machine = machine_info(args.threads)
     _, tok = load_tokenizer(args.model)
     pb = wl.PromptBuilder(tok, TokenStream.build(tok))
+    if args.endpoint == "chat":  # the ChatML markers are cut off for the message text: keep some text
+        for what, num, head, tail in (("system", args.system_tokens, wl.SYSTEM_HEAD, wl.END),
+                                    ("question", args.question_tokens, wl.USER_HEAD, wl.END + wl.ASSISTANT_HEAD)):
+            least = len(pb.enc(head)) + len(pb.enc(tail)) + 1
+            if num < least:
+                raise SystemExit(f"bench serving: --{what}-tokens must be at least {least} with --endpoint chat "
+                                 f"(its role markers take {least - 1} tokens)")
     n = args.num_requests
     prompts = build_prompts(pb, args.groups, n * len(rates) + args.warmup * args.groups, args.system_tokens,
                             args.question_tokens, args.seed)
@@ -526,13 +393,6 @@ def cmd_serving(args: argparse.Namespace, command: str) -> int:
         warm_prompts += [p for p in prompts if p.group == g][:args.warmup]
     warm_ids = {id(p) for p in warm_prompts}
     rest = [p for p in prompts if id(p) not in warm_ids][:n * len(rates)]
-    if args.endpoint == "chat":  # the ChatML markers are cut off for the message text: keep some text
-        for what, num, head, tail in (("system", args.system_tokens, wl.SYSTEM_HEAD, wl.END),
-                                    ("question", args.question_tokens, wl.USER_HEAD, wl.END + wl.ASSISTANT_HEAD)):
-            least = len(pb.enc(head)) + len(pb.enc(tail)) + 1
-            if num < least:
-                raise SystemExit(f"bench serving: --{what}-tokens must be at least {least} with --endpoint chat "
-                                 f"(its role markers take {least - 1} tokens)")
     body = lambda p: (p, request_body(pb, p, args.endpoint, args.output_tokens))  # noqa: E731
     bodies = [[body(p) for p in rest[k * n:(k + 1) * n]] for k in range(len(rates))]
     warmup = [(p, request_body(pb, p, args.endpoint, min(args.output_tokens, 4))) for p in warm_prompts]
@@ -541,7 +401,8 @@ def cmd_serving(args: argparse.Namespace, command: str) -> int:
     t0 = time.time()
     try:
         if base is None:
-            server = SpawnedServer(args.model, args.dtype, args.server_args, args.server_log, args.api_key)
+            serve_args = ["--dtype", args.dtype, *(["--model", args.model] if args.model else []), *args.server_args]
+            server = SpawnedServer(serve_args, PROG, args.server_log, args.api_key)
             base = server.wait_ready(args.startup_seconds)
         results, info = asyncio.run(run_all(base, args, rates, bodies, warmup))
     finally:

@@ -198,12 +198,7 @@ class PrefixKVSystem(System):
         gc.collect()
 
     def info(self) -> dict:
-        a = self.args
-        return dict(block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
-                    max_num_seqs=a.max_num_seqs, num_kv_blocks=max(1, a.kv_tokens // a.block_size),
-                    enable_prefix_caching=a.enable_prefix_caching, scheduling_policy=a.scheduling_policy,
-                    enable_chunked_prefill=a.enable_chunked_prefill,
-                    num_speculative_tokens=a.num_speculative_tokens)
+        return {k: v for k, v in self.args.llm_kwargs().items() if k not in ("model", "dtype")}
 
 
 # ---------------------------------------------------------------------------------------- transformers
@@ -293,15 +288,15 @@ class HFCBSystem(System):
     kind = "hf"
     name = "hf-cb"
 
-    def __init__(self, model_path, dtype: str, args: EngineArgs, page_size: int = 256) -> None:
-        self.model_path, self.dtype, self.args, self.page_size = model_path, dtype, args, page_size
-        self.error: str | None = None
+    def __init__(self, model_path, args: EngineArgs, page_size: int = 256) -> None:
+        self.model_path, self.args, self.page_size = model_path, args, page_size
+        self.num_blocks = -(-args.kv_tokens // page_size)
 
     def setup(self) -> None:
         import transformers
 
         transformers.logging.set_verbosity_error()
-        self.model = _load_hf(self.model_path, self.dtype)
+        self.model = _load_hf(self.model_path, self.args.dtype)
         self._patch_prefix_counter()
 
     def _patch_prefix_counter(self) -> None:
@@ -336,7 +331,7 @@ class HFCBSystem(System):
                                eos_token_id=-1, pad_token_id=0, num_return_sequences=r0.n)
         if r0.temperature > 0:
             gen.temperature, gen.top_k, gen.top_p = r0.temperature, 0, 1.0
-        cb = ContinuousBatchingConfig(page_size=self.page_size, num_blocks=-(-a.kv_tokens // self.page_size),
+        cb = ContinuousBatchingConfig(page_size=self.page_size, num_blocks=self.num_blocks,
                                       max_batch_tokens=a.max_num_batched_tokens,
                                       max_requests_per_batch=a.max_num_seqs, seed=r0.seed)
         return gen, cb
@@ -375,7 +370,7 @@ class HFCBSystem(System):
 
     def info(self) -> dict:
         a = self.args
-        return dict(page_size=self.page_size, num_blocks=-(-a.kv_tokens // self.page_size),
+        return dict(page_size=self.page_size, num_blocks=self.num_blocks,
                     max_batch_tokens=a.max_num_batched_tokens, max_requests_per_batch=a.max_num_seqs,
                     persistent_manager=True)
 
@@ -392,5 +387,5 @@ def make_system(name: str, args: EngineArgs, model_path) -> System:
     if name == "hf-static":
         return HFStaticSystem(model_path, args.dtype, args.max_num_seqs)
     if name == "hf-cb":
-        return HFCBSystem(model_path, args.dtype, args)
+        return HFCBSystem(model_path, args)
     raise ValueError(f"systems: unknown system {name!r} (known: {', '.join(PEERS + OPTIONAL)})")
