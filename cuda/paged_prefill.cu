@@ -43,6 +43,11 @@ struct PrefillTile {
   __device__ __forceinline__ bool row_valid(int r) const {
     return r / heads_per_cta < num_tok && r % heads_per_cta < num_heads;
   }
+  // Row r's query token: its index in the batch, and its position in the sequence.
+  __device__ __forceinline__ int token(int r) const { return q_begin + tok0 + r / heads_per_cta; }
+  __device__ __forceinline__ int pos(int r) const { return ctx + tok0 + r / heads_per_cta; }
+  // Row r's query head.
+  __device__ __forceinline__ int head(int r) const { return head0 + r % heads_per_cta; }
 };
 
 // Fills `t` for this CTA; false if the CTA has no query token.
@@ -82,8 +87,8 @@ __device__ __forceinline__ void load_q_tile(T (*dst)[SROW], const T* q, const Pr
     const bool valid = t.row_valid(r);
     const T* src = q;
     if (valid) {
-      const int token = t.q_begin + t.tok0 + r / t.heads_per_cta;
-      const int head = t.head0 + r % t.heads_per_cta;
+      const int token = t.token(r);
+      const int head = t.head(r);
       src = q + token * q_stride + static_cast<long long>(head) * HEAD_DIM + c;
     }
     cp_async16(&dst[r][c], src, valid);
@@ -168,7 +173,7 @@ __global__ void __launch_bounds__(PREFILL_NUM_THREADS, 2) paged_prefill_kernel(
   const int row0 = tr * RM;
   int qpos[RM];  // position of each row's query token
 #pragma unroll
-  for (int i = 0; i < RM; ++i) qpos[i] = t.ctx + t.tok0 + (row0 + i) / t.heads_per_cta;
+  for (int i = 0; i < RM; ++i) qpos[i] = t.pos(row0 + i);
 
   load_q_tile<T, HEAD_DIM, C::BLOCK_M, C::SROW>(q_s, q, t, q_stride);
   cp_async_commit();
@@ -275,9 +280,7 @@ __global__ void __launch_bounds__(PREFILL_NUM_THREADS, 2) paged_prefill_kernel(
     const int r = row0 + i;
     if (!t.row_valid(r)) continue;
     const float inv = l_row > 0.f ? 1.f / l_row : 0.f;
-    const int token = t.q_begin + t.tok0 + r / t.heads_per_cta;
-    const int head = t.head0 + r % t.heads_per_cta;
-    T* dst = out + token * out_stride + static_cast<long long>(head) * HEAD_DIM;
+    T* dst = out + t.token(r) * out_stride + static_cast<long long>(t.head(r)) * HEAD_DIM;
 #pragma unroll
     for (int kk = 0; kk < NCH; ++kk) {
       float o[CH];
@@ -329,7 +332,7 @@ __global__ void __launch_bounds__(PREFILL_NUM_THREADS) paged_prefill_mma_kernel(
   const int g = lane / 4;
   const int qd = lane % 4;
   const int row0 = warp * 16 + g;  // this lane's rows: row0 and row0 + 8
-  const int qpos[2] = {t.ctx + t.tok0 + row0 / t.heads_per_cta, t.ctx + t.tok0 + (row0 + 8) / t.heads_per_cta};
+  const int qpos[2] = {t.pos(row0), t.pos(row0 + 8)};
   const int mat = lane / 8;  // ldmatrix: this lane addresses row (lane % 8) of matrix `mat`
   const int mat_row = lane % 8;
 
@@ -442,9 +445,7 @@ __global__ void __launch_bounds__(PREFILL_NUM_THREADS) paged_prefill_mma_kernel(
     const int r = row0 + 8 * h;
     if (!t.row_valid(r)) continue;
     const float inv = l_row > 0.f ? 1.f / l_row : 0.f;
-    const int token = t.q_begin + t.tok0 + r / t.heads_per_cta;
-    const int head = t.head0 + r % t.heads_per_cta;
-    T* dst = out + token * out_stride + static_cast<long long>(head) * HEAD_DIM + 2 * qd;
+    T* dst = out + t.token(r) * out_stride + static_cast<long long>(t.head(r)) * HEAD_DIM + 2 * qd;
 #pragma unroll
     for (int j = 0; j < DTILE; ++j)
       *reinterpret_cast<unsigned int*>(dst + j * 8) = pack2<T>(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);

@@ -167,6 +167,7 @@ def copy_bandwidth() -> dict:
 
 def decode_attention(copy_gbps: float | None) -> dict:
     from prefixkv.attention.cuda import paged_decode_attention
+    from prefixkv.attention.torch_ref import gather_kv
 
     batch, ctx, heads, kv_heads, head_dim, bs = 64, 4096, 32, 8, 128, 16
     blocks_per_seq = ctx // bs
@@ -185,9 +186,7 @@ def decode_attention(copy_gbps: float | None) -> dict:
     paged_decode_attention(q, cache, tables, seq_lens, scale, ctx, out=out)
     errs = []
     for s in (0, batch - 1):
-        k = cache[0, tables[s].long()].permute(1, 0, 2, 3).reshape(kv_heads, ctx, head_dim).float()
-        v = cache[1, tables[s].long()].permute(1, 0, 2, 3).reshape(kv_heads, ctx, head_dim).float()
-        k, v = k.repeat_interleave(heads // kv_heads, 0), v.repeat_interleave(heads // kv_heads, 0)
+        k, v = (x.float().repeat_interleave(heads // kv_heads, 0) for x in gather_kv(cache, tables[s].long(), ctx))
         p = torch.softmax(torch.einsum("hd,hld->hl", q[s].float(), k) * scale, dim=-1)
         errs.append((torch.einsum("hl,hld->hd", p, v) - out[s].float()).abs().max().item())
     res["max_abs_err_vs_torch"] = max(errs)
@@ -341,7 +340,7 @@ def hf_generate_batch(hf, prompts: list[list[int]], out_len: int, ours_ids: list
 # ---- graphs ------------------------------------------------------------------------------------
 
 
-def _decode_meta(n: int, ctx: int, block_size: int):
+def _decode_meta(n: int, ctx: int, block_size: int, max_seq_len: int):
     """A decode step of n sequences with ctx tokens each, in disjoint fresh blocks."""
     from prefixkv.attention import AttentionMetadata
 
@@ -351,7 +350,7 @@ def _decode_meta(n: int, ctx: int, block_size: int):
     slots = tables[:, pos // block_size].long() * block_size + pos % block_size
     return AttentionMetadata(slot_mapping=slots, query_start_loc=torch.arange(n + 1, dtype=torch.int32, device="cuda"),
                              seq_lens=torch.full((n,), ctx, dtype=torch.int32, device="cuda"), block_tables=tables,
-                             num_decode_seqs=n, max_seq_len=0, max_query_len=1)
+                             num_decode_seqs=n, max_seq_len=max_seq_len, max_query_len=1)
 
 
 def graphs(results: Results, path: Path, batches=(1, 8, 32), ctx: int = 256, steps: int = 48) -> dict:
@@ -372,8 +371,7 @@ def graphs(results: Results, path: Path, batches=(1, 8, 32), ctx: int = 256, ste
         # the model forward alone: replay vs the eager call, same inputs
         runner = llms["graphs"].engine.runner
         g = runner.graphs
-        meta = _decode_meta(b, ctx, g.block_size)
-        meta.max_seq_len = g.max_model_len
+        meta = _decode_meta(b, ctx, g.block_size, g.max_model_len)
         ids = torch.randint(3, 380, (b,), device="cuda")
         pos = torch.full((b,), ctx - 1, dtype=torch.int64, device="cuda")
         rows = torch.arange(b, device="cuda")

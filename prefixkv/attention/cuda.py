@@ -158,7 +158,7 @@ def name_expressions(dtype: torch.dtype, head_dim: int, block_size: int, queries
     compile checks; at run time each is compiled on first use)."""
     group = _decode_group(queries_per_kv)
     prefill = [_prefill_name("simt", dtype, head_dim, block_size)]
-    if mma and dtype in (torch.float16, torch.bfloat16) and head_dim <= 128:
+    if mma and _mma_supported(dtype, head_dim):
         prefill.append(_prefill_name("mma", dtype, head_dim, block_size))
     return {
         "cache_ops.cu": [_cache_op_name(k, dtype) for k in ("write_kv_kernel", "copy_blocks_kernel")],
@@ -306,8 +306,9 @@ def _decode(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, block_table
     """Decode attention for sequences 0 .. num_seqs-1, whose query is row s of ``q``."""
     _, _, num_kv_heads, block_size, head_dim = cache.shape
     num_heads = q.shape[1]
-    group = _decode_group(_gqa(num_heads, cache))
-    num_chunks = -(-(num_heads // num_kv_heads) // group)
+    queries_per_kv = _gqa(num_heads, cache)
+    group = _decode_group(queries_per_kv)
+    num_chunks = -(-queries_per_kv // group)
     if num_seqs > _MAX_GRID_YZ:
         raise ValueError(f"too many decode sequences for one launch ({num_seqs} > {_MAX_GRID_YZ})")
     if split_k is None:
@@ -359,10 +360,15 @@ def paged_decode_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_
 # ---- prefill -----------------------------------------------------------------------------------
 
 
+def _mma_supported(dtype: torch.dtype, head_dim: int) -> bool:
+    """The tensor-core prefill kernel's static_asserts: fp16 / bf16, head_dim <= 128."""
+    return dtype in (torch.float16, torch.bfloat16) and head_dim <= 128
+
+
 def _prefill_impl(dtype: torch.dtype, head_dim: int, device: torch.device, impl: str) -> str:
     if impl not in ("auto", "mma", "simt"):
         raise ValueError(f"impl: expected 'auto', 'mma' or 'simt', got {impl!r}")
-    mma_ok = dtype in (torch.float16, torch.bfloat16) and head_dim <= 128
+    mma_ok = _mma_supported(dtype, head_dim)
     if impl == "mma" and not mma_ok:
         raise ValueError(f"impl 'mma' needs fp16/bf16 and head_dim <= 128 (got {dtype}, {head_dim})")
     if impl == "auto":
@@ -435,6 +441,17 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block
 # ---- backend -----------------------------------------------------------------------------------
 
 
+def _check_meta(meta: AttentionMetadata, num_tokens: int, device: torch.device) -> None:
+    num_seqs = meta.num_seqs
+    num_decodes = meta.num_decode_seqs
+    if not 0 <= num_decodes <= num_seqs or num_tokens < num_decodes:
+        raise ValueError(f"num_decode_seqs {num_decodes} inconsistent with {num_seqs} sequences, "
+                         f"{num_tokens} tokens")
+    _check_index("seq_lens", meta.seq_lens, torch.int32, 1, device)
+    _check_index("query_start_loc", meta.query_start_loc, torch.int32, 1, device, num_seqs + 1)
+    _check_index("block_tables", meta.block_tables, torch.int32, 2, device, num_seqs)
+
+
 class CudaAttentionBackend(AttentionBackend):
     """The CUDA kernels behind the ``AttentionBackend`` contract (see base.py).
 
@@ -449,28 +466,17 @@ class CudaAttentionBackend(AttentionBackend):
         self.prefill_impl = prefill_impl
         self.split_k = split_k
 
-    def forward(
-        self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache_layer: torch.Tensor,  # [2, num_blocks + 1, num_kv_heads, block_size, head_dim]
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    def forward(self, q, k, v, kv_cache_layer, meta: AttentionMetadata, scale: float):
         write_kv(k, v, kv_cache_layer, meta.slot_mapping)
         _check_rows("q", q, None, kv_cache_layer)
-        num_seqs = meta.num_seqs
-        num_decodes = meta.num_decode_seqs
         if q.shape[0] != k.shape[0]:
             raise ValueError(f"q and k: different numbers of tokens ({q.shape[0]} vs {k.shape[0]})")
-        if not 0 <= num_decodes <= num_seqs or q.shape[0] < num_decodes:
-            raise ValueError(f"num_decode_seqs {num_decodes} inconsistent with {num_seqs} sequences, "
-                             f"{q.shape[0]} tokens")
-        _check_index("seq_lens", meta.seq_lens, torch.int32, 1, q.device)
-        _check_index("query_start_loc", meta.query_start_loc, torch.int32, 1, q.device, num_seqs + 1)
-        _check_index("block_tables", meta.block_tables, torch.int32, 2, q.device, num_seqs)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if "cuda_meta_checked" not in meta.scratch:  # the same for every layer of the step: check once
+            _check_meta(meta, q.shape[0], q.device)
+            meta.scratch["cuda_meta_checked"] = True
+        num_seqs = meta.num_seqs
+        num_decodes = meta.num_decode_seqs
+        out = _out_like(q, None, kv_cache_layer)
         if num_decodes > 0:
             _decode(out, q, kv_cache_layer, meta.block_tables, meta.seq_lens, num_decodes, scale,
                     meta.max_seq_len, self.split_k)

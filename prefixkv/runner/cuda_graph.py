@@ -55,6 +55,9 @@ class CudaGraphRunner:
         self.block_tables = torch.full((n, self.max_blocks), self.dummy_block, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.logits_rows = torch.arange(n, dtype=torch.int64, device=dev)
+        # rows from num_filled on hold padding inputs (the dummy block only): a replay resets only the
+        # rows an earlier, larger batch filled, not every padding row at every step
+        self.num_filled = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [bucket, vocab] logits, written by each replay
         self.pool = None
@@ -114,16 +117,19 @@ class CudaGraphRunner:
         if b is None or not 0 < n == meta.num_decode_seqs == input_ids.shape[0] or w > self.max_blocks:
             raise ValueError(f"replay: {n} sequences ({meta.num_decode_seqs} decodes, {input_ids.shape[0]} tokens, "
                              f"{w} blocks each) do not fit buckets {self.buckets} x {self.max_blocks} blocks")
+        self.num_filled = max(self.num_filled, n)  # first: a copy that raises leaves no row untracked
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.block_tables[:n, :w].copy_(meta.block_tables)
-        if n < b:  # padding rows: the dummy block only
-            self.input_ids[n:b].zero_()
-            self.positions[n:b].zero_()
-            self.slot_mapping[n:b].fill_(self.dummy_block * self.block_size)
-            self.seq_lens[n:b].fill_(1)
-            self.block_tables[n:b, 0].fill_(self.dummy_block)
+        if n < self.num_filled:  # rows a larger batch filled become padding again: the dummy block only
+            rows = slice(n, self.num_filled)
+            self.input_ids[rows].zero_()
+            self.positions[rows].zero_()
+            self.slot_mapping[rows].fill_(self.dummy_block * self.block_size)
+            self.seq_lens[rows].fill_(1)
+            self.block_tables[rows, 0].fill_(self.dummy_block)
+            self.num_filled = n
         self.graphs[b].replay()
         return self.outputs[b][:n]
