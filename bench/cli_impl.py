@@ -39,6 +39,9 @@ def build_workload(name: str, args: argparse.Namespace, tokenizer) -> wl.Workloa
                           args.output_tokens, args.shared_system)
     elif name == "cold":
         w = wl.cold(pb, args.num_requests, args.min_tokens, args.max_tokens, args.output_tokens, seed)
+    elif name == "decode-heavy":
+        w = wl.cold(pb, args.num_requests, args.prompt_tokens, args.prompt_tokens, args.output_tokens, seed)
+        w.name = "decode-heavy"
     elif name == "parallel-sampling":
         w = wl.parallel_sampling(pb, args.num_requests, args.prompt_tokens, args.output_tokens, args.n, seed=seed)
     else:

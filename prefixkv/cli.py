@@ -20,6 +20,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-waiting-requests", type=int, default=1024)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--cpu-linear", default="onednn", choices=["onednn", "torch"],
+                   help="CPU float32 GEMMs: oneDNN on prepacked weights, or torch's F.linear")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="exact n-gram (prompt lookup) speculative decoding for greedy requests: draft tokens per "
@@ -36,7 +38,7 @@ def engine_config_from_args(args: argparse.Namespace):
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     return EngineConfig(
         model=args.model, device=args.device, dtype=dtype, max_model_len=args.max_model_len, seed=args.seed,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, cpu_linear=args.cpu_linear,
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=int(args.kv_cache_memory * (1 << 30)),
                           enable_prefix_caching=not args.no_prefix_caching),

@@ -91,6 +91,8 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     attention_backend: str | None = None  # None = "torch" on cpu, "cuda" on cuda
+    # CPU float32 GEMMs: "onednn" (prepacked weights, model/linear.py) or "torch" (F.linear, MKL)
+    cpu_linear: str = "onednn"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -99,6 +101,8 @@ class EngineConfig:
                  f"must be one of {SUPPORTED_DEVICES}, got {self.device!r}")
         _require(self.dtype in SUPPORTED_DTYPES, "dtype",
                  f"must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        _require(self.cpu_linear in ("onednn", "torch"), "cpu_linear",
+                 f"must be 'onednn' or 'torch', got {self.cpu_linear!r}")
         if self.max_model_len is not None:
             _require(isinstance(self.max_model_len, int) and self.max_model_len >= 1,
                      "max_model_len", f"must be a positive int, got {self.max_model_len!r}")

@@ -60,7 +60,8 @@ class LLMEngine:
         self.model_path = resolve_model(config.model)
         self.tokenizer = Tokenizer.from_pretrained(str(self.model_path))
         dtype = DTYPES[config.dtype]
-        self.model, self.hf_config = load_model(self.model_path, config.dtype, config.device)
+        self.model, self.hf_config = load_model(self.model_path, config.dtype, config.device,
+                                                   prepack=config.cpu_linear == "onednn")
         shape = self.model.shape
         max_len = config.max_model_len or shape.max_position_embeddings
         if shape.sliding_window:
@@ -335,6 +336,7 @@ class LLM:
         seed: int = 0,
         attention_backend: str | None = None,
         enforce_eager: bool = False,
+        cpu_linear: str = "onednn",
         scheduling_policy: str = "continuous",
         enable_chunked_prefill: bool = True,
         max_waiting_requests: int = 1 << 20,
@@ -345,7 +347,7 @@ class LLM:
     ) -> None:
         cfg = EngineConfig(
             model=model, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed,
-            enforce_eager=enforce_eager, attention_backend=attention_backend,
+            enforce_eager=enforce_eager, attention_backend=attention_backend, cpu_linear=cpu_linear,
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching),

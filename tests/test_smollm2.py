@@ -62,11 +62,12 @@ def test_shared_system_prompt_hits_the_cache(llm):
 def test_gguf_conversion_matches_transformers(llm):
     from transformers import AutoModelForCausalLM
 
-    from prefixkv.model.loader import embedded_gguf_path
+    from prefixkv.model.loader import _load_state_dict, embedded_gguf_path
 
     gguf = embedded_gguf_path()
     ref = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    ours = dict(llm.engine.model.named_parameters())
+    # the checkpoint the loader reads (the engine's modules fuse and prepack it afterwards)
+    ours = _load_state_dict(llm.engine.model_path)
     ref_sd = ref.state_dict()
     assert set(ours) == {k for k in ref_sd if k != "lm_head.weight"}
     for name, p in ours.items():

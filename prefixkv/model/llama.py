@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixkv.attention.base import AttentionBackend, AttentionMetadata
+from prefixkv.model.linear import FusedLinear, Linear, onednn_available
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -118,17 +119,23 @@ class Attention(nn.Module):
     def __init__(self, s: ModelShape) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
-        self.q_proj = nn.Linear(s.hidden_size, s.num_heads * s.head_dim, bias=s.attention_bias)
-        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attention_bias)
-        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attention_bias)
-        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
+        # the checkpoint's q/k/v_proj, fused into qkv_proj by LlamaModel.fuse_projections()
+        self.q_proj = Linear(s.hidden_size, s.num_heads * s.head_dim, bias=s.attention_bias)
+        self.k_proj = Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attention_bias)
+        self.v_proj = Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attention_bias)
+        self.o_proj = Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
         self.scale = s.head_dim ** -0.5
+
+    def fuse(self) -> None:
+        self.qkv_proj = FusedLinear.from_parts([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, kv_cache_layer, meta: AttentionMetadata, backend: AttentionBackend):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        q, k, v = self.qkv_proj(x)  # [T, H * D], [T, KVH * D], [T, KVH * D]
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -139,12 +146,18 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, s: ModelShape) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+        # the checkpoint's gate/up_proj, fused into gate_up_proj by LlamaModel.fuse_projections()
+        self.gate_proj = Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.up_proj = Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.down_proj = Linear(s.intermediate_size, s.hidden_size, bias=False)
+
+    def fuse(self) -> None:
+        self.gate_up_proj = FusedLinear.from_parts([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -171,14 +184,43 @@ class LlamaModel(nn.Module):
         self.model.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
         self.model.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         if not shape.tie_word_embeddings:
-            self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+            self.lm_head = Linear(shape.hidden_size, shape.vocab_size, bias=False)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scaling = rope_scaling
+        self.packed_lm_head: Linear | None = None
+
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up as one GEMM each (after the checkpoint's weights are loaded)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    def prepack(self) -> bool:
+        """On CPU in float32 (and where torch has oneDNN): every projection and the LM head run as
+        oneDNN matmuls on prepacked weights (see linear.py). Returns whether it packed."""
+        w = self.lm_head_weight()
+        if w.device.type != "cpu" or w.dtype != torch.float32 or not onednn_available():
+            return False
+        for m in self.modules():
+            if isinstance(m, Linear) and m.packed is None and m is not getattr(self, "lm_head", None):
+                m.prepack()
+        head = Linear(self.shape.hidden_size, self.shape.vocab_size)
+        head.weight = nn.Parameter(w.detach(), requires_grad=False)
+        head.prepack()  # a packed copy: a tied weight stays the embedding table too
+        self.packed_lm_head = head
+        if not self.shape.tie_word_embeddings:
+            del self.lm_head
+        return True
 
     def lm_head_weight(self) -> torch.Tensor:
         if self.shape.tie_word_embeddings:
             return self.model.embed_tokens.weight
         return self.lm_head.weight
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:  # h [S, hidden] -> [S, vocab]
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(h)
+        return lm_head(h, self.lm_head_weight())
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2] fp32
@@ -200,5 +242,5 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, kv_cache[i], meta, backend)
         h = self.model.norm(h[logits_indices])  # [S, hidden]
-        logits = lm_head(h, self.lm_head_weight())
+        logits = self.logits(h)
         return logits if logits.dtype == torch.float64 else logits.float()

@@ -190,8 +190,9 @@ def load_hf_config(path: Path):
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
-def load_model(path: Path, dtype: str, device: str) -> tuple[LlamaModel, object]:
-    """Build the model from a local directory; returns (model, Hugging Face config)."""
+def load_model(path: Path, dtype: str, device: str, prepack: bool = True) -> tuple[LlamaModel, object]:
+    """Build the model from a local directory; returns (model, Hugging Face config). Projections
+    are fused; ``prepack``: on CPU in float32, GEMMs on oneDNN-prepacked weights (model/linear.py)."""
     cfg = load_hf_config(path)
     shape = ModelShape.from_hf_config(cfg)
     inv_freq, scaling = rope_inv_freq(cfg, shape.head_dim)
@@ -204,5 +205,8 @@ def load_model(path: Path, dtype: str, device: str) -> tuple[LlamaModel, object]
     model.load_state_dict(sd, strict=True, assign=True)
     model = model.to(device=device, dtype=DTYPES[dtype])
     model.inv_freq = inv_freq.float().to(device)  # stays fp32 as in transformers
+    model.fuse_projections()
+    if prepack:
+        model.prepack()
     model.eval()
     return model, cfg

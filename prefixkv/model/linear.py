@@ -1,0 +1,75 @@
+"""Linear layers of the decoder: fused projections and, on CPU in float32, prepacked oneDNN GEMMs.
+
+Why oneDNN on CPU: torch's ``F.linear`` calls MKL's sgemm, which on this project's machines (AMD
+EPYC, AVX-512) runs a 16-row decode batch of SmolLM2's projections at ~12 GB/s of weights; oneDNN's
+matmul on a weight reordered once into its blocked layout (``torch.ops.mkldnn``: the ops inductor's
+weight-prepack pass emits) reaches ~27 GB/s, the machine's read bandwidth (bench/RESULTS.md, "CPU
+GEMM"). Its results differ from MKL's in float32 rounding only (~1e-6 relative; tests/test_linear.py
+compares them); from two rows up they are row-invariant here (a row's output does not depend on
+how many rows the call has; tested). float64 (the exact lossless matrix) and other devices keep ``F.linear``.
+
+Fusion: q/k/v and gate/up are one GEMM each over the concatenated weight (``FusedLinear``); each
+output column is the same dot product it was in its own GEMM (tested bitwise for both backends).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# the batch-size hint oneDNN picks its weight layout for; measured as good from 1 to 512 rows
+_PACK_ROWS_HINT = 16
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class Linear(nn.Module):
+    """``y = x @ weight.T + bias`` over x [T, in_features] -> [T, out_features].
+
+    ``prepack()`` (CPU, float32) replaces ``weight`` by its oneDNN-blocked copy; the plain weight is
+    dropped (the packed one is the only copy) and ``forward`` calls the oneDNN matmul.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        w = self.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_ROWS_HINT)
+        self.weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+class FusedLinear(Linear):
+    """Several projections of the same input as one GEMM; ``forward`` returns the parts, in order.
+
+    Built from the checkpoint's separate weights (``from_parts``), so parameter names of the
+    checkpoint map onto slices of one weight: part ``i`` is rows ``offsets[i]:offsets[i+1]``."""
+
+    def __init__(self, in_features: int, part_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(part_sizes), bias)
+        self.part_sizes = list(part_sizes)
+
+    @classmethod
+    def from_parts(cls, parts: list[nn.Linear | Linear]) -> "FusedLinear":
+        in_features = parts[0].weight.shape[1]
+        has_bias = parts[0].bias is not None
+        fused = cls(in_features, [p.weight.shape[0] for p in parts], has_bias)
+        fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
+        if has_bias:
+            fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
+        return fused
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return super().forward(x).split(self.part_sizes, dim=-1)
