@@ -79,7 +79,7 @@ def print_summary(doc: dict) -> None:
 
 def cmd_workload(args: argparse.Namespace, command: str) -> int:
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
-    bad = [n for n in names if n not in PEERS + OPTIONAL]
+    bad = [n for n in names if n not in PEERS + OPTIONAL and not n.startswith("vllm-b")]
     if bad or not names:
         raise SystemExit(f"bench: error: --systems: unknown {bad} (known: {', '.join(PEERS + OPTIONAL)})")
     path, tok = load_tokenizer(args.model)

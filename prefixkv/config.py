@@ -90,7 +90,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     enforce_eager: bool = False
-    attention_backend: str | None = None  # None = "torch" on cpu, "cuda" on cuda
+    attention_backend: str | None = None  # None = "cpu" on cpu, "cuda" on cuda
     # CPU float32 GEMMs: "onednn" (prepacked weights, model/linear.py) or "torch" (F.linear, MKL)
     cpu_linear: str = "onednn"
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -71,7 +71,7 @@ class LLMEngine:
             1, config.cache.kv_cache_memory_bytes // ModelRunner.bytes_per_block(self.model, bs, dtype))
         self.info = RuntimeInfo(num_kv_blocks=num_blocks, max_model_len=max_len,
                                 eos_token_ids=list(self.tokenizer.eos_token_ids), vocab_size=shape.vocab_size)
-        backend = get_backend(config.attention_backend or ("torch" if config.device == "cpu" else "cuda"))
+        backend = get_backend(config.attention_backend or ("cpu" if config.device == "cpu" else "cuda"))
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_len)
         self.runner = ModelRunner(self.model, backend, num_blocks, bs, config.device, dtype, self.info.eos_token_ids,
                                   max_len)

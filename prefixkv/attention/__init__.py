@@ -1,5 +1,6 @@
 """Attention backends over the one paged KV layout (see ``base``), chosen through a small registry
-with lazy imports: ``torch`` (reference, CPU and GPU) and ``cuda`` (raw CUDA kernels via CuPy)."""
+with lazy imports: ``torch`` (reference, CPU and GPU), ``cpu`` (the torch path with C decode
+kernels; the CPU default) and ``cuda`` (raw CUDA kernels via CuPy)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from prefixkv.attention.base import AttentionBackend, AttentionMetadata, kv_cach
 
 _REGISTRY = {
     "torch": ("prefixkv.attention.torch_ref", "TorchAttentionBackend"),
+    "cpu": ("prefixkv.attention.cpu", "CpuAttentionBackend"),
     "cuda": ("prefixkv.attention.cuda", "CudaAttentionBackend"),
 }
 

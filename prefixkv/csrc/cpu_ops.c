@@ -1,0 +1,249 @@
+/* CPU kernels of the decode step, called through ctypes (prefixkv/attention/cpu_kernels.py).
+ *
+ * Built at first use with the system C compiler (-O3 -march=native -fopenmp); OpenMP resolves to
+ * the libgomp torch has already loaded, so these loops share torch's thread pool.
+ *
+ * KV layout (prefixkv/attention/base.py), one layer:
+ *     kv_layer: [2, num_blocks + 1, KVH, BS, D]   half 0 = keys, half 1 = values
+ *
+ * Every function exists for float (suffix _f32) and double (suffix _f64); arithmetic is in the
+ * element type (float32 accumulation for float32: "accumulated in at least fp32").
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Decode attention: one query token per sequence, at its last position (seq_lens[b] - 1),
+ * attending to positions 0 .. seq_lens[b] - 1 read through its block table.
+ *
+ *   q            [B, H, D]            (contiguous)
+ *   kv_layer     [2, NB1, KVH, BS, D] (contiguous; NB1 = num_blocks + 1)
+ *   block_tables [B, max_blocks]      int32, row stride max_blocks
+ *   seq_lens     [B]                  int32
+ *   out          [B, H, D]            (contiguous)
+ *
+ * One work item per sequence. It walks its blocks in order; a block's keys (and values) for all
+ * KVH heads are one contiguous [KVH, BS, D] run, read once for the G = H / KVH query heads of
+ * each kv head, with the next block prefetched. Online softmax a block at a time (running max m,
+ * sum l, rescaled accumulator). Every reduction's order depends on that sequence's own length
+ * only, never on the batch it runs in.
+ */
+/* exp(x) for x <= 0 (softmax terms), branch-free so that loops over it vectorize (glibc's expf
+ * has vector variants only under -ffast-math): Cephes' range reduction and degree-6 polynomial,
+ * within 2 ulp of expf on [-87, 0]; below -87 it returns ~1.6e-38 where expf underflows (a term
+ * that small changes no float32 sum it is added to). Tested against torch.exp. */
+static inline float softmax_expf(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float fx = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    union { int32_t i; float f; } scale2n = { .i = ((int32_t)fx + 127) << 23 };
+    return y * scale2n.f;
+}
+
+float softmax_expf_scalar(float x) { return softmax_expf(x); }  /* for the tests */
+
+#define MAXH 64
+#define MAXBS 64
+#define MAXD 256
+#define DEFINE_DECODE(T, SUFFIX, EXP, EXPV)                                                            \
+void paged_decode_attention_##SUFFIX(const T *q, const T *kv_layer, const int32_t *block_tables, \
+                                     const int32_t *seq_lens, T *out, int B, int H, int KVH, int D,\
+                                     int BS, int max_blocks, int64_t nb1, T scale) {             \
+    const int G = H / KVH;                                                                       \
+    const int64_t half = nb1 * (int64_t)KVH * BS * D; /* elements in the K (or V) half */        \
+    const int64_t blk_elems = (int64_t)KVH * BS * D;                                             \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                             \
+    for (int b = 0; b < B; b++) {                                                                \
+        T m[MAXH], l[MAXH], s[MAXH * MAXBS];                                                     \
+        T acc[MAXH * MAXD];                                                                      \
+        const T *qb = q + (int64_t)b * H * D;                                                    \
+        const int32_t *table = block_tables + (int64_t)b * max_blocks;                           \
+        const int len = seq_lens[b];                                                             \
+        const int nblocks = (len + BS - 1) / BS;                                                 \
+        for (int h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0; }                              \
+        memset(acc, 0, sizeof(T) * H * D);                                                       \
+        for (int j = 0; j < nblocks; j++) {                                                      \
+            const T *kb = kv_layer + (int64_t)table[j] * blk_elems;                              \
+            const T *vb = kb + half;                                                             \
+            if (j + 1 < nblocks) {                                                               \
+                const char *nk = (const char *)(kv_layer + (int64_t)table[j + 1] * blk_elems);   \
+                const char *nv = nk + half * (int64_t)sizeof(T);                                 \
+                for (int64_t o = 0; o < blk_elems * (int64_t)sizeof(T); o += 64) {               \
+                    __builtin_prefetch(nk + o, 0, 3);                                            \
+                    __builtin_prefetch(nv + o, 0, 3);                                            \
+                }                                                                                \
+            }                                                                                    \
+            const int n = len - j * BS < BS ? len - j * BS : BS;                                 \
+            for (int kh = 0; kh < KVH; kh++) {                                                   \
+                const T *kh_k = kb + (int64_t)kh * BS * D;                                       \
+                for (int t = 0; t < n; t++) {                                                    \
+                    const T *kt = kh_k + (int64_t)t * D;                                         \
+                    for (int g = 0; g < G; g++) {                                                \
+                        const T *qh = qb + (int64_t)(kh * G + g) * D;                            \
+                        T dot = 0;                                                               \
+                        _Pragma("omp simd reduction(+:dot)")                                     \
+                        for (int d = 0; d < D; d++) dot += qh[d] * kt[d];                        \
+                        s[(kh * G + g) * MAXBS + t] = dot * scale;                               \
+                    }                                                                            \
+                }                                                                                \
+            }                                                                                    \
+            for (int h = 0; h < H; h++) {                                                        \
+                T *sh = s + h * MAXBS;                                                           \
+                T bm = m[h];                                                                     \
+                _Pragma("omp simd reduction(max:bm)")                                            \
+                for (int t = 0; t < n; t++) bm = sh[t] > bm ? sh[t] : bm;                        \
+                const T alpha = EXP(m[h] - bm); /* 0 on the first block (m = -inf) */            \
+                T lsum = 0;                                                                      \
+                _Pragma("omp simd")                                                              \
+                for (int t = 0; t < n; t++) sh[t] = EXPV(sh[t] - bm);                            \
+                for (int t = 0; t < n; t++) lsum += sh[t];                                       \
+                T *ah = acc + (int64_t)h * D;                                                    \
+                _Pragma("omp simd")                                                              \
+                for (int d = 0; d < D; d++) ah[d] *= alpha;                                      \
+                l[h] = l[h] * alpha + lsum;                                                      \
+                m[h] = bm;                                                                       \
+            }                                                                                    \
+            for (int kh = 0; kh < KVH; kh++) {                                                   \
+                const T *kh_v = vb + (int64_t)kh * BS * D;                                       \
+                for (int t = 0; t < n; t++) {                                                    \
+                    const T *vt = kh_v + (int64_t)t * D;                                         \
+                    for (int g = 0; g < G; g++) {                                                \
+                        const int h = kh * G + g;                                                \
+                        const T p = s[h * MAXBS + t];                                            \
+                        T *ah = acc + (int64_t)h * D;                                            \
+                        _Pragma("omp simd")                                                      \
+                        for (int d = 0; d < D; d++) ah[d] += p * vt[d];                          \
+                    }                                                                            \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        T *ob = out + (int64_t)b * H * D;                                                        \
+        for (int h = 0; h < H; h++) {                                                            \
+            const T inv = (T)1 / l[h];                                                           \
+            for (int d = 0; d < D; d++) ob[(int64_t)h * D + d] = acc[(int64_t)h * D + d] * inv;  \
+        }                                                                                        \
+    }                                                                                            \
+}
+
+DEFINE_DECODE(float, decode_generic_f32, expf, softmax_expf)
+DEFINE_DECODE(double, f64, exp, exp)
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* softmax_expf on 16 lanes (the same operations, so the same results lane by lane). */
+static inline __m512 softmax_expf16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 fx = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                                         _mm512_set1_ps(0.5f)),
+                                           _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(fx, _mm512_set1_ps(0.693359375f))),
+                                   _mm512_mul_ps(fx, _mm512_set1_ps(2.12194440e-4f)));
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(y, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+/* One sequence's decode attention with D = 16 * ND, block size <= 16: per query head, q and the
+ * accumulator stay in registers while the block's K and V rows stream through (from L1: the
+ * block's [BS, D] rows were fetched once for the first head of the group). */
+static inline __attribute__((always_inline)) void decode_seq_avx512(
+        const float *qb, const float *kv_layer, const int32_t *table, int len, float *ob, int H, int KVH,
+        int BS, int64_t half, float scale, const int ND) {
+    const int D = 16 * ND, G = H / KVH;
+    const int64_t blk_elems = (int64_t)KVH * BS * D;
+    float m[MAXH], l[MAXH];
+    float acc[MAXH * MAXD] __attribute__((aligned(64)));
+    for (int h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0; }
+    memset(acc, 0, sizeof(float) * H * D);
+    const int nblocks = (len + BS - 1) / BS;
+    for (int j = 0; j < nblocks; j++) {
+        const float *kb = kv_layer + (int64_t)table[j] * blk_elems;
+        const float *vb = kb + half;
+        if (j + 1 < nblocks) {
+            const char *nk = (const char *)(kv_layer + (int64_t)table[j + 1] * blk_elems);
+            const char *nv = nk + half * (int64_t)sizeof(float);
+            for (int64_t o = 0; o < blk_elems * (int64_t)sizeof(float); o += 64) {
+                _mm_prefetch(nk + o, _MM_HINT_T0);
+                _mm_prefetch(nv + o, _MM_HINT_T0);
+            }
+        }
+        const int n = len - j * BS < BS ? len - j * BS : BS;
+        const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+        for (int h = 0; h < H; h++) {
+            const int kh = h / G;
+            const float *kt = kb + (int64_t)kh * BS * D, *vt = vb + (int64_t)kh * BS * D;
+            __m512 qv[ND];
+            for (int c = 0; c < ND; c++) qv[c] = _mm512_loadu_ps(qb + (int64_t)h * D + 16 * c);
+            float sc[16] __attribute__((aligned(64)));
+            for (int t = 0; t < n; t++) {
+                __m512 dot = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt + (int64_t)t * D));
+                for (int c = 1; c < ND; c++) dot = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + (int64_t)t * D + 16 * c), dot);
+                sc[t] = _mm512_reduce_add_ps(dot) * scale;
+            }
+            const __m512 sv = _mm512_mask_load_ps(_mm512_set1_ps(-INFINITY), valid, sc);
+            const float bm = fmaxf(m[h], _mm512_reduce_max_ps(sv));
+            const float alpha = expf(m[h] - bm); /* 0 on the first block (m = -inf) */
+            const __m512 pv = _mm512_maskz_mov_ps(valid, softmax_expf16(_mm512_sub_ps(sv, _mm512_set1_ps(bm))));
+            l[h] = l[h] * alpha + _mm512_reduce_add_ps(pv);
+            m[h] = bm;
+            float p[16] __attribute__((aligned(64)));
+            _mm512_store_ps(p, pv);
+            __m512 av[ND];
+            const __m512 a = _mm512_set1_ps(alpha);
+            for (int c = 0; c < ND; c++) av[c] = _mm512_mul_ps(_mm512_load_ps(acc + (int64_t)h * D + 16 * c), a);
+            for (int t = 0; t < n; t++) {
+                const __m512 pt = _mm512_set1_ps(p[t]);
+                for (int c = 0; c < ND; c++) av[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt + (int64_t)t * D + 16 * c), av[c]);
+            }
+            for (int c = 0; c < ND; c++) _mm512_store_ps(acc + (int64_t)h * D + 16 * c, av[c]);
+        }
+    }
+    for (int h = 0; h < H; h++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / l[h]);
+        for (int c = 0; c < ND; c++)
+            _mm512_storeu_ps(ob + (int64_t)h * D + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + (int64_t)h * D + 16 * c), inv));
+    }
+}
+#endif
+
+void paged_decode_attention_f32(const float *q, const float *kv_layer, const int32_t *block_tables,
+                                const int32_t *seq_lens, float *out, int B, int H, int KVH, int D, int BS,
+                                int max_blocks, int64_t nb1, float scale) {
+#if defined(__AVX512F__)
+    if (BS <= 16 && (D == 64 || D == 128)) {
+        const int64_t half = nb1 * (int64_t)KVH * BS * D;
+        #pragma omp parallel for schedule(dynamic, 1)
+        for (int b = 0; b < B; b++) {
+            const float *qb = q + (int64_t)b * H * D;
+            const int32_t *table = block_tables + (int64_t)b * max_blocks;
+            float *ob = out + (int64_t)b * H * D;
+            if (D == 64)
+                decode_seq_avx512(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, 4);
+            else
+                decode_seq_avx512(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, 8);
+        }
+        return;
+    }
+#endif
+    paged_decode_attention_decode_generic_f32(q, kv_layer, block_tables, seq_lens, out, B, H, KVH, D, BS,
+                                              max_blocks, nb1, scale);
+}
+
+/* The limits the fixed-size scratch above assumes (checked by the Python wrapper too). */
+int paged_decode_max_heads(void) { return MAXH; }
+int paged_decode_max_block(void) { return MAXBS; }
+int paged_decode_max_head_dim(void) { return MAXD; }
