@@ -93,6 +93,8 @@ class EngineConfig:
     attention_backend: str | None = None  # None = "cpu" on cpu, "cuda" on cuda
     # CPU float32 GEMMs: "onednn" (prepacked weights, model/linear.py) or "torch" (F.linear, MKL)
     cpu_linear: str = "onednn"
+    # CPU: RoPE, residual-add + RMSNorm and SiLU-and-mul through the C kernels (prefixkv/cpu_ops.py)
+    fused_cpu_ops: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -61,7 +61,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(str(self.model_path))
         dtype = DTYPES[config.dtype]
         self.model, self.hf_config = load_model(self.model_path, config.dtype, config.device,
-                                                   prepack=config.cpu_linear == "onednn")
+                                                   prepack=config.cpu_linear == "onednn",
+                                                   cpu_ops=config.fused_cpu_ops)
         shape = self.model.shape
         max_len = config.max_model_len or shape.max_position_embeddings
         if shape.sliding_window:
@@ -337,6 +338,7 @@ class LLM:
         attention_backend: str | None = None,
         enforce_eager: bool = False,
         cpu_linear: str = "onednn",
+        fused_cpu_ops: bool = True,
         scheduling_policy: str = "continuous",
         enable_chunked_prefill: bool = True,
         max_waiting_requests: int = 1 << 20,
@@ -348,6 +350,7 @@ class LLM:
         cfg = EngineConfig(
             model=model, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed,
             enforce_eager=enforce_eager, attention_backend=attention_backend, cpu_linear=cpu_linear,
+            fused_cpu_ops=fused_cpu_ops,
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching),

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from kernel_reference import make_batch, reference_attention
-from prefixkv.attention import cpu_kernels, get_backend
+from prefixkv import cpu_ops
+from prefixkv.attention import get_backend
 
-lib = cpu_kernels.load()
+lib = cpu_ops.load()
 pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler: the cpu backend keeps the torch path")
 
 SPECS = [(1, 1), (15, 1), (16, 1), (17, 1), (64, 1), (250, 1), (33, 1), (2, 1)]
@@ -31,7 +32,7 @@ def test_decode_kernel_matches_reference(dtype, head_dim, block_size, num_kv_hea
     b = make_batch(dtype, head_dim, block_size, num_kv_heads, group, SPECS, seed=head_dim + block_size)
     seq_lens = torch.tensor([s for s, _ in SPECS], dtype=torch.int32)
     scale = head_dim ** -0.5
-    out = cpu_kernels.paged_decode_attention(b["q"], b["cache"], b["block_tables"], seq_lens, scale)
+    out = cpu_ops.paged_decode_attention(b["q"], b["cache"], b["block_tables"], seq_lens, scale)
     qsl = torch.arange(len(SPECS) + 1, dtype=torch.int32)
     ref = reference_attention(b["q"], b["cache"], b["block_tables"], seq_lens, qsl, scale)
     assert out.dtype == dtype and not out.isnan().any()
@@ -44,13 +45,13 @@ def test_decode_kernel_rows_do_not_depend_on_the_batch():
     """A sequence's output is bitwise the same alone or with others, in any position."""
     b = make_batch(torch.float32, 64, 16, 3, 3, SPECS, seed=3)
     seq_lens = torch.tensor([s for s, _ in SPECS], dtype=torch.int32)
-    full = cpu_kernels.paged_decode_attention(b["q"], b["cache"], b["block_tables"], seq_lens, 0.125)
+    full = cpu_ops.paged_decode_attention(b["q"], b["cache"], b["block_tables"], seq_lens, 0.125)
     for i in range(len(SPECS)):
-        one = cpu_kernels.paged_decode_attention(b["q"][i:i + 1], b["cache"], b["block_tables"][i:i + 1],
+        one = cpu_ops.paged_decode_attention(b["q"][i:i + 1], b["cache"], b["block_tables"][i:i + 1],
                                                  seq_lens[i:i + 1], 0.125)
         assert torch.equal(one, full[i:i + 1]), i
     rev = torch.arange(len(SPECS) - 1, -1, -1)
-    out = cpu_kernels.paged_decode_attention(b["q"][rev], b["cache"], b["block_tables"][rev], seq_lens[rev], 0.125)
+    out = cpu_ops.paged_decode_attention(b["q"][rev], b["cache"], b["block_tables"][rev], seq_lens[rev], 0.125)
     assert torch.equal(out, full[rev])
 
 
@@ -68,11 +69,11 @@ def test_softmax_exp_within_2_ulp_of_torch_exp():
 
 def test_supports_checks_dtype_device_and_limits():
     kv = torch.zeros(2, 5, 3, 16, 64)
-    assert cpu_kernels.supports(torch.zeros(2, 9, 64), kv)
-    assert not cpu_kernels.supports(torch.zeros(2, 9, 64, dtype=torch.bfloat16), kv.bfloat16())
-    assert not cpu_kernels.supports(torch.zeros(2, 9, 64), kv.double())
-    assert not cpu_kernels.supports(torch.zeros(2, 9, 64), torch.zeros(2, 5, 3, 128, 64))  # block > 64
-    assert not cpu_kernels.supports(torch.zeros(2, 9, 64), kv.transpose(3, 4))
+    assert cpu_ops.supports_decode(torch.zeros(2, 9, 64), kv)
+    assert not cpu_ops.supports_decode(torch.zeros(2, 9, 64, dtype=torch.bfloat16), kv.bfloat16())
+    assert not cpu_ops.supports_decode(torch.zeros(2, 9, 64), kv.double())
+    assert not cpu_ops.supports_decode(torch.zeros(2, 9, 64), torch.zeros(2, 5, 3, 128, 64))  # block > 64
+    assert not cpu_ops.supports_decode(torch.zeros(2, 9, 64), kv.transpose(3, 4))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -111,3 +112,76 @@ def test_cpu_backend_equals_torch_backend_on_a_mixed_step(dtype):
     assert torch.equal(cache_a, cache_b)
     assert torch.equal(out_cpu[5:], out_torch[5:])  # prefill rows: the same code
     torch.testing.assert_close(out_cpu, out_torch, rtol=0, atol=1e-12 if dtype == torch.float64 else 2e-6)
+
+
+# ---------------------------------------------------------------------------------------- elementwise
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rope_is_bit_identical_to_the_torch_ops(dtype):
+    """In place on strided q/k views of one qkv output, exactly ``x * cos + rotate_half(x) * sin``."""
+    from prefixkv.model.llama import _rotate_half
+
+    g = torch.Generator().manual_seed(0)
+    t, h, kvh, d = 37, 9, 3, 64
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g, dtype=dtype)
+    cos, sin = torch.randn(t, d, generator=g, dtype=dtype), torch.randn(t, d, generator=g, dtype=dtype)
+    q = qkv[:, :h * d].view(t, h, d)
+    k = qkv[:, h * d:(h + kvh) * d].view(t, kvh, d)
+    v_before = qkv[:, (h + kvh) * d:].clone()
+    want_q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
+    want_k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
+    cpu_ops.rope_(q, cos, sin)
+    cpu_ops.rope_(k, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(qkv[:, (h + kvh) * d:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rmsnorm_matches_the_torch_norm(with_residual):
+    from prefixkv.model.llama import RMSNorm
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(70, 576, generator=g)
+    res = torch.randn(70, 576, generator=g) if with_residual else None
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=g))
+    want_h = x if res is None else x + res
+    want = norm(want_h)
+    out, h = cpu_ops.add_rmsnorm(x, res, norm.weight.detach(), 1e-5)
+    assert torch.equal(h, want_h)  # the residual add itself is exact
+    diff = (out - want).abs().max().item()
+    print(f"add_rmsnorm vs torch RMSNorm: max abs diff {diff:.2e}")
+    torch.testing.assert_close(out, want, rtol=2e-6, atol=2e-6)
+
+
+def test_silu_mul_matches_torch():
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(33, 2 * 1536, generator=g) * 6
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 88.0, -88.0, 100.0, -100.0, 1e-8, -1e-8])
+    gate, up = gate_up.split(1536, dim=1)
+    want = F.silu(gate) * up
+    out = cpu_ops.silu_mul(gate_up)
+    diff = (out - want).abs().max().item()
+    print(f"silu_mul vs F.silu * up: max abs diff {diff:.2e}")
+    torch.testing.assert_close(out, want, rtol=3e-6, atol=1e-30)
+
+
+def test_fused_ops_model_matches_plain_model(tiny_llama):
+    """The float32 forward with and without the fused C elementwise ops: same greedy tokens,
+    logprobs within float32 rounding."""
+    from prefixkv import LLM, SamplingParams
+
+    prompts = [[5 + (i * 11 + k) % 300 for i in range(17 + 13 * k)] for k in range(4)]
+    res = {}
+    for fused in (False, True):
+        llm = LLM(model=str(tiny_llama), fused_cpu_ops=fused, block_size=4, num_kv_blocks=256)
+        assert llm.engine.model.model.norm.fused is fused
+        res[fused] = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, logprobs=0, ignore_eos=True))
+    diff = 0.0
+    for a, b in zip(res[False], res[True]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        diff = max(diff, max(abs(x.logprob - y.logprob) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)))
+    print(f"fused elementwise vs torch ops: max abs diff of chosen logprobs {diff:.2e}")
+    assert diff < 1e-4

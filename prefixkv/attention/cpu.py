@@ -1,5 +1,5 @@
 """The CPU default: the torch reference path (prefill chunks through SDPA), with decode rows
-through the C kernel of ``cpu_kernels`` — each sequence reads its own blocks in place through
+through the C kernel of ``cpu_ops`` — each sequence reads its own blocks in place through
 its block table (no gather copies, no per-step plan), an online softmax a block at a time.
 
 Where the kernel library is not built (no C compiler) or the shapes exceed its limits, decode
@@ -7,7 +7,7 @@ rows take the torch path (cascade attention) unchanged."""
 
 from __future__ import annotations
 
-from prefixkv.attention import cpu_kernels
+from prefixkv import cpu_ops
 from prefixkv.attention.base import AttentionMetadata
 from prefixkv.attention.torch_ref import TorchAttentionBackend
 
@@ -16,8 +16,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
     def _decode_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float):
-        if not cpu_kernels.supports(q, kv_cache_layer):
+        if not cpu_ops.supports_decode(q, kv_cache_layer):
             return super()._decode_rows(q, kv_cache_layer, meta, scale)
         nd = meta.num_decode_seqs
-        return cpu_kernels.paged_decode_attention(q, kv_cache_layer, meta.block_tables[:nd], meta.seq_lens[:nd],
+        return cpu_ops.paged_decode_attention(q, kv_cache_layer, meta.block_tables[:nd], meta.seq_lens[:nd],
                                                   scale)

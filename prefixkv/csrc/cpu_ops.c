@@ -1,4 +1,4 @@
-/* CPU kernels of the decode step, called through ctypes (prefixkv/attention/cpu_kernels.py).
+/* CPU kernels of the decode step, called through ctypes (prefixkv/attention/cpu_ops.py).
  *
  * Built at first use with the system C compiler (-O3 -march=native -fopenmp); OpenMP resolves to
  * the libgomp torch has already loaded, so these loops share torch's thread pool.
@@ -43,8 +43,10 @@ static inline float softmax_expf(float x) {
     y = y * r + 1.6666665459e-1f;
     y = y * r + 5.0000001201e-1f;
     y = y * (r * r) + r + 1.0f;
-    union { int32_t i; float f; } scale2n = { .i = ((int32_t)fx + 127) << 23 };
-    return y * scale2n.f;
+    const int32_t bits = ((int32_t)fx + 127) << 23;
+    float scale2n;
+    memcpy(&scale2n, &bits, sizeof scale2n);  /* 2^fx; a register move, and it vectorizes */
+    return y * scale2n;
 }
 
 float softmax_expf_scalar(float x) { return softmax_expf(x); }  /* for the tests */
@@ -247,3 +249,78 @@ void paged_decode_attention_f32(const float *q, const float *kv_layer, const int
 int paged_decode_max_heads(void) { return MAXH; }
 int paged_decode_max_block(void) { return MAXBS; }
 int paged_decode_max_head_dim(void) { return MAXD; }
+
+/* ----------------------------------------------------------------------------------------------
+ * Elementwise pieces of a decoder layer, fused (each replaces 2 to 14 torch ops per call).
+ * ---------------------------------------------------------------------------------------------- */
+
+/* RMSNorm as transformers computes it for a float32 model, with the residual add before it:
+ *     h = x + residual (if residual);  residual_out = h;  out = weight * (h * rsqrt(mean(h^2) + eps))
+ * x, residual, residual_out, out: [rows, n] (row strides ld_*); weight [n]. The mean is a float32
+ * sum in index order divided by n (torch sums in another order: values agree to float32 rounding). */
+void add_rmsnorm_f32(const float *x, int64_t ld_x, const float *residual, int64_t ld_res, float *residual_out,
+                     int64_t ld_res_out, const float *weight, float *out, int64_t ld_out, int rows, int n,
+                     float eps) {
+    #pragma omp parallel for schedule(static) if (rows >= 32)
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + r * ld_x;
+        float *hr = residual_out ? residual_out + r * ld_res_out : out + r * ld_out;
+        if (residual) {
+            const float *rr = residual + r * ld_res;
+            #pragma omp simd
+            for (int i = 0; i < n; i++) hr[i] = xr[i] + rr[i];
+        } else if (hr != xr) {
+            memcpy(hr, xr, sizeof(float) * n);
+        }
+        float ss = 0;
+        #pragma omp simd reduction(+:ss)
+        for (int i = 0; i < n; i++) ss += hr[i] * hr[i];
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        float *o = out + r * ld_out;
+        #pragma omp simd
+        for (int i = 0; i < n; i++) o[i] = weight[i] * (hr[i] * inv);
+    }
+}
+
+/* Rotary embedding in place, exactly transformers' ``x * cos + rotate_half(x) * sin`` (each product
+ * and the sum rounded on its own: -ffp-contract=off, so the same bits as torch's three ops):
+ *     out[i] = x[i] * cos[i] + (-x[i + D/2]) * sin[i],   out[i + D/2] = x[i + D/2] * cos[i + D/2] + x[i] * sin[i + D/2]
+ * x: [rows, heads, D] with row stride ld_x (a view into the fused qkv output), cos/sin: [rows, D]. */
+#define DEFINE_ROPE(T, SUFFIX)                                                                   \
+void rope_##SUFFIX(T *x, int64_t ld_x, const T *cos, const T *sin, int rows, int heads, int D) {   \
+    const int half = D / 2;                                                                      \
+    _Pragma("omp parallel for schedule(static) if (rows >= 32)")                                 \
+    for (int r = 0; r < rows; r++) {                                                             \
+        const T *c = cos + (int64_t)r * D, *s = sin + (int64_t)r * D;                            \
+        for (int h = 0; h < heads; h++) {                                                        \
+            T *v = x + r * ld_x + (int64_t)h * D;                                                \
+            _Pragma("omp simd")                                                                  \
+            for (int i = 0; i < half; i++) {                                                     \
+                const T x1 = v[i], x2 = v[i + half];                                             \
+                const T a = x1 * c[i], b = (-x2) * s[i];                                         \
+                const T a2 = x2 * c[i + half], b2 = x1 * s[i + half];                            \
+                v[i] = a + b;                                                                    \
+                v[i + half] = a2 + b2;                                                           \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+}
+DEFINE_ROPE(float, f32)
+DEFINE_ROPE(double, f64)
+
+/* SiLU-and-mul: out = silu(gate) * up, gate_up [rows, 2 * n] (gate first, then up), out [rows, n].
+ * silu(g) = g / (1 + exp(-g)) with exp(-g) from the vectorizable softmax_expf for g >= 0 and a
+ * range-extended form for g < 0 (exp(-g) = 1 / exp(g)); within a few ulp of torch.nn.functional.silu. */
+static void silu_mul_row(const float *restrict g, const float *restrict u, float *restrict o, int n) {
+    for (int i = 0; i < n; i++) {
+        const float e = softmax_expf(-fabsf(g[i]));       /* exp(-|g|), >= ~1.6e-38 */
+        const float exp_neg_g = g[i] >= 0 ? e : 1.0f / e;  /* exp(-g), <= ~6e37 */
+        o[i] = g[i] / (1.0f + exp_neg_g) * u[i];
+    }
+}
+
+void silu_mul_f32(const float *gate_up, int64_t ld_in, float *out, int64_t ld_out, int rows, int n) {
+    #pragma omp parallel for schedule(static) if (rows >= 8)
+    for (int r = 0; r < rows; r++)
+        silu_mul_row(gate_up + r * ld_in, gate_up + r * ld_in + n, out + r * ld_out, n);
+}

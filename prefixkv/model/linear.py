@@ -71,5 +71,9 @@ class FusedLinear(Linear):
             fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
         return fused
 
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """The parts side by side: [T, sum(part_sizes)]."""
+        return super().forward(x)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return super().forward(x).split(self.part_sizes, dim=-1)
+        return self.whole(x).split(self.part_sizes, dim=-1)

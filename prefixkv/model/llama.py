@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prefixkv import cpu_ops
 from prefixkv.attention.base import AttentionBackend, AttentionMetadata
 from prefixkv.model.linear import FusedLinear, Linear, onednn_available
 
@@ -102,12 +103,21 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused = False  # the C kernel (float32 on CPU; LlamaModel.use_cpu_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(h), h) with h = x + residual (x when residual is None): the residual add of the
+        layer before, fused into this norm on CPU."""
+        if self.fused:
+            return cpu_ops.add_rmsnorm(x, residual, self.weight, self.eps)
+        h = x if residual is None else x + residual
+        return self(h), h
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -125,6 +135,7 @@ class Attention(nn.Module):
         self.v_proj = Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attention_bias)
         self.o_proj = Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
         self.scale = s.head_dim ** -0.5
+        self.fused_rope = False  # the C kernel, in place (LlamaModel.use_cpu_ops)
 
     def fuse(self) -> None:
         self.qkv_proj = FusedLinear.from_parts([self.q_proj, self.k_proj, self.v_proj])
@@ -136,9 +147,13 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if self.fused_rope:  # bit-identical to the three torch ops below
+            cpu_ops.rope_(q, cos, sin)
+            cpu_ops.rope_(k, cos, sin)
+        else:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
         out = backend.forward(q, k, v, kv_cache_layer, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -150,12 +165,15 @@ class MLP(nn.Module):
         self.gate_proj = Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.up_proj = Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.down_proj = Linear(s.intermediate_size, s.hidden_size, bias=False)
+        self.fused_act = False  # SiLU-and-mul in C (float32 on CPU; LlamaModel.use_cpu_ops)
 
     def fuse(self) -> None:
         self.gate_up_proj = FusedLinear.from_parts([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_act:
+            return self.down_proj(cpu_ops.silu_mul(self.gate_up_proj.whole(x)))
         gate, up = self.gate_up_proj(x)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
 
@@ -168,9 +186,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache_layer, meta, backend):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache_layer, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, residual, cos, sin, kv_cache_layer, meta, backend):
+        """Returns (this layer's MLP output, the residual stream before it): the residual add that
+        ends the layer happens in the next norm (``add_forward``), as in vLLM. The values are
+        transformers' ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+        normed, residual = self.input_layernorm.add_forward(x, residual)
+        attn = self.self_attn(normed, cos, sin, kv_cache_layer, meta, backend)
+        normed, residual = self.post_attention_layernorm.add_forward(attn, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -194,6 +217,21 @@ class LlamaModel(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def use_cpu_ops(self, enabled: bool = True) -> bool:
+        """The C kernels of cpu_ops for RoPE (float32 and float64: bit-identical to the torch ops)
+        and, in float32, for residual-add + RMSNorm and SiLU-and-mul (float32 rounding apart).
+        Only on CPU and where the kernel library builds; returns whether any is on."""
+        dtype = self.model.embed_tokens.weight.dtype
+        ok = enabled and self.inv_freq.device.type == "cpu" and cpu_ops.load() is not None
+        rope = ok and dtype in (torch.float32, torch.float64)
+        f32 = ok and dtype == torch.float32
+        for layer in self.model.layers:
+            layer.self_attn.fused_rope = rope
+            layer.mlp.fused_act = f32
+            layer.input_layernorm.fused = layer.post_attention_layernorm.fused = f32
+        self.model.norm.fused = f32
+        return rope
 
     def prepack(self) -> bool:
         """On CPU in float32 (and where torch has oneDNN): every projection and the LM head run as
@@ -238,9 +276,10 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor,  # [S] rows of the batch whose logits are needed
     ) -> torch.Tensor:  # [S, vocab] float32 (float64 models: float64)
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rope(positions, h.dtype)
+        cos, sin = self.rope(positions, h.dtype)  # [T, D] each
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, kv_cache[i], meta, backend)
-        h = self.model.norm(h[logits_indices])  # [S, hidden]
+            h, residual = layer(h, residual, cos, sin, kv_cache[i], meta, backend)
+        h, _ = self.model.norm.add_forward(h[logits_indices], residual[logits_indices])  # [S, hidden]
         logits = self.logits(h)
         return logits if logits.dtype == torch.float64 else logits.float()

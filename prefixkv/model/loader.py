@@ -186,9 +186,11 @@ def load_hf_config(path: Path):
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
-def load_model(path: Path, dtype: str, device: str, prepack: bool = True) -> tuple[LlamaModel, object]:
+def load_model(path: Path, dtype: str, device: str, prepack: bool = True,
+               cpu_ops: bool = True) -> tuple[LlamaModel, object]:
     """Build the model from a local directory; returns (model, Hugging Face config). Projections
-    are fused; ``prepack``: on CPU in float32, GEMMs on oneDNN-prepacked weights (model/linear.py)."""
+    are fused; ``prepack``: on CPU in float32, GEMMs on oneDNN-prepacked weights (model/linear.py);
+    ``cpu_ops``: on CPU, RoPE / RMSNorm / SiLU-and-mul through the C kernels (LlamaModel.use_cpu_ops)."""
     cfg = load_hf_config(path)
     shape = ModelShape.from_hf_config(cfg)
     inv_freq, scaling = rope_inv_freq(cfg, shape.head_dim)
@@ -204,5 +206,6 @@ def load_model(path: Path, dtype: str, device: str, prepack: bool = True) -> tup
     model.fuse_projections()
     if prepack:
         model.prepack()
+    model.use_cpu_ops(cpu_ops)
     model.eval()
     return model, cfg

@@ -26,8 +26,9 @@ import torch
 
 from prefixkv.cache_dir import cache_root
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_ops.c"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.c"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=off",
+          "-fno-trapping-math")
 
 
 def _cpu_flags() -> str:
@@ -81,6 +82,12 @@ def load() -> ctypes.CDLL | None:
         fn = getattr(lib, f"paged_decode_attention_{suffix}")
         fn.argtypes = [p, p, p, p, p, i32, i32, i32, i32, i32, i32, i64, scalar]
         fn.restype = None
+    lib.add_rmsnorm_f32.argtypes = [p, i64, p, i64, p, i64, p, p, i64, i32, i32, ctypes.c_float]
+    lib.rope_f32.argtypes = [p, i64, p, p, i32, i32, i32]
+    lib.rope_f64.argtypes = [p, i64, p, p, i32, i32, i32]
+    lib.silu_mul_f32.argtypes = [p, i64, p, i64, i32, i32]
+    for name in ("add_rmsnorm_f32", "rope_f32", "rope_f64", "silu_mul_f32"):
+        getattr(lib, name).restype = None
     lib.limits = (lib.paged_decode_max_heads(), lib.paged_decode_max_block(), lib.paged_decode_max_head_dim())
     return lib
 
@@ -88,7 +95,7 @@ def load() -> ctypes.CDLL | None:
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
-def supports(q: torch.Tensor, kv_cache_layer: torch.Tensor) -> bool:
+def supports_decode(q: torch.Tensor, kv_cache_layer: torch.Tensor) -> bool:
     """Whether the decode kernel takes these shapes (and the library is built)."""
     lib = load()
     if lib is None or q.device.type != "cpu" or q.dtype not in _SUFFIX or kv_cache_layer.dtype != q.dtype:
@@ -116,4 +123,46 @@ def paged_decode_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_
     fn = getattr(load(), f"paged_decode_attention_{_SUFFIX[q.dtype]}")
     fn(q.data_ptr(), kv_cache_layer.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
        b, h, kvh, d, bs, block_tables.shape[1], nb1, scale)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- elementwise
+def _rows(x: torch.Tensor) -> int:
+    """Row stride of a [T, N] tensor whose rows are contiguous (asserted)."""
+    assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
+    return x.stride(0)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [T, N]: h = x + residual (x alone when None); returns (rmsnorm(h) * weight, h)."""
+    assert x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.is_contiguous()
+    t, n = x.shape
+    out = torch.empty((t, n), dtype=x.dtype)
+    h = torch.empty((t, n), dtype=x.dtype)
+    r_ptr, r_ld = (0, 0) if residual is None else (residual.data_ptr(), _rows(residual))
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype
+    load().add_rmsnorm_f32(x.data_ptr(), _rows(x), r_ptr or None, r_ld, h.data_ptr(), n, weight.data_ptr(),
+                           out.data_ptr(), n, t, n, eps)
+    return out, h
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place: x [T, heads, D] (rows may be strided, a view into the fused qkv output) becomes
+    ``x * cos + rotate_half(x) * sin`` with cos/sin [T, D]; bit-identical to those torch ops."""
+    t, heads, d = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == d, x.stride()
+    assert cos.shape == (t, d) and sin.shape == (t, d) and cos.is_contiguous() and sin.is_contiguous()
+    assert cos.dtype == sin.dtype == x.dtype and x.dtype in _SUFFIX
+    getattr(load(), f"rope_{_SUFFIX[x.dtype]}")(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
+                                                t, heads, d)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """float32 gate_up [T, 2 * I] (gate, then up) -> silu(gate) * up [T, I]."""
+    assert gate_up.dtype == torch.float32
+    t, n2 = gate_up.shape
+    out = torch.empty((t, n2 // 2), dtype=gate_up.dtype)
+    load().silu_mul_f32(gate_up.data_ptr(), _rows(gate_up), out.data_ptr(), n2 // 2, t, n2 // 2)
     return out
