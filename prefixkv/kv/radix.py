@@ -26,38 +26,69 @@ class MatchResult(NamedTuple):
 
 
 class RadixNode:
-    __slots__ = ("tokens", "block_ids", "children", "parent", "last_access")
+    __slots__ = ("tokens", "block_ids", "children", "parent", "last_access", "key")
 
-    def __init__(self, tokens: tuple[int, ...], block_ids: list[int], parent: "RadixNode | None") -> None:
+    def __init__(self, tokens: tuple[int, ...], block_ids: list[int], parent: "RadixNode | None",
+                 key: tuple[int, ...] = ()) -> None:
         self.tokens = tokens
         self.block_ids = block_ids
         self.children: dict[tuple[int, ...], RadixNode] = {}
-        self.parent = parent
+        self.parent = parent  # None for the root and for a node removed from the tree
         self.last_access = 0
+        self.key = key  # the tokens of its first block: its key in parent.children
 
 
 class RadixIndex:
+    """Costs that stay flat as the cache grows (counted in ``num_visits``, see the tests):
+
+    * ``match`` and ``insert`` visit the nodes along one path; ``insert(..., num_done=k)`` starts
+      after the caller's first k blocks (found through ``block -> node``), so a request caching
+      one more block costs O(1), not a walk from the root; a leaf that grows is extended in place.
+    * ``evict`` pops leaves from a heap ordered by last access (lazy: a touched or changed leaf
+      is pushed again and stale entries are skipped; the heap is rebuilt when stale entries
+      outnumber the nodes), so freeing k blocks costs O((k + stale) log n), not a scan of the tree.
+    """
+
     def __init__(self, pool: BlockPool, block_size: int) -> None:
         self.pool = pool
         self.block_size = block_size
         self.root = RadixNode((), [], None)
         self._clock = itertools.count(1)
+        self._seq = itertools.count()
         self.num_cached_blocks = 0
+        self.num_nodes = 0
+        self.num_visits = 0  # nodes visited by match / insert / evict (complexity tests)
+        self.version = 0  # bumped whenever blocks enter or leave the tree: equal versions, equal matches
+        self._block_node: dict[int, RadixNode] = {}
+        self._leaf_heap: list[tuple[int, int, RadixNode]] = []
 
     def _key(self, tokens: Sequence[int], pos: int) -> tuple[int, ...]:
         return tuple(tokens[pos:pos + self.block_size])
 
-    def _walk(self, tokens: Sequence[int]):
-        """Yield (node, num_matched_blocks_in_node, pos_before_node) along the longest match."""
+    def _push_leaf(self, node: RadixNode) -> None:
+        heapq.heappush(self._leaf_heap, (node.last_access, next(self._seq), node))
+        if len(self._leaf_heap) > 2 * self.num_nodes + 64:  # mostly stale: rebuild from live leaves
+            self._leaf_heap = [(n.last_access, next(self._seq), n) for n in self._nodes() if not n.children]
+            heapq.heapify(self._leaf_heap)
+
+    def _touch(self, node: RadixNode, now: int) -> None:
+        node.last_access = now
+        if not node.children:
+            self._push_leaf(node)
+
+    def _walk(self, tokens: Sequence[int], end: int, node: RadixNode | None = None, pos: int = 0):
+        """Yield (node, num_matched_blocks_in_node, pos_before_node) along the longest match of
+        ``tokens[pos:end]`` below ``node`` (the root by default)."""
         bs = self.block_size
-        node, pos = self.root, 0
-        while pos + bs <= len(tokens):
+        node = node or self.root
+        while pos + bs <= end:
             child = node.children.get(self._key(tokens, pos))
+            self.num_visits += 1
             if child is None:
                 return
             m = 1
             n_child = len(child.block_ids)
-            while m < n_child and pos + (m + 1) * bs <= len(tokens) and \
+            while m < n_child and pos + (m + 1) * bs <= end and \
                     child.tokens[m * bs:(m + 1) * bs] == tuple(tokens[pos + m * bs:pos + (m + 1) * bs]):
                 m += 1
             yield child, m, pos
@@ -73,77 +104,123 @@ class RadixIndex:
         """
         block_ids: list[int] = []
         now = next(self._clock) if touch else 0
-        for node, m, _ in self._walk(tokens):
+        for node, m, _ in self._walk(tokens, len(tokens)):
             if touch:
-                node.last_access = now
+                self._touch(node, now)  # pushes only a leaf: the last node of the path, if any
             block_ids.extend(node.block_ids[:m])
         return MatchResult(block_ids, len(block_ids) * self.block_size)
 
-    def insert(self, tokens: Sequence[int], block_ids: Sequence[int]) -> int:
-        """Cache ``block_ids`` as holding ``tokens`` (``len(tokens) == len(block_ids) * block_size``).
+    def insert(self, tokens: Sequence[int], block_ids: Sequence[int], num_done: int = 0,
+               num_blocks: int | None = None) -> int:
+        """Cache the first ``num_blocks`` of ``block_ids`` (default: all; ``tokens`` holds at least
+        ``num_blocks * block_size`` tokens) as holding those tokens.
 
+        ``num_done``: the caller's first ``num_done`` blocks are already on the tree as its path
+        (inserted or matched by it, and held by it, so not evictable): the walk starts after them.
         Walks the existing path; where the tree already holds a block for the same tokens it
         keeps its own. If the tree's block differs from the caller's at some position, the caller
         holds a duplicate and insertion stops there (its later blocks would hang under blocks it
         does not hold). New blocks are pinned. Returns the number of blocks newly cached.
         """
         bs = self.block_size
-        assert len(tokens) == len(block_ids) * bs, (len(tokens), len(block_ids), bs)
+        if num_blocks is None:
+            num_blocks = len(block_ids)
+            assert len(tokens) == num_blocks * bs, (len(tokens), len(block_ids), bs)
+        end = num_blocks * bs
         now = next(self._clock)
         node, pos = self.root, 0
-        for child, m, p in self._walk(tokens):
-            child.last_access = now
+        if num_done:
+            anchor = self._block_node.get(block_ids[num_done - 1])
+            if anchor is not None:
+                i = len(anchor.block_ids) - 1
+                if anchor.block_ids[i] != block_ids[num_done - 1]:  # the path ends inside this node
+                    i = anchor.block_ids.index(block_ids[num_done - 1])
+                    anchor = self._split(anchor, i + 1)
+                node, pos = anchor, num_done * bs
+        # only the last node a walk visits can be a leaf: it is touched (pushed) on every way out
+        for child, m, p in self._walk(tokens, end, node, pos):
             i0 = p // bs
             if child.block_ids[:m] != list(block_ids[i0:i0 + m]):
+                self._touch(child, now)
                 return 0
             if m < len(child.block_ids):
-                if p + m * bs >= len(tokens):
+                if p + m * bs >= end:
+                    self._touch(child, now)
                     return 0  # everything given is already cached
                 child = self._split(child, m)
+            child.last_access = now
             node, pos = child, p + m * bs
-        if pos >= len(tokens):
+        if pos >= end:
+            if node is not self.root:
+                self._touch(node, now)
             return 0
-        new_blocks = list(block_ids[pos // bs:])
-        leaf = RadixNode(tuple(tokens[pos:]), new_blocks, node)
-        leaf.last_access = now
-        node.children[self._key(tokens, pos)] = leaf
+        new_blocks = list(block_ids[pos // bs:num_blocks])
+        if node is not self.root and not node.children:  # a growing leaf: extend it in place
+            node.tokens = node.tokens + tuple(tokens[pos:end])
+            node.block_ids.extend(new_blocks)
+            leaf = node
+        else:
+            key = self._key(tokens, pos)
+            leaf = RadixNode(tuple(tokens[pos:end]), new_blocks, node, key)
+            node.children[key] = leaf
+            self.num_nodes += 1
         for b in new_blocks:
             self.pool.pin(b)
+            self._block_node[b] = leaf
+        self._touch(leaf, now)
         self.num_cached_blocks += len(new_blocks)
+        self.version += 1
         return len(new_blocks)
 
     def _split(self, node: RadixNode, m: int) -> RadixNode:
-        """Split ``node`` after its first ``m`` blocks; return the new upper node."""
+        """Split ``node`` after its first ``m`` blocks; return the new upper node (the lower one
+        keeps its identity, so a leaf stays a leaf)."""
         bs = self.block_size
-        upper = RadixNode(node.tokens[:m * bs], node.block_ids[:m], node.parent)
-        upper.last_access = node.last_access
         assert node.parent is not None
-        node.parent.children[node.tokens[:bs]] = upper
+        upper = RadixNode(node.tokens[:m * bs], node.block_ids[:m], node.parent, node.key)
+        upper.last_access = node.last_access
+        node.parent.children[node.key] = upper
         node.tokens, node.block_ids, node.parent = node.tokens[m * bs:], node.block_ids[m:], upper
-        upper.children[node.tokens[:bs]] = node
+        node.key = node.tokens[:bs]
+        upper.children[node.key] = node
+        for b in upper.block_ids:
+            self._block_node[b] = upper
+        self.num_nodes += 1
         return upper
 
     def evict(self, num_blocks: int) -> list[int]:
         """Free up to ``num_blocks`` blocks that only the tree holds, least recently used leaves
-        first, each leaf from its tail block up. Returns the freed block ids in eviction order."""
-        heap = [(n.last_access, id(n), n) for n in self._nodes() if not n.children]
-        heapq.heapify(heap)
+        first, each leaf from its tail block up. Returns the freed block ids in eviction order.
+        A leaf whose tail is locked (a request holds it) is set aside and pushed back after."""
         freed: list[int] = []
+        parked: list[RadixNode] = []
+        heap, ref_cnt = self._leaf_heap, self.pool.ref_cnt
         while heap and len(freed) < num_blocks:
-            _, _, node = heapq.heappop(heap)
-            while node.block_ids and len(freed) < num_blocks and self.pool.ref_cnt[node.block_ids[-1]] == 1:
+            last_access, _, node = heapq.heappop(heap)
+            self.num_visits += 1
+            if node.parent is None or node.children or last_access != node.last_access:
+                continue  # removed, no longer a leaf, or touched since (a newer entry exists)
+            while node.block_ids and len(freed) < num_blocks and ref_cnt[node.block_ids[-1]] == 1:
                 b = node.block_ids.pop()
                 node.tokens = node.tokens[:-self.block_size]
                 self.pool.unpin(b)
+                del self._block_node[b]
                 freed.append(b)
             if node.block_ids:
-                continue  # locked tail or enough freed
+                parked.append(node)  # locked tail, or enough freed: it stays a leaf
+                continue
             parent = node.parent
-            assert parent is not None
-            del parent.children[next(k for k, c in parent.children.items() if c is node)]
+            del parent.children[node.key]
+            node.parent = None
+            self.num_nodes -= 1
             if parent is not self.root and not parent.children:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                parent.last_access = max(parent.last_access, node.last_access)
+                heapq.heappush(heap, (parent.last_access, next(self._seq), parent))
+        for node in parked:
+            heapq.heappush(heap, (node.last_access, next(self._seq), node))
         self.num_cached_blocks -= len(freed)
+        if freed:
+            self.version += 1
         return freed
 
     def reset(self) -> int:
@@ -169,14 +246,24 @@ class RadixIndex:
     def check_integrity(self) -> None:
         bs = self.block_size
         seen: set[int] = set()
+        num_nodes = 0
+        live = {(id(e[2]), e[0]) for e in self._leaf_heap}
         for n in self._nodes():
+            num_nodes += 1
             assert n.block_ids, f"empty non-root node with tokens {n.tokens[:8]}"
             assert len(n.tokens) == len(n.block_ids) * bs, f"node tokens {len(n.tokens)} != {len(n.block_ids)} blocks"
-            assert n.parent is not None and n.parent.children.get(n.tokens[:bs]) is n, "bad child key"
+            assert n.key == n.tokens[:bs], f"node key {n.key} != its first block {n.tokens[:bs]}"
+            assert n.parent is not None and n.parent.children.get(n.key) is n, "bad child key"
             for b in n.block_ids:
                 assert b not in seen, f"block {b} twice in the tree"
                 assert self.pool.cached[b], f"tree block {b} not marked cached"
+                assert self._block_node.get(b) is n, f"block {b}: block -> node map is stale"
                 seen.add(b)
+            if not n.children:  # every leaf has a live heap entry (else evict could not find it)
+                assert (id(n), n.last_access) in live, \
+                    f"leaf {n.tokens[:8]} (last access {n.last_access}) has no heap entry"
         cached = {b for b in range(self.pool.num_blocks) if self.pool.cached[b]}
         assert cached == seen, f"pool says cached {sorted(cached)}, tree holds {sorted(seen)}"
+        assert set(self._block_node) == seen, "block -> node map holds blocks the tree does not"
         assert self.num_cached_blocks == len(seen)
+        assert self.num_nodes == num_nodes, (self.num_nodes, num_nodes)

@@ -1,0 +1,188 @@
+"""Host-side costs that must not grow with the cache or with a sequence's length. Counted in
+operations (nodes visited, matches made), never timed, at two sizes an order of magnitude apart."""
+
+from __future__ import annotations
+
+from prefixkv.config import CacheConfig, SchedulerConfig
+from prefixkv.kv import KVCacheManager
+from prefixkv.kv.block_pool import BlockPool
+from prefixkv.kv.radix import RadixIndex
+from prefixkv.request import Request, RequestStatus
+from prefixkv.sampling_params import SamplingParams
+from prefixkv.scheduler import Scheduler
+
+BS = 4
+
+
+def _tree_with_leaves(num_leaves: int, blocks_per_leaf: int = 3) -> tuple[BlockPool, RadixIndex]:
+    """``num_leaves`` distinct cached prompts under one shared first block, all evictable."""
+    pool = BlockPool(1 + num_leaves * blocks_per_leaf + 8)
+    tree = RadixIndex(pool, BS)
+    shared = pool.allocate()
+    for i in range(num_leaves):
+        blocks = [shared] + [pool.allocate() for _ in range(blocks_per_leaf)]
+        pool.incref(shared)
+        tokens = [1] * BS + [t for k in range(blocks_per_leaf) for t in (i, k, 7, 9)]
+        tree.insert(tokens, blocks)
+        for b in blocks:
+            pool.decref(b)
+    pool.decref(shared)
+    return pool, tree
+
+
+def _visits_per_evict(num_leaves: int, calls: int = 50) -> float:
+    _, tree = _tree_with_leaves(num_leaves)
+    tree.check_integrity()
+    v0 = tree.num_visits
+    freed = [tree.evict(1) for _ in range(calls)]
+    assert all(len(f) == 1 for f in freed)
+    tree.check_integrity()
+    return (tree.num_visits - v0) / calls
+
+
+def test_evict_cost_does_not_grow_with_the_number_of_cached_leaves():
+    small, large = _visits_per_evict(200), _visits_per_evict(4000)
+    assert small <= 2 and large <= 2, (small, large)
+
+
+def test_evict_order_is_lru_across_touches():
+    pool, tree = _tree_with_leaves(5)
+    tree.match([1] * BS + [2, 0, 7, 9])  # touch leaf 2: it becomes the most recently used
+    order = []
+    for _ in range(5):
+        freed = tree.evict(3)  # one whole leaf
+        order.append(tree_leaf_of(freed))
+    assert order == [0, 1, 3, 4, 2]
+    assert tree.evict(1) != []  # the shared block, now a leaf itself
+    tree.check_integrity()
+
+
+def tree_leaf_of(freed: list[int]) -> int:
+    return (min(freed) - 1) // 3  # blocks 1-3 are leaf 0's, 4-6 leaf 1's, ...
+
+
+def _visits_growing_one_sequence(num_tokens: int) -> float:
+    kv = KVCacheManager(num_blocks=num_tokens // BS + 4, block_size=BS)
+    kv.allocate_slots("s", 0, 8)
+    tokens = list(range(8))
+    v0 = kv.radix.num_visits
+    for n in range(8, num_tokens):  # decode: one token a step, a block completes every BS steps
+        assert kv.allocate_slots("s", n, 1) is not None
+        tokens.append(n % 50)
+        kv.cache_blocks("s", tokens, n + 1)
+    assert kv.radix.num_cached_blocks == num_tokens // BS
+    assert kv.radix.num_nodes == 1  # one leaf, extended in place
+    kv.check_integrity()
+    return (kv.radix.num_visits - v0) / (num_tokens // BS)
+
+
+def test_caching_a_growing_sequence_costs_the_same_per_block_at_any_length():
+    short, long = _visits_growing_one_sequence(400), _visits_growing_one_sequence(8000)
+    assert short <= 1 and long <= 1, (short, long)
+
+
+def test_matched_prefix_then_growth_extends_from_the_request_node():
+    """A request that matched part of a long cached leaf caches its next block under the split
+    point without walking from the root again."""
+    kv = KVCacheManager(num_blocks=64, block_size=BS)
+    first = list(range(40))
+    kv.allocate_slots("a", 0, 40)
+    kv.cache_blocks("a", first, 40)
+    kv.free("a")
+    prompt = first[:20] + [99] * 5
+    m = kv.match_prefix(prompt)
+    assert m.num_tokens == 20
+    kv.allocate_slots("b", 20, 5, prefix=m)
+    v0 = kv.radix.num_visits
+    kv.cache_blocks("b", prompt, 25)
+    assert kv.radix.num_visits - v0 <= 1
+    assert kv.match_prefix(prompt + [0]).num_tokens == 24
+    assert kv.match_prefix(first).num_tokens == 36  # a's branch is intact
+    kv.check_integrity()
+
+
+def _sched(num_blocks: int, budget: int = 64, max_seqs: int = 256, block_size: int = BS) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs),
+                     CacheConfig(block_size=block_size, num_kv_blocks=num_blocks), num_blocks)
+
+
+def _admission_visits_per_step(num_waiting: int, prompt_tokens: int) -> float:
+    """Decodes hold every block; ``num_waiting`` long prompts wait. Nodes visited by the scheduler
+    per step (admission matching included)."""
+    s = _sched(num_blocks=16, budget=256, block_size=16)
+    for i in range(8):  # 8 decoding requests take all 16 blocks (2 each: room up to 32 tokens)
+        s.add_request(Request(f"run{i}", [i + 1] * 17, SamplingParams(max_tokens=10_000), i, 0))
+    out = s.schedule()
+    s.update(out, [[7] for _ in out.scheduled])
+    assert len(s.running) == 8 and s.kv.pool.num_free == 0
+    for i in range(num_waiting):
+        s.add_request(Request(f"w{i}", [100 + i] * prompt_tokens, SamplingParams(max_tokens=4), 100 + i, 0))
+    v0 = s.kv.radix.num_visits
+    steps = 12
+    for _ in range(steps):
+        out = s.schedule()
+        assert len(out.scheduled) == 8 and not out.preempted  # nobody admitted: no block is free
+        s.update(out, [[7] for _ in out.scheduled])
+    s.check_integrity()
+    return (s.kv.radix.num_visits - v0) / steps
+
+
+def test_admission_does_not_rematch_the_queue_when_no_block_is_free():
+    small, large = _admission_visits_per_step(16, 64), _admission_visits_per_step(256, 2048)
+    assert small == large == 0, (small, large)
+
+
+def test_admission_order_reuses_matches_while_the_tree_is_unchanged():
+    """Waiting prompts whose first chunk does not fit: every step orders the window again, and
+    matches it only when the tree changed since."""
+    s = _sched(num_blocks=5, budget=32)
+    for i in range(100):
+        s.add_request(Request(f"w{i}", [2 + i] * 400, SamplingParams(max_tokens=4), i, 0))
+    assert s.schedule().is_empty  # the first ordering matches the window: 100 prompts
+    v0 = s.kv.radix.num_visits
+    for _ in range(5):
+        assert s.schedule().is_empty
+    assert s.kv.radix.num_visits - v0 == 5  # the one candidate tried per step
+    s.kv.radix.version += 1  # as after any insert or eviction: the window is matched again, once
+    s.schedule()
+    assert s.kv.radix.num_visits - v0 == 5 + 100 + 1
+
+
+class _CountingList(list):
+    """A waiting queue that counts how many of its elements a step iterates over."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.num_iterated = 0
+
+    def __iter__(self):
+        for x in super().__iter__():
+            self.num_iterated += 1
+            yield x
+
+
+def test_offline_queue_bookkeeping_is_flat_per_step():
+    """With 200 or 20,000 requests waiting (one offline ``generate`` call), a step looks at the
+    same number of them: the ordering window, never the whole queue."""
+    def elements_touched_per_step(num_waiting: int) -> tuple[int, int]:
+        s = _sched(num_blocks=4000, budget=64, max_seqs=8)
+        for i in range(num_waiting):
+            s.add_request(Request(f"w{i}", [3 + i % 50, 5, 6], SamplingParams(max_tokens=1), i, 0))
+        s.waiting = _CountingList(s.waiting)
+        matches = {"n": 0}
+        orig = s.kv.match_prefix
+
+        def counting(tokens, touch=True):
+            matches["n"] += 1
+            return orig(tokens, touch)
+
+        s.kv.match_prefix = counting
+        for _ in range(3):
+            out = s.schedule()
+            assert len(out.scheduled) == 8
+            for req in s.update(out, [[9] for _ in out.scheduled]):
+                s.finish_request(req, RequestStatus.FINISHED_LENGTH)
+        assert isinstance(s.waiting, _CountingList) and len(s.waiting) == num_waiting - 24
+        return s.waiting.num_iterated, matches["n"]
+
+    assert elements_touched_per_step(200) == elements_touched_per_step(20_000)
