@@ -5,12 +5,16 @@
     event loop(s)                                   engine thread (the only one that touches LLMEngine)
     -------------                                   -------------
     add_request / abort / run  --command queue-->   run commands, then engine.step()
-    RequestStream (asyncio.Queue per request) <---- loop.call_soon_threadsafe(outputs of the step)
+    RequestStream (one pending output per request) <-- loop.call_soon_threadsafe(outputs of the step)
 
 Because every ``LLMEngine`` call (add, abort, step, tokenizer work passed to ``run``) happens on the
 engine thread, the engine needs no locks. The event loop never waits on a forward pass: it only waits
 on its own queues. A stream whose consumer goes away (client disconnect: ``CancelledError`` /
 ``GeneratorExit``, or the stream is garbage-collected) aborts its request, which frees its KV blocks.
+
+Back-pressure: a request's sink holds at most one undelivered output. A consumer slower than the
+engine gets the deltas of several steps merged into one (``merge_outputs``), so its memory grows
+with the undelivered tokens only, never with the number of steps.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from prefixkv.outputs import RequestOutput
+from prefixkv.outputs import RequestOutput, merge_outputs
 from prefixkv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -47,13 +51,36 @@ class RequestAbortedError(RuntimeError):
 
 
 class _Sink:
-    """Where the engine thread delivers one request's outputs: a queue bound to its event loop."""
+    """Where the engine thread delivers one request's outputs, bound to its event loop: one pending
+    output (later ones merged into it) or an error, and an event to wake the consumer. Read and
+    written on the event loop only (the engine thread hands items over with call_soon_threadsafe)."""
 
-    __slots__ = ("loop", "queue")
+    __slots__ = ("loop", "pending", "error", "ready", "delta")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, delta: bool) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.pending: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+        self.delta = delta  # the request's outputs carry deltas (output_kind "delta")
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self.error = self.error or item
+        elif self.pending is None:
+            self.pending = item
+        else:
+            self.pending = merge_outputs(self.pending, item, self.delta)
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        while self.pending is None and self.error is None:
+            self.ready.clear()
+            await self.ready.wait()
+        if self.pending is not None:  # outputs delivered before an error still reach the consumer
+            item, self.pending = self.pending, None
+            return item
+        return self.error
 
 
 class RequestStream:
@@ -80,7 +107,7 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        item = await self._sink.queue.get()
+        item = await self._sink.get()
         if isinstance(item, BaseException):
             self._done = True
             raise item
@@ -153,7 +180,7 @@ class AsyncEngine:
         when the waiting queue is full), or ``EngineDeadError`` after shutdown. If this coroutine is
         cancelled, the request is aborted whether or not the engine thread had already added it.
         """
-        sink = _Sink(asyncio.get_running_loop())
+        sink = _Sink(asyncio.get_running_loop(), params.output_kind == "delta")
         fut = self._submit(lambda: self._add(request_id, prompt, params, sink))
         try:
             await asyncio.wrap_future(fut)
@@ -310,16 +337,16 @@ class AsyncEngine:
                 fut.set_exception(EngineDeadError("the engine is shut down"))
 
 
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)
+def _put_all(items: list[tuple[_Sink, Any]]) -> None:
+    for sink, item in items:
+        sink.put(item)
 
 
 def _deliver(items: list[tuple[_Sink, RequestOutput | BaseException]]) -> None:
-    """Hand items to their sinks' queues: one ``call_soon_threadsafe`` per event loop."""
-    batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+    """Hand items to their sinks: one ``call_soon_threadsafe`` per event loop."""
+    batches: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, Any]]] = {}
     for sink, item in items:
-        batches.setdefault(sink.loop, []).append((sink.queue, item))
+        batches.setdefault(sink.loop, []).append((sink, item))
     for loop, batch in batches.items():
         try:
             loop.call_soon_threadsafe(_put_all, batch)

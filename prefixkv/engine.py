@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -12,42 +12,15 @@ import torch
 from prefixkv.attention import get_backend
 from prefixkv.config import CacheConfig, EngineConfig, RuntimeInfo, SchedulerConfig
 from prefixkv.model.loader import DTYPES, load_model, resolve_model
-from prefixkv.outputs import CompletionOutput, Logprob, RequestOutput
+from prefixkv.output_processor import OutputProcessor, RequestState
+from prefixkv.outputs import RequestOutput
 from prefixkv.request import Request, RequestStatus
 from prefixkv.runner.model_runner import ModelRunner
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.scheduler import Scheduler
-from prefixkv.tokenizer import IncrementalDetokenizer, Tokenizer
+from prefixkv.tokenizer import Tokenizer
 
 PromptType = str | Sequence[int]
-
-
-@dataclass
-class _SeqState:
-    """Output-side state of one sequence: detokenized text, stop-string hold-back, deltas."""
-
-    detok: IncrementalDetokenizer
-    text: str = ""
-    num_sent_chars: int = 0
-    num_sent_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[Logprob] = field(default_factory=list)
-    num_processed: int = 0  # output tokens already detokenized and checked for stops
-
-
-@dataclass
-class _Group:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: dict[int, Request] = field(default_factory=dict)  # sample_index -> sequence
-    states: dict[int, _SeqState] = field(default_factory=dict)
-
-    @property
-    def finished(self) -> bool:
-        return len(self.states) == self.params.n and all(s.finish_reason for s in self.states.values())
 
 
 class LLMEngine:
@@ -81,7 +54,8 @@ class LLMEngine:
             self.graph_capture_seconds = self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, max_len)
         self._rng = random.Random(config.seed)
         self._arrivals = itertools.count()
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, RequestState] = {}
+        self.output = OutputProcessor(self.tokenizer, self.info.eos_token_ids, max_len)
         self.check_integrity_each_step = False
         self.num_steps = 0
 
@@ -120,7 +94,7 @@ class LLMEngine:
                              f"{self.info.num_kv_blocks}")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, ids, params, next(self._arrivals), seed)
-        group = _Group(request_id, text, ids, params)
+        group = RequestState(request_id, text, ids, params)
         group.seqs[0] = req
         self.scheduler.add_request(req)
         self._groups[request_id] = group
@@ -146,7 +120,7 @@ class LLMEngine:
         """One scheduler step and one forward pass. Returns a RequestOutput for every request that
         produced something (deltas for streaming; ``finished`` when done)."""
         out = self.scheduler.schedule()
-        touched: dict[str, _Group] = {}
+        touched: dict[str, RequestState] = {}
         for seq in out.out_of_memory:  # already finished by the scheduler
             group = self._groups.get(seq.request_id)
             if group is not None:
@@ -174,14 +148,17 @@ class LLMEngine:
             if group is None:
                 continue
             group.seqs[seq.sample_index] = seq
-            self._process_tokens(group, seq)
+            finish = self.output.process_tokens(group, seq)
+            if finish is not None:
+                self._finish(group, seq, *finish)
             touched[group.request_id] = group
         if self.check_integrity_each_step:
             self.scheduler.check_integrity()
         return self._emit(touched)
 
-    def _emit(self, touched: dict[str, _Group]) -> list[RequestOutput]:
-        outputs = [self._make_output(g) for g in touched.values()]
+    def _emit(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
+        outputs = [self.output.make_output(g) for g in touched.values()
+                   if g.finished or g.params.output_kind != "final_only"]
         for g in touched.values():
             if g.finished:
                 del self._groups[g.request_id]
@@ -197,83 +174,9 @@ class LLMEngine:
             if seq is not None:
                 seq.logprobs.append((chosen, top))
 
-    def _state(self, group: _Group, seq: Request) -> _SeqState:
-        st = group.states.get(seq.sample_index)
-        if st is None:
-            st = _SeqState(IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids,
-                                                  skip_special_tokens=group.params.skip_special_tokens))
-            group.states[seq.sample_index] = st
-        return st
-
-    def _process_tokens(self, group: _Group, seq: Request) -> None:
-        """Detokenize a sequence's new tokens (several after an accepted speculative draft) and apply
-        the stop conditions to each in turn; tokens after the one that finishes it are dropped."""
-        st = self._state(group, seq)
-        while st.num_processed < seq.num_output_tokens:
-            st.num_processed += 1
-            if self._process_token(group, seq, st, seq.num_prompt_tokens + st.num_processed - 1):
-                del seq.token_ids[seq.num_prompt_tokens + st.num_processed:]
-                break
-        if seq.logprobs and len(st.logprobs) < len(seq.logprobs):
-            for chosen, top in seq.logprobs[len(st.logprobs):]:
-                st.logprobs.append(Logprob(seq.token_ids[seq.num_prompt_tokens + len(st.logprobs)], chosen, top))
-
-    def _process_token(self, group: _Group, seq: Request, st: _SeqState, i: int) -> bool:
-        """Token ``i`` of ``seq`` (the ``n_out``-th output token): detokenize it and check the stop
-        conditions. Returns True if it finished the sequence."""
-        p = group.params
-        tok = seq.token_ids[i]
-        n_out = i + 1 - seq.num_prompt_tokens
-        finish: tuple[RequestStatus, int | str | None] | None = None
-        if not p.ignore_eos and tok in self.info.eos_token_ids and n_out > p.min_tokens - 1:
-            finish = (RequestStatus.FINISHED_STOPPED, None)
-        elif tok in p.stop_token_ids and n_out > p.min_tokens - 1:
-            finish = (RequestStatus.FINISHED_STOPPED, tok)
-        elif p.detokenize:
-            prev = len(st.text)
-            st.text += st.detok.add(tok)
-            if p.stop and n_out >= p.min_tokens:
-                hit = _find_stop(st.text, p.stop, prev)
-                if hit is not None:
-                    idx, stop = hit
-                    st.text = st.text[:idx]
-                    finish = (RequestStatus.FINISHED_STOPPED, stop)
-        if finish is None and p.max_tokens is not None and n_out >= p.max_tokens:
-            finish = (RequestStatus.FINISHED_LENGTH, None)
-        if finish is None and i + 1 >= self.info.max_model_len:
-            finish = (RequestStatus.FINISHED_LENGTH, None)
-        if finish is not None:
-            self._finish(group, seq, *finish)
-            return True
-        return False
-
-    def _finish(self, group: _Group, seq: Request, status: RequestStatus, reason: int | str | None) -> None:
-        st = self._state(group, seq)
-        if group.params.detokenize and not isinstance(reason, str):
-            st.text += st.detok.flush()  # a stop string already cut the text
-        st.finish_reason, st.stop_reason = status.value, reason
+    def _finish(self, group: RequestState, seq: Request, status: RequestStatus, reason: int | str | None) -> None:
+        self.output.finish(group, seq, status, reason)
         self.scheduler.finish_request(seq, status)  # a no-op if the scheduler finished it
-
-    def _make_output(self, group: _Group) -> RequestOutput:
-        outs = []
-        for idx in sorted(group.states):
-            st = group.states[idx]
-            seq = group.seqs[idx]
-            sendable = len(st.text) if st.finish_reason else len(st.text) - _holdback(st.text, group.params.stop)
-            sendable = max(sendable, st.num_sent_chars)
-            delta = st.text[st.num_sent_chars:sendable]
-            st.num_sent_chars = sendable
-            ids = seq.output_token_ids  # a fresh slice
-            delta_ids = ids[st.num_sent_tokens:]
-            st.num_sent_tokens = len(ids)
-            outs.append(CompletionOutput(
-                index=idx, token_ids=ids, text=st.text if st.finish_reason else st.text[:sendable],
-                finish_reason=st.finish_reason, stop_reason=st.stop_reason,
-                logprobs=list(st.logprobs) if group.params.logprobs is not None else None,
-                delta_text=delta, delta_token_ids=delta_ids))
-        first = group.seqs[0]
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, group.finished,
-                             num_cached_tokens=first.num_cached_tokens)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
@@ -292,27 +195,6 @@ class LLMEngine:
             "spec_draft_tokens": self.scheduler.num_draft_tokens,
             "spec_accepted_tokens": self.scheduler.num_accepted_tokens,
         }
-
-
-def _find_stop(text: str, stops: list[str], prev_len: int) -> tuple[int, str] | None:
-    """Earliest stop string that ends in the newly added text."""
-    best = None
-    for s in stops:
-        i = text.find(s, max(0, prev_len - len(s) + 1))
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, s)
-    return best
-
-
-def _holdback(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of ``text`` that could begin a stop string."""
-    n = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), n, -1):
-            if text.endswith(s[:k]):
-                n = k
-                break
-    return n
 
 
 class LLM:
@@ -390,6 +272,9 @@ class LLM:
                 self.engine.tokenize_prompt(p)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
+        # only finished outputs are collected: no per-step outputs built for the queue
+        final = {id(sp): dataclasses.replace(sp, output_kind="final_only") for sp in params}
+        params = [final[id(sp)] for sp in params]
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         added = []
         try:

@@ -22,9 +22,11 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     logprobs: list[Logprob] | None = None
-    # Streaming: what is new since the last RequestOutput for this request.
+    # Streaming: what is new since the last RequestOutput for this request. With the request's
+    # output_kind "delta", token_ids / text / logprobs hold the same until the final output.
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[Logprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -66,3 +68,28 @@ class RequestOutput:
     @property
     def num_output_tokens(self) -> int:
         return sum(len(o.token_ids) for o in self.outputs)
+
+
+def _cat(a: list | None, b: list | None) -> list | None:
+    return None if a is None and b is None else (a or []) + (b or [])
+
+
+def merge_outputs(old: RequestOutput, new: RequestOutput, delta: bool) -> RequestOutput:
+    """One output standing for ``old`` then ``new`` (a consumer that fell behind): the delta fields
+    are concatenated; so are token_ids / text / logprobs when they are deltas (``delta`` and
+    ``new`` not finished); otherwise ``new``'s cumulative or final values stand."""
+    prev = {co.index: co for co in old.outputs}
+    outs = []
+    for co in new.outputs:
+        p = prev.get(co.index)
+        if p is not None:
+            co = CompletionOutput(
+                index=co.index, finish_reason=co.finish_reason, stop_reason=co.stop_reason,
+                token_ids=p.token_ids + co.token_ids if delta and not new.finished else co.token_ids,
+                text=p.text + co.text if delta and not new.finished else co.text,
+                logprobs=_cat(p.logprobs, co.logprobs) if delta and not new.finished else co.logprobs,
+                delta_text=p.delta_text + co.delta_text, delta_token_ids=p.delta_token_ids + co.delta_token_ids,
+                delta_logprobs=_cat(p.delta_logprobs, co.delta_logprobs))
+        outs.append(co)
+    return RequestOutput(new.request_id, new.prompt, new.prompt_token_ids, outs, new.finished,
+                         num_cached_tokens=new.num_cached_tokens)

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _MAX_SEED = 2**63 - 1
+# Stop strings are searched in the tail of the text every token: bounded in count and length.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 # Temperatures below this are greedy (vLLM's rule): dividing logits by them under- or overflows.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -51,6 +55,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # False: token ids only, no text (benchmarks, token-id clients); stop strings then cannot apply.
     detokenize: bool = True
+    # What LLMEngine.step returns while the request runs (vLLM's RequestOutputKind): "cumulative"
+    # (everything so far, every step), "delta" (what is new; the final output has everything), or
+    # "final_only" (nothing until it finishes).
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,7 +87,13 @@ class SamplingParams:
                "repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
         _check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
                "stop", "must be a non-empty string or a list of non-empty strings")
-        _check(len(self.stop) <= 16, "stop", f"at most 16 stop strings, got {len(self.stop)}")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop",
+               f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        _check(all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
+               f"each stop string must be at most {MAX_STOP_STRING_CHARS} characters, got "
+               f"{max(map(len, self.stop), default=0)}")
+        _check(self.output_kind in OUTPUT_KINDS, "output_kind",
+               f"must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be a list of non-negative ints")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool")

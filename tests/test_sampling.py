@@ -198,7 +198,7 @@ def test_stop_string_spanning_two_tokens(llm):
 
 
 def test_holdback_lengths():
-    from prefixkv.engine import _holdback
+    from prefixkv.output_processor import holdback as _holdback
 
     assert _holdback("hello wor", ["world"]) == 3
     assert _holdback("hello", ["xyz", "lo!"]) == 2

@@ -229,7 +229,6 @@ class TokenTexts:
 # ---------------------------------------------------------------------- response formats
 @dataclass
 class _ChoiceState:
-    num_sent_logprobs: int = 0
     num_sent_chars: int = 0
     finished: bool = False
 
@@ -472,7 +471,7 @@ class _Server:
 
     def _params(self, req: Any, max_tokens: int | None, logprobs: int | None,
                 aliases: dict[str, str]) -> SamplingParams:
-        kw: dict[str, Any] = dict(max_tokens=max_tokens, stop=req.stop, logprobs=logprobs)
+        kw: dict[str, Any] = dict(max_tokens=max_tokens, stop=req.stop, logprobs=logprobs, output_kind="delta")
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens"):
             value = getattr(req, name)
@@ -577,16 +576,13 @@ class _Server:
 
 
 def _delta_chunks(fmt: _Format, base: int, out: RequestOutput, states: list[_ChoiceState]) -> list[msgspec.Struct]:
-    """The stream chunks for one engine output: new text, new logprobs (the engine sends the whole
-    list, and only when they were asked for), and each choice's finish reason once."""
+    """The stream chunks for one engine output (of kind "delta"): new text, new logprobs (when they
+    were asked for), and each choice's finish reason once."""
     chunks = []
     for co in out.outputs:
         index = base + co.index
         st = states[index]
-        lps = None
-        if co.logprobs is not None:
-            lps = co.logprobs[st.num_sent_logprobs:]
-            st.num_sent_logprobs = len(co.logprobs)
+        lps = co.delta_logprobs
         finish = co.finish_reason if co.finish_reason and not st.finished else None
         if not co.delta_text and not lps and finish is None:
             continue

@@ -1,0 +1,225 @@
+"""From sampled tokens to ``RequestOutput``s: incremental detokenization, stop conditions (eos,
+stop token ids, stop strings, max_tokens, the context limit), stop-string hold-back and deltas.
+The engine's own loop only schedules, runs and hands the new tokens here (vLLM v1's
+``OutputProcessor`` has this job). No torch.
+
+Per step and sequence the work is proportional to the new tokens, never to what came before:
+text is kept as pieces (``TextBuffer``), stop strings are searched in the tail the new text can
+complete, and outputs of kind ``delta`` / ``final_only`` carry only what is new (the final output
+holds the full lists once). ``cumulative`` outputs (the default of ``LLMEngine.step``) copy the
+whole text and token list every step, as their caller asked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prefixkv.outputs import CompletionOutput, Logprob, RequestOutput
+from prefixkv.request import Request, RequestStatus
+from prefixkv.sampling_params import SamplingParams
+from prefixkv.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class TextBuffer:
+    """A string built by appends without quadratic concatenation; reads near the end are cheap.
+
+    ``num_chars_copied`` counts the characters joins have copied (complexity tests)."""
+
+    __slots__ = ("_pieces", "length", "num_chars_copied")
+
+    def __init__(self) -> None:
+        self._pieces: list[str] = []
+        self.length = 0
+        self.num_chars_copied = 0
+
+    def append(self, s: str) -> None:
+        if s:
+            self._pieces.append(s)
+            self.length += len(s)
+
+    def tail_from(self, start: int) -> str:
+        """``text[start:]``, reading only the pieces it spans."""
+        start = max(0, start)
+        need, parts = self.length - start, []
+        for p in reversed(self._pieces):
+            if need <= 0:
+                break
+            parts.append(p)
+            need -= len(p)
+        s = "".join(reversed(parts))
+        self.num_chars_copied += len(s)
+        return s[len(s) - (self.length - start):] if self.length > start else ""
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` characters (a stop string cuts the text)."""
+        if n >= self.length:
+            return
+        text = self.value()[:n]
+        self._pieces, self.length = ([text] if text else []), n
+
+    def value(self) -> str:
+        if len(self._pieces) > 1:
+            joined = "".join(self._pieces)
+            self.num_chars_copied += len(joined)
+            self._pieces = [joined]
+        return self._pieces[0] if self._pieces else ""
+
+
+@dataclass
+class SeqOutputState:
+    """Output-side state of one sequence: detokenized text, what was sent, why it finished."""
+
+    detok: IncrementalDetokenizer
+    text: TextBuffer = field(default_factory=TextBuffer)
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+    num_sent_logprobs: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[Logprob] = field(default_factory=list)
+    num_processed: int = 0  # output tokens already detokenized and checked for stops
+
+
+@dataclass
+class RequestState:
+    """One request (all its n samples) as the engine and the output processor see it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: dict[int, Request] = field(default_factory=dict)  # sample_index -> sequence
+    states: dict[int, SeqOutputState] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.states) == self.params.n and all(s.finish_reason for s in self.states.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: list[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def state(self, group: RequestState, seq: Request) -> SeqOutputState:
+        st = group.states.get(seq.sample_index)
+        if st is None:
+            st = SeqOutputState(IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids,
+                                                       skip_special_tokens=group.params.skip_special_tokens))
+            group.states[seq.sample_index] = st
+        return st
+
+    def process_tokens(self, group: RequestState, seq: Request) -> tuple[RequestStatus, int | str | None] | None:
+        """Detokenize a sequence's new tokens (several after an accepted speculative draft) and apply
+        the stop conditions to each in turn; tokens after the one that finishes it are dropped from
+        ``seq.token_ids``. Returns (status, stop reason) if it finished; the caller then calls
+        ``finish`` and frees the sequence."""
+        st = self.state(group, seq)
+        finish = None
+        while st.num_processed < seq.num_output_tokens:
+            st.num_processed += 1
+            finish = self._process_token(group, seq, st, seq.num_prompt_tokens + st.num_processed - 1)
+            if finish is not None:
+                del seq.token_ids[seq.num_prompt_tokens + st.num_processed:]
+                break
+        if seq.logprobs and len(st.logprobs) < len(seq.logprobs):
+            for chosen, top in seq.logprobs[len(st.logprobs):]:
+                st.logprobs.append(Logprob(seq.token_ids[seq.num_prompt_tokens + len(st.logprobs)], chosen, top))
+        return finish
+
+    def _process_token(self, group: RequestState, seq: Request, st: SeqOutputState,
+                       i: int) -> tuple[RequestStatus, int | str | None] | None:
+        """Token ``i`` of ``seq``: detokenize it and check the stop conditions."""
+        p = group.params
+        tok = seq.token_ids[i]
+        n_out = i + 1 - seq.num_prompt_tokens
+        if not p.ignore_eos and tok in self.eos_token_ids and n_out > p.min_tokens - 1:
+            return RequestStatus.FINISHED_STOPPED, None
+        if tok in p.stop_token_ids and n_out > p.min_tokens - 1:
+            return RequestStatus.FINISHED_STOPPED, tok
+        if p.detokenize:
+            prev = st.text.length
+            st.text.append(st.detok.add(tok))
+            if p.stop and n_out >= p.min_tokens and st.text.length > prev:
+                hit = find_stop(st.text, p.stop, prev)
+                if hit is not None:
+                    idx, stop = hit
+                    st.text.truncate(idx)
+                    return RequestStatus.FINISHED_STOPPED, stop
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH, None
+        if i + 1 >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None
+
+    def finish(self, group: RequestState, seq: Request, status: RequestStatus, reason: int | str | None) -> None:
+        st = self.state(group, seq)
+        if group.params.detokenize and not isinstance(reason, str):
+            st.text.append(st.detok.flush())  # a stop string already cut the text
+        st.finish_reason, st.stop_reason = status.value, reason
+
+    def make_output(self, group: RequestState) -> RequestOutput:
+        kind = group.params.output_kind
+        outs = []
+        for idx in sorted(group.states):
+            st = group.states[idx]
+            seq = group.seqs[idx]
+            text = st.text
+            sendable = text.length
+            if not st.finish_reason and group.params.stop:
+                sendable -= holdback(text.tail_from(text.length - max(map(len, group.params.stop)) + 1),
+                                     group.params.stop)
+            sendable = max(sendable, st.num_sent_chars)
+            delta = text.tail_from(st.num_sent_chars)[:sendable - st.num_sent_chars]
+            st.num_sent_chars = sendable
+            start = seq.num_prompt_tokens + st.num_sent_tokens
+            delta_ids = seq.token_ids[start:]
+            st.num_sent_tokens += len(delta_ids)
+            lps = st.logprobs if group.params.logprobs is not None else None
+            delta_lps = None
+            if lps is not None:
+                delta_lps = lps[st.num_sent_logprobs:]
+                st.num_sent_logprobs = len(lps)
+            if kind == "cumulative" or st.finish_reason:
+                ids = seq.output_token_ids  # a fresh slice
+                full = text.value()
+                out_text = full if st.finish_reason else full[:sendable]
+                out_lps = None if lps is None else list(lps)
+            else:  # delta: only what is new
+                ids, out_text, out_lps = delta_ids, delta, delta_lps
+            outs.append(CompletionOutput(
+                index=idx, token_ids=ids, text=out_text, finish_reason=st.finish_reason,
+                stop_reason=st.stop_reason, logprobs=out_lps, delta_text=delta, delta_token_ids=delta_ids,
+                delta_logprobs=delta_lps))
+        first = group.seqs[0]
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, group.finished,
+                             num_cached_tokens=first.num_cached_tokens)
+
+
+def find_stop(text: TextBuffer | str, stops: list[str], prev_len: int) -> tuple[int, str] | None:
+    """Earliest stop string that ends in the text added after ``prev_len`` (only the tail that new
+    text can complete is read)."""
+    if isinstance(text, str):
+        buf = TextBuffer()
+        buf.append(text)
+        text = buf
+    start = max(0, prev_len - max(map(len, stops)) + 1)
+    window = text.tail_from(start)
+    best = None
+    for s in stops:
+        i = window.find(s, max(0, prev_len - len(s) + 1 - start))
+        if i >= 0 and (best is None or start + i < best[0]):
+            best = (start + i, s)
+    return best
+
+
+def holdback(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that could begin a stop string."""
+    n = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), n, -1):
+            if text.endswith(s[:k]):
+                n = k
+                break
+    return n

@@ -1,0 +1,136 @@
+"""Output processing: output kinds (cumulative / delta / final_only), text built without
+quadratic copying, stop strings found in the tail, merged deltas for slow consumers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from prefixkv import LLM, SamplingParams
+from prefixkv.output_processor import TextBuffer, find_stop
+from prefixkv.outputs import merge_outputs
+from prefixkv.sampling_params import MAX_STOP_STRING_CHARS
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(model=str(tiny_llama), block_size=4, num_kv_blocks=512)
+
+
+def _run(llm, params: SamplingParams, prompt=(5, 6, 7, 8, 9)):
+    eng = llm.engine
+    eng.scheduler.kv.radix.reset()  # the same arithmetic each run (a prefix hit computes in another order)
+    eng.add_request("r", list(prompt), params)
+    outs = []
+    while eng.has_unfinished():
+        outs.extend(o for o in eng.step() if o.request_id == "r")
+    return outs
+
+
+def test_delta_outputs_carry_only_what_is_new_and_the_final_one_everything(llm):
+    base = dict(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)
+    cum = _run(llm, SamplingParams(**base))
+    delta = _run(llm, SamplingParams(**base, output_kind="delta"))
+    assert len(cum) == len(delta) == 40
+    final_c, final_d = cum[-1].outputs[0], delta[-1].outputs[0]
+    assert final_d.token_ids == final_c.token_ids and final_d.text == final_c.text
+    assert [lp.logprob for lp in final_d.logprobs] == [lp.logprob for lp in final_c.logprobs]
+    for i, out in enumerate(delta[:-1]):
+        co = out.outputs[0]
+        assert co.token_ids == co.delta_token_ids == [final_c.token_ids[i]]  # one new token, not all
+        assert len(co.logprobs) == len(co.delta_logprobs) == 1
+        assert co.text == co.delta_text
+    assert "".join(o.outputs[0].delta_text for o in delta) == final_c.text
+    assert sum(len(o.outputs[0].delta_logprobs) for o in delta) == 40
+
+
+def test_final_only_emits_once(llm):
+    outs = _run(llm, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, output_kind="final_only"))
+    assert len(outs) == 1 and outs[0].finished and len(outs[0].outputs[0].token_ids) == 12
+
+
+def _chars_copied_for(num_pieces: int) -> int:
+    buf = TextBuffer()
+    stops = ["<|stop|>", "ab\ncd"]
+    for i in range(num_pieces):
+        prev = buf.length
+        buf.append("word%d " % (i % 7))
+        assert find_stop(buf, stops, prev) is None
+        buf.tail_from(buf.length - 3)  # a delta read
+    buf.value()
+    return buf.num_chars_copied
+
+
+def test_text_building_and_stop_search_copy_linear_amounts():
+    """Characters copied per appended piece stay flat as the text grows (no text += piece)."""
+    small, large = _chars_copied_for(1000), _chars_copied_for(20000)
+    assert large / 20000 <= 1.2 * small / 1000, (small, large)
+
+
+def test_find_stop_in_the_tail_equals_a_full_search():
+    buf = TextBuffer()
+    text = ""
+    for piece in ["Hello", " wor", "ld! S", "TOP", " more", "STO", "P"]:
+        prev = len(text)
+        text += piece
+        buf.append(piece)
+        got = find_stop(buf, ["STOP", "world!"], prev)
+        want = None
+        for s in ["STOP", "world!"]:
+            i = text.find(s, max(0, prev - len(s) + 1))
+            if i >= 0 and (want is None or i < want[0]):
+                want = (i, s)
+        assert got == want, (piece, got, want)
+
+
+def test_stop_strings_are_bounded():
+    with pytest.raises(ValueError, match="^stop: each stop string must be at most"):
+        SamplingParams(stop=["x" * (MAX_STOP_STRING_CHARS + 1)])
+    with pytest.raises(ValueError, match="^stop: at most 16"):
+        SamplingParams(stop=[f"s{i}" for i in range(17)])
+    with pytest.raises(ValueError, match="^output_kind:"):
+        SamplingParams(output_kind="streaming")
+
+
+def test_merged_deltas_equal_the_ones_they_replace(llm):
+    outs = _run(llm, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=0,
+                                    output_kind="delta"))
+    merged = outs[0]
+    for o in outs[1:5]:
+        merged = merge_outputs(merged, o, delta=True)
+    co = merged.outputs[0]
+    assert co.token_ids == co.delta_token_ids == [t for o in outs[:5] for t in o.outputs[0].token_ids]
+    assert co.text == "".join(o.outputs[0].text for o in outs[:5])
+    final = merged
+    for o in outs[5:]:
+        final = merge_outputs(final, o, delta=True)
+    assert final.finished and final.outputs[0].token_ids == outs[-1].outputs[0].token_ids  # the full list
+    assert final.outputs[0].delta_token_ids == outs[-1].outputs[0].token_ids  # every delta, in order
+    assert len(final.outputs[0].delta_logprobs) == 20
+
+
+def test_slow_consumer_gets_merged_outputs(tiny_llama):
+    """An AsyncEngine consumer that reads after the request finished gets one merged output."""
+    from prefixkv.async_engine import AsyncEngine
+    from prefixkv.engine import LLMEngine
+    from prefixkv.config import CacheConfig, EngineConfig
+
+    async def main():
+        engine = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_llama), cache=CacheConfig(block_size=4,
+                                                                                            num_kv_blocks=256))))
+        try:
+            stream = await engine.add_request("slow", [5, 6, 7], SamplingParams(
+                max_tokens=30, temperature=0.0, ignore_eos=True, output_kind="delta"))
+            while engine.stats()["num_running"] or engine.stats()["num_waiting"]:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            got = [out async for out in stream]
+        finally:
+            await engine.shutdown()
+        return got
+
+    got = asyncio.run(main())
+    assert len(got) <= 2 and got[-1].finished
+    assert sum(len(o.outputs[0].delta_token_ids) for o in got) == 30
+    assert len(got[-1].outputs[0].token_ids) == 30
