@@ -27,6 +27,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from prefixkv.errors import EngineDeadError, EngineFatalError
 from prefixkv.outputs import RequestOutput, merge_outputs
 from prefixkv.sampling_params import SamplingParams
 
@@ -42,12 +43,12 @@ T = TypeVar("T")
 _IDLE_POLL_S = 0.005
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (``shutdown``); no more requests are served."""
-
-
 class RequestAbortedError(RuntimeError):
     """The request was aborted by ``AsyncEngine.abort`` while a consumer was reading it."""
+
+
+class RequestFailedError(RuntimeError):
+    """A step failed for this request (its blocks are freed; other requests went on)."""
 
 
 class _Sink:
@@ -150,6 +151,7 @@ class AsyncEngine:
         self._stats: dict[str, Any] = engine.stats()  # replaced, never mutated, by the engine thread
         self._closing = False
         self._closed = threading.Event()
+        self.fatal_error: BaseException | None = None  # the engine died of it (EngineFatalError)
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self._thread.start()
 
@@ -263,7 +265,8 @@ class AsyncEngine:
             while self._run_commands(block=not self.engine.has_unfinished()):
                 if self.engine.has_unfinished():
                     num_steps = self.engine.num_steps
-                    self._step()
+                    if not self._step():
+                        break  # the engine is dead
                     if self.engine.num_steps == num_steps and self._commands.empty():
                         if not self._run_commands(block=True, timeout=_IDLE_POLL_S):
                             break  # shutdown arrived while idling
@@ -298,13 +301,19 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step; False if the engine died (every consumer got the error)."""
         try:
             outputs = self.engine.step()
+        except EngineFatalError as e:
+            logger.critical("the engine is dead (%s); ending the %d in-flight requests", e, len(self._sinks))
+            self.fatal_error = e
+            self._finish_all(e)
+            return False
         except Exception as e:
             logger.exception("engine step failed; aborting the %d in-flight requests", len(self._sinks))
             self._finish_all(e)
-            return
+            return True
         items = []
         for out in outputs:
             sink = self._sinks.get(out.request_id)
@@ -312,8 +321,13 @@ class AsyncEngine:
                 continue
             if out.finished:
                 del self._sinks[out.request_id]
-            items.append((sink, out))
+            if out.error is not None:
+                logger.error("request %s failed in the engine: %s", out.request_id, out.error)
+                items.append((sink, RequestFailedError(out.error)))
+            else:
+                items.append((sink, out))
         _deliver(items)
+        return True
 
     def _finish_all(self, error: BaseException) -> None:
         """Abort every request we serve and hand ``error`` to its consumer."""

@@ -11,9 +11,10 @@ import torch
 
 from prefixkv.attention import get_backend
 from prefixkv.config import CacheConfig, EngineConfig, RuntimeInfo, SchedulerConfig
+from prefixkv.errors import EngineFatalError
 from prefixkv.model.loader import DTYPES, load_model, resolve_model
 from prefixkv.output_processor import OutputProcessor, RequestState
-from prefixkv.outputs import RequestOutput
+from prefixkv.outputs import CompletionOutput, RequestOutput
 from prefixkv.request import Request, RequestStatus
 from prefixkv.runner.model_runner import ModelRunner
 from prefixkv.sampling_params import SamplingParams
@@ -21,6 +22,14 @@ from prefixkv.scheduler import Scheduler
 from prefixkv.tokenizer import Tokenizer
 
 PromptType = str | Sequence[int]
+
+
+def is_fatal(e: BaseException) -> bool:
+    """Errors after which the device (or the process) cannot be trusted with another step."""
+    if isinstance(e, MemoryError) or type(e).__name__ in ("AcceleratorError", "OutOfMemoryError"):
+        return True
+    msg = str(e)
+    return "CUDA error" in msg or "device-side assert" in msg or "CUBLAS_STATUS" in msg
 
 
 class LLMEngine:
@@ -58,6 +67,7 @@ class LLMEngine:
         self.output = OutputProcessor(self.tokenizer, self.info.eos_token_ids, max_len)
         self.check_integrity_each_step = False
         self.num_steps = 0
+        self.dead: BaseException | None = None  # set by a fatal step error (EngineFatalError)
 
     # ------------------------------------------------------------------ requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -104,9 +114,28 @@ class LLMEngine:
         group = self._groups.pop(request_id, None)
         if group is None:
             return False
-        for seq in group.seqs.values():
-            self.scheduler.finish_request(seq, RequestStatus.FINISHED_ABORTED)
+        self._release(group, RequestStatus.FINISHED_ABORTED)
         return True
+
+    def _release(self, group: RequestState, status: RequestStatus) -> None:
+        """Finish every live sequence of a request: those the scheduler knows by id (n > 1 children
+        a failed step forked but never handed over included), not only the group's."""
+        seqs = {id(q): q for q in group.seqs.values()}
+        for k in range(group.params.n):
+            q = self.scheduler.requests.get(f"{group.request_id}#{k}")
+            if q is not None:
+                seqs[id(q)] = q
+        for q in seqs.values():
+            self.scheduler.finish_request(q, status)
+
+    def _fail(self, group: RequestState, error: BaseException) -> RequestOutput:
+        """A step failed for this request: free it and give its consumer the error (a finished
+        output, ``finish_reason`` "error" for every sample, ``error`` saying what happened)."""
+        self._groups.pop(group.request_id, None)
+        self._release(group, RequestStatus.FINISHED_ABORTED)
+        outs = [CompletionOutput(index=k, token_ids=[], text="", finish_reason="error") for k in range(group.params.n)]
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, True,
+                             error=f"{type(error).__name__}: {error}")
 
     def has_unfinished(self) -> bool:
         return bool(self._groups)
@@ -118,7 +147,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """One scheduler step and one forward pass. Returns a RequestOutput for every request that
-        produced something (deltas for streaming; ``finished`` when done)."""
+        produced something (deltas for streaming; ``finished`` when done). A request the step failed
+        for gets a finished output with ``error`` set, its blocks freed; the others go on."""
+        if self.dead is not None:
+            raise EngineFatalError(f"the engine is dead after {type(self.dead).__name__}: {self.dead}")
         out = self.scheduler.schedule()
         touched: dict[str, RequestState] = {}
         for seq in out.out_of_memory:  # already finished by the scheduler
@@ -131,30 +163,57 @@ class LLMEngine:
         self.num_steps += 1
         try:
             model_out = self.runner.execute(out)
-        except BaseException:
-            # The step's blocks were entered into the prefix cache when scheduled and copy-on-write
-            # already swapped tables: nothing of this step can be trusted. Drop every request and
-            # every unlocked cached block, so no later request reads KV that was never written.
+        except Exception as e:
+            return self._failed_forward(out, e)
+        except BaseException:  # KeyboardInterrupt and the like: nothing of this step can be trusted
             for rid in list(self._groups):
                 self.abort(rid)
             self.scheduler.kv.radix.reset()
             raise
-        changed = self.scheduler.update(out, model_out.sampled)
+        failed: dict[str, tuple[RequestState, BaseException]] = {}
+        update_errors: list[tuple[Request, BaseException]] = []
+        changed = self.scheduler.update(out, model_out.sampled, update_errors)
+        for seq, e in update_errors:
+            group = self._groups.get(seq.request_id)
+            if group is not None:
+                failed.setdefault(group.request_id, (group, e))
         for s, lps in zip(out.scheduled, model_out.logprobs):
-            if lps:
+            if lps and s.req.request_id not in failed:
                 self._record_logprobs(s.req, lps)
         for seq in changed:
             group = self._groups.get(seq.request_id)
-            if group is None:
+            if group is None or group.request_id in failed:
                 continue
-            group.seqs[seq.sample_index] = seq
-            finish = self.output.process_tokens(group, seq)
-            if finish is not None:
-                self._finish(group, seq, *finish)
+            try:
+                group.seqs[seq.sample_index] = seq
+                finish = self.output.process_tokens(group, seq)
+                if finish is not None:
+                    self._finish(group, seq, *finish)
+            except Exception as e:  # this request's output processing failed: it alone ends
+                failed[group.request_id] = (group, e)
+                continue
             touched[group.request_id] = group
+        errors = [self._fail(group, e) for group, e in failed.values()]
+        for rid in failed:
+            touched.pop(rid, None)
         if self.check_integrity_each_step:
             self.scheduler.check_integrity()
-        return self._emit(touched)
+        return errors + self._emit(touched)
+
+    def _failed_forward(self, out, error: Exception) -> list[RequestOutput]:
+        """The forward pass (or sampling) raised. The step's scheduled requests end with the error:
+        their blocks entered the prefix cache when scheduled and copy-on-write already swapped
+        tables, so no KV of this step can be trusted; with them go every unlocked cached block (so
+        no later request reads KV that was never written). The others go on. A fatal error
+        (``is_fatal``) aborts everything and raises ``EngineFatalError``."""
+        fatal = is_fatal(error)
+        hit = list(self._groups) if fatal else list(dict.fromkeys(s.req.request_id for s in out.scheduled))
+        outputs = [self._fail(self._groups[rid], error) for rid in hit if rid in self._groups]
+        self.scheduler.kv.radix.reset()
+        if fatal:
+            self.dead = error
+            raise EngineFatalError(f"the engine cannot continue after {type(error).__name__}: {error}") from error
+        return outputs
 
     def _emit(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         outputs = [self.output.make_output(g) for g in touched.values()

@@ -44,6 +44,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # set when the engine failed this request (outputs is then empty): "ExceptionType: message"
+    error: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -298,37 +298,48 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.insert(0, req)
 
-    def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: list[list[int]],
+               errors: list[tuple[Request, BaseException]] | None = None) -> list[Request]:
         """Record a step's results. ``sampled[i]`` holds the tokens sampled for
         ``out.scheduled[i]`` (``num_samples`` of them, or none; for a decode with a draft, the
         accepted draft tokens and the next token). Returns the requests that got new tokens,
-        forked children included, in batch order."""
+        forked children included, in batch order. With ``errors`` given, an exception while
+        recording one request is appended there (the caller frees that request) and the rest go
+        on; without it, it propagates."""
         changed: list[Request] = []
         for sched, toks in zip(out.scheduled, sampled):
-            req = sched.req
-            if req.is_finished or req.status != RequestStatus.RUNNING:
-                continue  # aborted meanwhile
-            if sched.draft:
-                # toks = the accepted draft tokens + the model's next one; the KV of the last known
-                # token and of the accepted draft tokens is now valid, the rest is overwritten later
-                assert 1 <= len(toks) <= len(sched.draft) + 1, (toks, sched.draft)
-                req.num_computed_tokens = sched.start + len(toks)
-                req.token_ids.extend(toks)
-                self.kv.cache_blocks(req.seq_id, req.token_ids, req.num_computed_tokens)
-                self.kv.trim(req.seq_id, req.num_tokens)  # blocks that held only rejected tokens
-                self.num_accepted_tokens += len(toks) - 1
-                changed.append(req)
-                continue
-            req.num_computed_tokens = sched.start + sched.num_new_tokens
-            if not sched.num_samples:
-                continue
-            assert len(toks) == sched.num_samples, (len(toks), sched.num_samples)
-            if not req.forked:
-                changed.extend(self._fork(req, toks[1:]))
-                req.forked = True
-            req.token_ids.append(toks[0])
-            changed.append(req)
+            try:
+                self._update_one(sched, toks, changed)
+            except Exception as e:
+                if errors is None:
+                    raise
+                errors.append((sched.req, e))
         return changed
+
+    def _update_one(self, sched: ScheduledRequest, toks: list[int], changed: list[Request]) -> None:
+        req = sched.req
+        if req.is_finished or req.status != RequestStatus.RUNNING:
+            return  # aborted meanwhile
+        if sched.draft:
+            # toks = the accepted draft tokens + the model's next one; the KV of the last known
+            # token and of the accepted draft tokens is now valid, the rest is overwritten later
+            assert 1 <= len(toks) <= len(sched.draft) + 1, (toks, sched.draft)
+            req.num_computed_tokens = sched.start + len(toks)
+            req.token_ids.extend(toks)
+            self.kv.cache_blocks(req.seq_id, req.token_ids, req.num_computed_tokens)
+            self.kv.trim(req.seq_id, req.num_tokens)  # blocks that held only rejected tokens
+            self.num_accepted_tokens += len(toks) - 1
+            changed.append(req)
+            return
+        req.num_computed_tokens = sched.start + sched.num_new_tokens
+        if not sched.num_samples:
+            return
+        assert len(toks) == sched.num_samples, (len(toks), sched.num_samples)
+        if not req.forked:
+            changed.extend(self._fork(req, toks[1:]))
+            req.forked = True
+        req.token_ids.append(toks[0])
+        changed.append(req)
 
     def _fork(self, parent: Request, child_tokens: list[int]) -> list[Request]:
         children = []

@@ -38,7 +38,8 @@ from typing import Any, ClassVar
 import msgspec
 from aiohttp import web
 
-from prefixkv.async_engine import AsyncEngine, EngineDeadError, RequestAbortedError, RequestStream
+from prefixkv.async_engine import AsyncEngine, RequestAbortedError, RequestStream
+from prefixkv.errors import EngineDeadError, EngineFatalError
 from prefixkv.outputs import CompletionOutput, Logprob, RequestOutput
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.metrics import ServerMetrics
@@ -152,6 +153,9 @@ def _engine_error(e: BaseException) -> ApiError:
     if isinstance(e, TimeoutError):
         return ApiError(504, "the request took longer than the server's request timeout and was aborted",
                         type="server_error", code="request_timeout")
+    if isinstance(e, EngineFatalError):
+        return ApiError(503, f"the engine is dead and the server is exiting: {e}", type="server_error",
+                        code="engine_dead")
     if isinstance(e, EngineDeadError):
         return ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
     if isinstance(e, RequestAbortedError):
@@ -689,10 +693,16 @@ async def _serve(engine: AsyncEngine, config: ServerConfig, host: str, port: int
     for s in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(s, stop.set)
     print(f"prefixkv serving {config.model_name} at {url_for(host, bound)}", flush=True)
-    await stop.wait()
-    logger.info("shutting down: no new connections; aborting in-flight requests")
+    while not stop.is_set() and engine.fatal_error is None:  # a dead engine ends the process
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=0.2)
+    if engine.fatal_error is not None:
+        logger.critical("the engine is dead: %s; exiting with status 1", engine.fatal_error)
+        await asyncio.sleep(0.5)  # /health answers 503 meanwhile; in-flight requests got the error
+    else:
+        logger.info("shutting down: no new connections; aborting in-flight requests")
     await runner.cleanup()  # stop listening -> on_shutdown (engine.shutdown) -> wait for handlers
-    return 0
+    return 1 if engine.fatal_error is not None else 0
 
 
 @dataclass

@@ -1,0 +1,13 @@
+"""Engine errors shared by the engine, the async engine and the server (no torch)."""
+
+from __future__ import annotations
+
+
+class EngineDeadError(RuntimeError):
+    """The engine serves no more requests: it was shut down, or it died (``EngineFatalError``)."""
+
+
+class EngineFatalError(EngineDeadError):
+    """A step failed in a way that leaves the device unusable (a CUDA error, out of memory): every
+    request was aborted and the engine refuses further work. A server reports it on ``/health``
+    (503) and exits non-zero so that its supervisor restarts it."""
