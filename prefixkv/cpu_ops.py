@@ -80,7 +80,7 @@ def load() -> ctypes.CDLL | None:
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     for suffix, scalar in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
         fn = getattr(lib, f"paged_decode_attention_{suffix}")
-        fn.argtypes = [p, p, p, p, p, i32, i32, i32, i32, i32, i32, i64, scalar]
+        fn.argtypes = [p, i64, p, p, p, p, i32, i32, i32, i32, i32, i32, i64, scalar]
         fn.restype = None
     lib.add_rmsnorm_f32.argtypes = [p, i64, p, i64, p, i64, p, p, i64, i32, i32, ctypes.c_float]
     lib.rope_f32.argtypes = [p, i64, p, p, i32, i32, i32]
@@ -107,22 +107,25 @@ def supports_decode(q: torch.Tensor, kv_cache_layer: torch.Tensor) -> bool:
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, D] (one query per sequence, at its last position) -> [B, H, D].
+                           seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, D] (one query per sequence, at its last position; rows may be strided, heads
+    contiguous) -> out [B, H, D] (contiguous; allocated when not given).
 
     kv_cache_layer [2, num_blocks + 1, KVH, BS, D]; block_tables [B, max_blocks] int32;
-    seq_lens [B] int32 (context length including the query token). Call ``supports`` first."""
+    seq_lens [B] int32 (context length including the query token). Call ``supports_decode`` first."""
     b, h, d = q.shape
     _, nb1, kvh, bs, d2 = kv_cache_layer.shape
     assert d2 == d and h % kvh == 0, (q.shape, kv_cache_layer.shape)
+    assert q.stride(2) == 1 and q.stride(1) == d, q.stride()
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32, (block_tables.dtype, seq_lens.dtype)
     assert block_tables.shape[0] == b and seq_lens.shape == (b,), (block_tables.shape, seq_lens.shape)
-    q = q.contiguous()
     block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty((b, h, d), dtype=q.dtype)
+    assert out.shape == (b, h, d) and out.is_contiguous() and out.dtype == q.dtype
     fn = getattr(load(), f"paged_decode_attention_{_SUFFIX[q.dtype]}")
-    fn(q.data_ptr(), kv_cache_layer.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
-       b, h, kvh, d, bs, block_tables.shape[1], nb1, scale)
+    fn(q.data_ptr(), q.stride(0), kv_cache_layer.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
+       out.data_ptr(), b, h, kvh, d, bs, block_tables.shape[1], nb1, scale)
     return out
 
 

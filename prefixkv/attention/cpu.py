@@ -15,9 +15,8 @@ from prefixkv.attention.torch_ref import TorchAttentionBackend
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def _decode_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float):
-        if not cpu_ops.supports_decode(q, kv_cache_layer):
-            return super()._decode_rows(q, kv_cache_layer, meta, scale)
+    def _decode_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out) -> None:
+        if not cpu_ops.supports_decode(q, kv_cache_layer) or q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+            return super()._decode_rows(q, kv_cache_layer, meta, scale, out)
         nd = meta.num_decode_seqs
-        return cpu_ops.paged_decode_attention(q, kv_cache_layer, meta.block_tables[:nd], meta.seq_lens[:nd],
-                                                  scale)
+        cpu_ops.paged_decode_attention(q, kv_cache_layer, meta.block_tables[:nd], meta.seq_lens[:nd], scale, out)

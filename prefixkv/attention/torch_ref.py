@@ -105,9 +105,9 @@ class TorchAttentionBackend(AttentionBackend):
         if "rows" not in scratch:  # first layer of the step: build what every layer shares
             scratch["rows"] = kv_rows(meta.slot_mapping, kvh, bs)
         write_kv(kv_cache_layer, k, v, meta.slot_mapping, scratch["rows"])
-        out = torch.empty_like(q)  # [T, H, D]
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
         if nd:
-            out[:nd] = self._decode_rows(q[:nd], kv_cache_layer, meta, scale)
+            self._decode_rows(q[:nd], kv_cache_layer, meta, scale, out[:nd])
         starts = meta.query_start_loc_cpu
         for s in range(nd, meta.num_seqs):
             a, b = starts[s], starts[s + 1]
@@ -116,13 +116,13 @@ class TorchAttentionBackend(AttentionBackend):
             out[a:b] = self._prefill(q[a:b], kk, vv, seq_len, scale)
         return out
 
-    def _decode_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float):
-        """The first ``num_decode_seqs`` sequences' attention (q [nd, H, D] -> [nd, H, D])."""
+    def _decode_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out) -> None:
+        """The first ``num_decode_seqs`` sequences' attention: q [nd, H, D] -> out [nd, H, D]."""
         if "decode" not in meta.scratch:  # the plan is the same for every layer of the step
             nd = meta.num_decode_seqs
             meta.scratch["decode"] = decode_plan(meta.block_tables[:nd], meta.seq_lens_cpu[:nd],
                                                  kv_cache_layer.shape[3])
-        return self._decode(q, kv_cache_layer, meta.scratch["decode"], scale)
+        out.copy_(self._decode(q, kv_cache_layer, meta.scratch["decode"], scale))
 
     @staticmethod
     def _prefill(q, k, v, seq_len: int, scale: float):

@@ -16,7 +16,7 @@
 /* Decode attention: one query token per sequence, at its last position (seq_lens[b] - 1),
  * attending to positions 0 .. seq_lens[b] - 1 read through its block table.
  *
- *   q            [B, H, D]            (contiguous)
+ *   q            [B, H, D]            (rows ldq elements apart: a view into the qkv output)
  *   kv_layer     [2, NB1, KVH, BS, D] (contiguous; NB1 = num_blocks + 1)
  *   block_tables [B, max_blocks]      int32, row stride max_blocks
  *   seq_lens     [B]                  int32
@@ -55,9 +55,10 @@ float softmax_expf_scalar(float x) { return softmax_expf(x); }  /* for the tests
 #define MAXBS 64
 #define MAXD 256
 #define DEFINE_DECODE(T, SUFFIX, EXP, EXPV)                                                            \
-void paged_decode_attention_##SUFFIX(const T *q, const T *kv_layer, const int32_t *block_tables, \
-                                     const int32_t *seq_lens, T *out, int B, int H, int KVH, int D,\
-                                     int BS, int max_blocks, int64_t nb1, T scale) {             \
+void paged_decode_attention_##SUFFIX(const T *q, int64_t ldq, const T *kv_layer,               \
+                                     const int32_t *block_tables, const int32_t *seq_lens, T *out,\
+                                     int B, int H, int KVH, int D, int BS, int max_blocks,       \
+                                     int64_t nb1, T scale) {                                     \
     const int G = H / KVH;                                                                       \
     const int64_t half = nb1 * (int64_t)KVH * BS * D; /* elements in the K (or V) half */        \
     const int64_t blk_elems = (int64_t)KVH * BS * D;                                             \
@@ -65,7 +66,7 @@ void paged_decode_attention_##SUFFIX(const T *q, const T *kv_layer, const int32_
     for (int b = 0; b < B; b++) {                                                                \
         T m[MAXH], l[MAXH], s[MAXH * MAXBS];                                                     \
         T acc[MAXH * MAXD];                                                                      \
-        const T *qb = q + (int64_t)b * H * D;                                                    \
+        const T *qb = q + (int64_t)b * ldq;                                                      \
         const int32_t *table = block_tables + (int64_t)b * max_blocks;                           \
         const int len = seq_lens[b];                                                             \
         const int nblocks = (len + BS - 1) / BS;                                                 \
@@ -222,7 +223,7 @@ static inline __attribute__((always_inline)) void decode_seq_avx512(
 }
 #endif
 
-void paged_decode_attention_f32(const float *q, const float *kv_layer, const int32_t *block_tables,
+void paged_decode_attention_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
                                 const int32_t *seq_lens, float *out, int B, int H, int KVH, int D, int BS,
                                 int max_blocks, int64_t nb1, float scale) {
 #if defined(__AVX512F__)
@@ -230,7 +231,7 @@ void paged_decode_attention_f32(const float *q, const float *kv_layer, const int
         const int64_t half = nb1 * (int64_t)KVH * BS * D;
         #pragma omp parallel for schedule(dynamic, 1)
         for (int b = 0; b < B; b++) {
-            const float *qb = q + (int64_t)b * H * D;
+            const float *qb = q + (int64_t)b * ldq;
             const int32_t *table = block_tables + (int64_t)b * max_blocks;
             float *ob = out + (int64_t)b * H * D;
             if (D == 64)
@@ -241,7 +242,7 @@ void paged_decode_attention_f32(const float *q, const float *kv_layer, const int
         return;
     }
 #endif
-    paged_decode_attention_decode_generic_f32(q, kv_layer, block_tables, seq_lens, out, B, H, KVH, D, BS,
+    paged_decode_attention_decode_generic_f32(q, ldq, kv_layer, block_tables, seq_lens, out, B, H, KVH, D, BS,
                                               max_blocks, nb1, scale);
 }
 
