@@ -162,10 +162,11 @@ def _one_repeat(workload: Workload, s: System, res: dict, outputs: dict, rep: in
         all_out.append(outs)
         prev, prev_out = reqs, outs
     wall = time.perf_counter() - w0 - s.counters.probe_s
-    cpu = time.process_time() - c0 - s.counters.probe_s
+    # CPU time of this process: meaningless for a peer that computes in other processes
+    cpu = time.process_time() - c0 - s.counters.probe_s if getattr(s, "in_process", True) else None
     c = s.counters
     res["repeats"].append(dict(
-        wall_s=round(wall, 3), cpu_s=round(cpu, 3), output_tokens=num_out,
+        wall_s=round(wall, 3), cpu_s=None if cpu is None else round(cpu, 3), output_tokens=num_out,
         prompt_tokens_submitted=c.prompt_tokens_submitted, prompt_tokens_computed=c.prompt_tokens_computed,
         prefix_hit_tokens=c.prefix_hit_tokens, prefix_queried_tokens=c.prefix_queried_tokens,
         num_steps=c.num_steps, num_preemptions=c.num_preemptions,
@@ -183,7 +184,8 @@ def _summarize(res: dict) -> None:
     if not reps:
         return
     wall = statistics.median(r["wall_s"] for r in reps)
-    cpu = statistics.median(r["cpu_s"] for r in reps)
+    cpus = [r["cpu_s"] for r in reps if r["cpu_s"] is not None]
+    cpu = statistics.median(cpus) if cpus else 0.0
     best = min(reps, key=lambda r: r["wall_s"])
     last = reps[-1]
     res.update(

@@ -387,6 +387,7 @@ class VLLMSystem(System):
     subtracted); start-up and its first (compiling) generate are reported, not timed."""
 
     kind = "vllm"
+    in_process = False  # it computes in its own processes: no CPU-time figure
 
     def __init__(self, name: str, model_path, args: EngineArgs, block_size: int) -> None:
         self.name, self.model_path, self.args, self.block_size = name, model_path, args, block_size

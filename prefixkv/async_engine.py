@@ -192,6 +192,33 @@ class AsyncEngine:
             raise
         return RequestStream(self, request_id, sink)
 
+    async def add_requests(self, requests: list[tuple[str, PromptType]], params: SamplingParams) -> list[RequestStream]:
+        """Queue several requests in one engine command (so they enter the same step), all or none:
+        if one is refused, those added before it are aborted and the error propagates."""
+        loop = asyncio.get_running_loop()
+        sinks = [_Sink(loop, params.output_kind == "delta") for _ in requests]
+
+        def add_all() -> None:
+            done = []
+            try:
+                for (rid, prompt), sink in zip(requests, sinks):
+                    self._add(rid, prompt, params, sink)
+                    done.append(rid)
+            except BaseException:
+                for rid in done:
+                    self._sinks.pop(rid, None)
+                    self.engine.abort(rid)
+                raise
+
+        fut = self._submit(add_all)
+        try:
+            await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            for (rid, _), sink in zip(requests, sinks):
+                self._abort_sink(rid, sink)
+            raise
+        return [RequestStream(self, rid, sink) for (rid, _), sink in zip(requests, sinks)]
+
     async def generate(self, request_id: str, prompt: PromptType,
                        params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs; errors from ``add_request`` propagate unchanged. If the

@@ -10,10 +10,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="local HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    g.add_argument("--dtype", default=None, help="float32 (cpu default), bfloat16 (cuda default), float16, float64")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (float32 on cpu, the checkpoint's half dtype on cuda), float32, bfloat16, float16, float64")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache when --num-kv-blocks is unset")
+    g.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="GiB for the KV cache when --num-kv-blocks is unset (default: 1 on cpu; on cuda what "
+                        "--gpu-memory-utilization leaves)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="cuda: fraction of device memory for weights, activations and the KV cache")
+    g.add_argument("--attention-backend", default=None, choices=["cpu", "torch", "cuda"],
+                   help="default: cpu (C kernels) on cpu, cuda (CuPy kernels) on cuda; torch: the plain torch path")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-num-seqs", type=int, default=64)
@@ -35,12 +42,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace):
     from prefixkv.config import CacheConfig, EngineConfig, SchedulerConfig
 
-    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     return EngineConfig(
-        model=args.model, device=args.device, dtype=dtype, max_model_len=args.max_model_len, seed=args.seed,
-        enforce_eager=args.enforce_eager, cpu_linear=args.cpu_linear,
+        model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+        enforce_eager=args.enforce_eager, cpu_linear=args.cpu_linear, attention_backend=args.attention_backend,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                          kv_cache_memory_bytes=int(args.kv_cache_memory * (1 << 30)),
+                          kv_cache_memory_bytes=None if args.kv_cache_memory is None
+                          else int(args.kv_cache_memory * (1 << 30)),
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_waiting_requests=args.max_waiting_requests,

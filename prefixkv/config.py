@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
+SUPPORTED_DTYPES = ("auto", "float32", "float64", "float16", "bfloat16")
 SUPPORTED_DEVICES = ("cpu", "cuda")
 
 
@@ -20,9 +20,10 @@ def _require(cond: bool, name: str, msg: str) -> None:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    # Explicit number of KV blocks; None derives it from kv_cache_memory_bytes.
+    # Explicit number of KV blocks; None derives it from kv_cache_memory_bytes, and that when None
+    # is 1 GiB on CPU and, on CUDA, what EngineConfig.gpu_memory_utilization leaves free.
     num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -31,7 +32,8 @@ class CacheConfig:
         if self.num_kv_blocks is not None:
             _require(isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1,
                      "num_kv_blocks", f"must be a positive int, got {self.num_kv_blocks!r}")
-        _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be positive")
+        _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
+                 "must be positive")
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ class SchedulerConfig:
 class EngineConfig:
     model: str | None = None  # None = the embedded SmolLM2-135M-Instruct
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # float32 on CPU; on CUDA the checkpoint's half dtype (else bfloat16)
     max_model_len: int | None = None
     seed: int = 0
     enforce_eager: bool = False
@@ -95,6 +97,9 @@ class EngineConfig:
     cpu_linear: str = "onednn"
     # CPU: RoPE, residual-add + RMSNorm and SiLU-and-mul through the C kernels (prefixkv/cpu_ops.py)
     fused_cpu_ops: bool = True
+    # CUDA, when CacheConfig.num_kv_blocks is unset: the KV cache takes this fraction of the device's
+    # memory minus the weights and the profiled activation peak (as vLLM's --gpu-memory-utilization)
+    gpu_memory_utilization: float = 0.9
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -103,6 +108,8 @@ class EngineConfig:
                  f"must be one of {SUPPORTED_DEVICES}, got {self.device!r}")
         _require(self.dtype in SUPPORTED_DTYPES, "dtype",
                  f"must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        _require(isinstance(self.gpu_memory_utilization, (int, float)) and 0.0 < self.gpu_memory_utilization <= 1.0,
+                 "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         _require(self.cpu_linear in ("onednn", "torch"), "cpu_linear",
                  f"must be 'onednn' or 'torch', got {self.cpu_linear!r}")
         if self.max_model_len is not None:

@@ -12,10 +12,11 @@ import torch
 from prefixkv.attention import get_backend
 from prefixkv.config import CacheConfig, EngineConfig, RuntimeInfo, SchedulerConfig
 from prefixkv.errors import EngineFatalError
-from prefixkv.model.loader import DTYPES, load_model, resolve_model
+from prefixkv.model.loader import DTYPES, load_hf_config, load_model, resolve_dtype, resolve_model
 from prefixkv.output_processor import OutputProcessor, RequestState
 from prefixkv.outputs import CompletionOutput, RequestOutput
 from prefixkv.request import Request, RequestStatus
+from prefixkv.runner.memory import kv_cache_bytes_for, profile_activation_peak
 from prefixkv.runner.model_runner import ModelRunner
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.scheduler import Scheduler
@@ -41,17 +42,17 @@ class LLMEngine:
             raise ValueError("dtype: float64 is supported on cpu only")
         self.model_path = resolve_model(config.model)
         self.tokenizer = Tokenizer.from_pretrained(str(self.model_path))
-        dtype = DTYPES[config.dtype]
-        self.model, self.hf_config = load_model(self.model_path, config.dtype, config.device,
-                                                   prepack=config.cpu_linear == "onednn",
-                                                   cpu_ops=config.fused_cpu_ops)
+        self.dtype = resolve_dtype(config.dtype, config.device, load_hf_config(self.model_path))
+        dtype = DTYPES[self.dtype]
+        self.model, self.hf_config = load_model(self.model_path, self.dtype, config.device,
+                                                prepack=config.cpu_linear == "onednn", cpu_ops=config.fused_cpu_ops)
         shape = self.model.shape
         max_len = config.max_model_len or shape.max_position_embeddings
         if shape.sliding_window:
             max_len = min(max_len, shape.sliding_window)
         bs = config.cache.block_size
         num_blocks = config.cache.num_kv_blocks or max(
-            1, config.cache.kv_cache_memory_bytes // ModelRunner.bytes_per_block(self.model, bs, dtype))
+            1, self._kv_cache_bytes() // ModelRunner.bytes_per_block(self.model, bs, dtype))
         self.info = RuntimeInfo(num_kv_blocks=num_blocks, max_model_len=max_len,
                                 eos_token_ids=list(self.tokenizer.eos_token_ids), vocab_size=shape.vocab_size)
         backend = get_backend(config.attention_backend or ("cpu" if config.device == "cpu" else "cuda"))
@@ -68,6 +69,16 @@ class LLMEngine:
         self.check_integrity_each_step = False
         self.num_steps = 0
         self.dead: BaseException | None = None  # set by a fatal step error (EngineFatalError)
+
+    def _kv_cache_bytes(self) -> int:
+        cfg = self.config
+        if cfg.cache.kv_cache_memory_bytes is not None:
+            return cfg.cache.kv_cache_memory_bytes
+        if cfg.device != "cuda":
+            return 1 << 30
+        peak = profile_activation_peak(self.model, cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs)
+        free, total = torch.cuda.mem_get_info()
+        return kv_cache_bytes_for(total, free, cfg.gpu_memory_utilization, peak)
 
     # ------------------------------------------------------------------ requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -267,11 +278,12 @@ class LLM:
         self,
         model: str | None = None,
         device: str = "cpu",
-        dtype: str = "float32",
+        dtype: str = "auto",
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int = 1 << 30,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
@@ -291,7 +303,7 @@ class LLM:
         cfg = EngineConfig(
             model=model, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed,
             enforce_eager=enforce_eager, attention_backend=attention_backend, cpu_linear=cpu_linear,
-            fused_cpu_ops=fused_cpu_ops,
+            fused_cpu_ops=fused_cpu_ops, gpu_memory_utilization=gpu_memory_utilization,
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching),

@@ -32,7 +32,7 @@ import torch
 
 from prefixkv.attention.base import AttentionBackend, AttentionMetadata
 
-CUDA_SOURCE_DIR = Path(__file__).resolve().parents[2] / "cuda"
+CUDA_SOURCE_DIR = Path(__file__).resolve().parents[1] / "cuda"  # package data (prefixkv/cuda)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)

@@ -158,26 +158,46 @@ def _convert_gguf_into(gguf_path: Path, out: Path) -> None:
     tok.save_pretrained(str(out))
 
 
-def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def _iter_weights(path: Path, device: str, dtype: torch.dtype):
+    """(name, tensor) of every checkpoint tensor, one at a time, already on ``device`` in ``dtype``:
+    safetensors shards are read tensor by tensor (memory-mapped), so host memory never holds a
+    whole shard, let alone the whole model, on its way to a GPU."""
     files = sorted(path.glob("*.safetensors"))
     if files:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
-        sd: dict[str, torch.Tensor] = {}
         for f in files:
-            sd.update(load_file(str(f)))
-        return sd
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name).to(device=device, dtype=dtype)
+        return
     bins = sorted(path.glob("pytorch_model*.bin"))
-    if bins:
-        sd = {}
-        for f in bins:
-            try:
-                sd.update(torch.load(str(f), map_location="cpu", weights_only=True))
-            except pickle.UnpicklingError as e:
-                raise ValueError(f"model: {f} holds more than plain tensors; refusing to unpickle it "
-                                 f"(convert it to safetensors)") from e
-        return sd
-    raise FileNotFoundError(f"model: {path} has no *.safetensors or pytorch_model*.bin weights")
+    if not bins:
+        raise FileNotFoundError(f"model: {path} has no *.safetensors or pytorch_model*.bin weights")
+    for f in bins:
+        try:
+            shard = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError as e:
+            raise ValueError(f"model: {f} holds more than plain tensors; refusing to unpickle it "
+                             f"(convert it to safetensors)") from e
+        for name in list(shard):
+            yield name, shard.pop(name).to(device=device, dtype=dtype)
+
+
+def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The whole checkpoint on the CPU as stored (tests and tools; the engine streams it)."""
+    return dict(_iter_weights(path, "cpu", None))
+
+
+def resolve_dtype(dtype: str, device: str, hf_config) -> str:
+    """``auto``: float32 on CPU; on CUDA the checkpoint's dtype when it is a half type, else bfloat16."""
+    if dtype != "auto":
+        return dtype
+    if device == "cpu":
+        return "float32"
+    stored = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "")
+    stored = stored.replace("torch.", "")
+    return stored if stored in ("bfloat16", "float16") else "bfloat16"
 
 
 def load_hf_config(path: Path):
@@ -190,18 +210,27 @@ def load_model(path: Path, dtype: str, device: str, prepack: bool = True,
                cpu_ops: bool = True) -> tuple[LlamaModel, object]:
     """Build the model from a local directory; returns (model, Hugging Face config). Projections
     are fused; ``prepack``: on CPU in float32, GEMMs on oneDNN-prepacked weights (model/linear.py);
-    ``cpu_ops``: on CPU, RoPE / RMSNorm / SiLU-and-mul through the C kernels (LlamaModel.use_cpu_ops)."""
+    ``cpu_ops``: on CPU, RoPE / RMSNorm / SiLU-and-mul through the C kernels (LlamaModel.use_cpu_ops).
+    Weights go to ``device`` one tensor at a time (``_iter_weights``)."""
     cfg = load_hf_config(path)
+    dtype = resolve_dtype(dtype, device, cfg)
     shape = ModelShape.from_hf_config(cfg)
     inv_freq, scaling = rope_inv_freq(cfg, shape.head_dim)
     with torch.device("meta"):
         model = LlamaModel(shape, inv_freq, scaling)
-    sd = _load_state_dict(path)
-    if shape.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
-    sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
-    model.load_state_dict(sd, strict=True, assign=True)
-    model = model.to(device=device, dtype=DTYPES[dtype])
+    expected = set(model.state_dict())
+    seen: set[str] = set()
+    for name, t in _iter_weights(path, device, DTYPES[dtype]):
+        if name.endswith("rotary_emb.inv_freq") or (shape.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        if name not in expected:
+            raise ValueError(f"model: unexpected tensor {name!r} in the checkpoint")
+        module_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(module_name), leaf, torch.nn.Parameter(t, requires_grad=False))
+        seen.add(name)
+    missing = expected - seen
+    if missing:
+        raise ValueError(f"model: the checkpoint lacks {sorted(missing)[:5]}")
     model.inv_freq = inv_freq.float().to(device)  # stays fp32 as in transformers
     model.fuse_projections()
     if prepack:

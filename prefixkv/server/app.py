@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import logging
@@ -360,6 +361,13 @@ class _Server:
         self.max_model_len = engine.engine.info.max_model_len
         self.created = int(time.time())
         self._expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
+        # chat templates and tokenization of (possibly huge) prompts: off the engine thread and off
+        # the event loop
+        self.tokenizer = engine.engine.tokenizer
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefixkv-tokenize")
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     # ------------------------------------------------------------------ middlewares
     @web.middleware
@@ -452,7 +460,7 @@ class _Server:
         params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, aliases)
         messages = [msgspec.to_builtins(m) for m in req.messages]
         try:
-            prompt = await self.engine.run(lambda e: e.tokenizer.apply_chat_template(messages))
+            prompt = await self._off_loop(lambda: self.tokenizer.apply_chat_template(messages))
         except ValueError as e:
             raise bad_request(e) from None
         return await self._generate(request, t0, _ChatFormat, req, [prompt], params, aliases)
@@ -496,9 +504,10 @@ class _Server:
         try:
             try:
                 async with _timeout_at(deadline):
-                    for i, prompt in enumerate(prompts):
-                        rid = fmt.id if len(prompts) == 1 else f"{fmt.id}-{i}"
-                        streams.append(await self.engine.add_request(rid, prompt, params))
+                    ids = await self._off_loop(lambda: [self.tokenizer.encode(p) if isinstance(p, str) and p else p
+                                                        for p in prompts])
+                    rids = [fmt.id if len(prompts) == 1 else f"{fmt.id}-{i}" for i in range(len(prompts))]
+                    streams.extend(await self.engine.add_requests(list(zip(rids, ids)), params))
             except OverflowError as e:
                 raise ApiError(503, f"the server is overloaded: {e}; retry later", type="server_error",
                                code="overloaded", headers={"Retry-After": "1"}) from None
@@ -619,6 +628,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
 
     async def on_shutdown(app: web.Application) -> None:
         await engine.shutdown()
+        server._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app.on_shutdown.append(on_shutdown)
     return app

@@ -28,7 +28,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-CUDA_DIR = ROOT / "cuda"
+CUDA_DIR = ROOT / "prefixkv" / "cuda"
 BUILD_DIR = ROOT / "build" / "kernel_emu"
 CXXFLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-ffp-contract=off",
             "-DPREFIXKV_EMULATOR", "-Wno-attributes")
