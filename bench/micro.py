@@ -197,7 +197,7 @@ def simulate_paged(trace, budget_tokens: int, block_size: int, max_num_seqs: int
         steps += 1
         held = slots = 0
         for s in out.scheduled:
-            held += s.start + s.num_new_tokens
+            held += s.num_computed_tokens + s.num_scheduled_tokens
             slots += len(out.block_tables[s.req.seq_id]) * block_size
         running.append(len(sched.running))
         if slots:

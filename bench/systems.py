@@ -110,7 +110,7 @@ class KVProbe:
         t0 = time.perf_counter()
         c = self.counters_fn()
         sched, kv, bs = self.sched, self.sched.kv, self.sched.block_size
-        held = {s.req.seq_id: s.start + s.num_new_tokens for s in out.scheduled}
+        held = {s.req.seq_id: s.num_computed_tokens + s.num_scheduled_tokens for s in out.scheduled}
         log_held = log_slots = 0
         fill: dict[int, int] = {}
         for r in sched.running:

@@ -25,7 +25,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-waiting-requests", type=int, default=1024)
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="requests queued beyond this are refused with 503 (default: SchedulerConfig's)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--cpu-linear", default="onednn", choices=["onednn", "torch"],
                    help="CPU float32 GEMMs: oneDNN on prepacked weights, or torch's F.linear")
@@ -51,7 +52,9 @@ def engine_config_from_args(args: argparse.Namespace):
                           else int(args.kv_cache_memory * (1 << 30)),
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_num_seqs=args.max_num_seqs, max_waiting_requests=args.max_waiting_requests,
+                                  max_num_seqs=args.max_num_seqs,
+                                  **({} if args.max_waiting_requests is None
+                                     else dict(max_waiting_requests=args.max_waiting_requests)),
                                   num_speculative_tokens=args.num_speculative_tokens,
                                   prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
                                   speculative_disable_by_batch_size=args.speculative_disable_by_batch_size),

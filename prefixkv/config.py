@@ -8,13 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prefixkv.validation import require
+
 SUPPORTED_DTYPES = ("auto", "float32", "float64", "float16", "bfloat16")
 SUPPORTED_DEVICES = ("cpu", "cuda")
-
-
-def _require(cond: bool, name: str, msg: str) -> None:
-    if not cond:
-        raise ValueError(f"{name}: {msg}")
 
 
 @dataclass(frozen=True)
@@ -27,12 +24,12 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
+        require(isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
                  "block_size", f"must be an int in [1, 1024], got {self.block_size!r}")
         if self.num_kv_blocks is not None:
-            _require(isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1,
+            require(isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1,
                      "num_kv_blocks", f"must be a positive int, got {self.num_kv_blocks!r}")
-        _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
+        require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
                  "must be positive")
 
 
@@ -62,24 +59,24 @@ class SchedulerConfig:
     speculative_disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+        require(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
                  "max_num_batched_tokens", f"must be a positive int, got {self.max_num_batched_tokens!r}")
-        _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
+        require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
                  "max_num_seqs", f"must be a positive int, got {self.max_num_seqs!r}")
-        _require(self.max_waiting_requests >= 1, "max_waiting_requests", "must be >= 1")
-        _require(self.max_wait_steps >= 0, "max_wait_steps", "must be >= 0")
-        _require(self.policy in ("continuous", "static"), "policy",
+        require(self.max_waiting_requests >= 1, "max_waiting_requests", "must be >= 1")
+        require(self.max_wait_steps >= 0, "max_wait_steps", "must be >= 0")
+        require(self.policy in ("continuous", "static"), "policy",
                  f"must be 'continuous' or 'static', got {self.policy!r}")
-        _require(isinstance(self.watermark, (int, float)) and 0.0 <= self.watermark < 1.0, "watermark",
+        require(isinstance(self.watermark, (int, float)) and 0.0 <= self.watermark < 1.0, "watermark",
                  f"must be a fraction in [0, 1), got {self.watermark!r}")
-        _require(isinstance(self.num_speculative_tokens, int) and 0 <= self.num_speculative_tokens <= 64,
+        require(isinstance(self.num_speculative_tokens, int) and 0 <= self.num_speculative_tokens <= 64,
                  "num_speculative_tokens", f"must be an int in [0, 64], got {self.num_speculative_tokens!r}")
-        _require(isinstance(self.prompt_lookup_min, int) and isinstance(self.prompt_lookup_max, int)
+        require(isinstance(self.prompt_lookup_min, int) and isinstance(self.prompt_lookup_max, int)
                  and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16, "prompt_lookup_min",
                  f"need 1 <= prompt_lookup_min <= prompt_lookup_max <= 16, got {self.prompt_lookup_min!r}, "
                  f"{self.prompt_lookup_max!r}")
         if self.speculative_disable_by_batch_size is not None:
-            _require(isinstance(self.speculative_disable_by_batch_size, int)
+            require(isinstance(self.speculative_disable_by_batch_size, int)
                      and self.speculative_disable_by_batch_size >= 1, "speculative_disable_by_batch_size",
                      f"must be a positive int or None, got {self.speculative_disable_by_batch_size!r}")
 
@@ -104,16 +101,16 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        _require(self.device in SUPPORTED_DEVICES, "device",
+        require(self.device in SUPPORTED_DEVICES, "device",
                  f"must be one of {SUPPORTED_DEVICES}, got {self.device!r}")
-        _require(self.dtype in SUPPORTED_DTYPES, "dtype",
+        require(self.dtype in SUPPORTED_DTYPES, "dtype",
                  f"must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
-        _require(isinstance(self.gpu_memory_utilization, (int, float)) and 0.0 < self.gpu_memory_utilization <= 1.0,
+        require(isinstance(self.gpu_memory_utilization, (int, float)) and 0.0 < self.gpu_memory_utilization <= 1.0,
                  "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        _require(self.cpu_linear in ("onednn", "torch"), "cpu_linear",
+        require(self.cpu_linear in ("onednn", "torch"), "cpu_linear",
                  f"must be 'onednn' or 'torch', got {self.cpu_linear!r}")
         if self.max_model_len is not None:
-            _require(isinstance(self.max_model_len, int) and self.max_model_len >= 1,
+            require(isinstance(self.max_model_len, int) and self.max_model_len >= 1,
                      "max_model_len", f"must be a positive int, got {self.max_model_len!r}")
 
 

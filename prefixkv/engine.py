@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import random
@@ -97,13 +98,15 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
         """Validate and queue a request; raises ValueError naming the bad field (nothing changes)."""
         params = params or SamplingParams()
+        text, ids = self.prepare_request(prompt, params)
+        self.enqueue(request_id, text, ids, params)
+
+    def prepare_request(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Everything ``add_request`` checks that does not depend on the queue: the parameters, the
+        prompt (tokenized here) and whether it fits the context and the cache. Returns (text, ids)."""
         params.validate(self.info.vocab_size)
         if params.n > self.config.scheduler.max_num_seqs:
             raise ValueError(f"n: {params.n} samples exceed max_num_seqs ({self.config.scheduler.max_num_seqs})")
-        if request_id in self._groups:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
-        if self.scheduler.num_waiting >= self.config.scheduler.max_waiting_requests:
-            raise OverflowError(f"the waiting queue is full ({self.scheduler.num_waiting} requests)")
         text, ids = self.tokenize_prompt(prompt)
         max_len = self.info.max_model_len
         if len(ids) >= max_len:
@@ -113,6 +116,14 @@ class LLMEngine:
         if need_blocks > self.info.num_kv_blocks:
             raise ValueError(f"prompt: {len(ids)} tokens need {need_blocks} KV blocks but the cache has only "
                              f"{self.info.num_kv_blocks}")
+        return text, ids
+
+    def enqueue(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams) -> None:
+        """Queue a request that ``prepare_request`` accepted."""
+        if request_id in self._groups:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        if self.scheduler.num_waiting >= self.config.scheduler.max_waiting_requests:
+            raise OverflowError(f"the waiting queue is full ({self.scheduler.num_waiting} requests)")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, ids, params, next(self._arrivals), seed)
         group = RequestState(request_id, text, ids, params)
@@ -258,7 +269,7 @@ class LLMEngine:
             "num_waiting": self.scheduler.num_waiting,
             "num_kv_blocks": kv.num_blocks,
             "num_kv_blocks_used": kv.num_used_blocks,
-            "num_kv_blocks_cached": kv.pool.num_evictable,
+            "num_kv_blocks_evictable": kv.pool.num_evictable,
             "prefix_queried_tokens": kv.num_queried_tokens,
             "prefix_hit_tokens": kv.num_hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
@@ -294,7 +305,7 @@ class LLM:
         fused_cpu_ops: bool = True,
         scheduling_policy: str = "continuous",
         enable_chunked_prefill: bool = True,
-        max_waiting_requests: int = 1 << 20,
+        max_waiting_requests: int | None = None,
         num_speculative_tokens: int = 0,
         prompt_lookup_min: int = 1,
         prompt_lookup_max: int = 3,
@@ -309,7 +320,8 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       policy=scheduling_policy, enable_chunked_prefill=enable_chunked_prefill,
-                                      max_waiting_requests=max_waiting_requests,
+                                      **({} if max_waiting_requests is None
+                                         else dict(max_waiting_requests=max_waiting_requests)),
                                       num_speculative_tokens=num_speculative_tokens,
                                       prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
                                       speculative_disable_by_batch_size=speculative_disable_by_batch_size),
@@ -336,50 +348,51 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
-        # validate everything before queueing anything
+        # validate (and tokenize) everything before queueing anything; only finished outputs are
+        # collected, so no per-step outputs are built
+        final = {id(sp): dataclasses.replace(sp, output_kind="final_only") for sp in params}
+        prepared = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
-                sp.validate(self.engine.info.vocab_size)
-                self.engine.tokenize_prompt(p)
+                text, ids = self.engine.prepare_request(p, final[id(sp)])
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
-        # only finished outputs are collected: no per-step outputs built for the queue
-        final = {id(sp): dataclasses.replace(sp, output_kind="final_only") for sp in params}
-        params = [final[id(sp)] for sp in params]
-        ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        added = []
-        try:
-            for rid, p, sp in zip(ids, prompts, params):
-                self.engine.add_request(rid, p, sp)
-                added.append(rid)
-        except BaseException:
-            for rid in added:
-                self.engine.abort(rid)
-            raise
-        return self._run(ids, use_tqdm)
+            prepared.append((f"gen-{next(self._ids)}", text, ids, final[id(sp)]))
+        return self._run(prepared, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prepared: list[tuple[str, str | None, list[int], SamplingParams]],
+             use_tqdm: bool) -> list[RequestOutput]:
+        """Feed the requests as the waiting queue has room (a queue of any length costs each step
+        only what max_waiting_requests allows) and step until all have finished."""
+        eng = self.engine
+        limit = eng.config.scheduler.max_waiting_requests
         done: dict[str, RequestOutput] = {}
+        pending = collections.deque(prepared)
+        added: list[str] = []
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(ids), desc="generate", unit="req")
+            bar = tqdm(total=len(prepared), desc="generate", unit="req")
         try:
-            while len(done) < len(ids):
-                for out in self.engine.step():
+            while len(done) < len(prepared):
+                while pending and eng.scheduler.num_waiting < limit:
+                    rid, text, ids, sp = pending.popleft()
+                    eng.enqueue(rid, text, ids, sp)
+                    added.append(rid)
+                for out in eng.step():
                     if out.finished:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
         except BaseException:
-            for rid in ids:
-                self.engine.abort(rid)
+            for rid in added:
+                eng.abort(rid)
             raise
         finally:
             if bar is not None:
                 bar.close()
-        return [done[r] for r in ids]
+        return [done[rid] for rid, _, _, _ in prepared]
 
     def chat(
         self,

@@ -40,7 +40,7 @@ class Request:
     __slots__ = (
         "seq_id", "request_id", "sample_index", "prompt_token_ids", "token_ids", "sampling_params",
         "num_computed_tokens", "num_cached_tokens", "status", "arrival_order", "wait_start_step",
-        "num_preemptions", "seed", "logprobs", "forked", "ngram",
+        "num_preemptions", "seed", "logprobs", "needs_fork", "ngram",
     )
 
     def __init__(
@@ -67,7 +67,8 @@ class Request:
         self.seed = seed
         # One entry per output token: (chosen_logprob, [(token_id, logprob), ...]) when requested.
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
-        self.forked = sampling_params.n == 1
+        # an n > 1 request runs as one sequence until its prompt is computed, then forks n - 1 siblings
+        self.needs_fork = sampling_params.n > 1
         self.ngram = None  # NgramIndex of its tokens, once it speculates (prefixkv/spec_decode.py)
 
     @property
@@ -106,7 +107,7 @@ class Request:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status
-        child.forked = True
+        child.needs_fork = False
         return child
 
     def __repr__(self) -> str:

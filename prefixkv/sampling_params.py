@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixkv.validation import require
+
 _MAX_SEED = 2**63 - 1
 # Stop strings are searched in the tail of the text every token: bounded in count and length.
 MAX_STOP_STRINGS = 16
@@ -12,11 +14,6 @@ MAX_STOP_STRING_CHARS = 1024
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 # Temperatures below this are greedy (vLLM's rule): dividing logits by them under- or overflows.
 GREEDY_TEMPERATURE = 1e-5
-
-
-def _check(cond: bool, name: str, msg: str) -> None:
-    if not cond:
-        raise ValueError(f"{name}: {msg}")
 
 
 def _is_int(x: Any) -> bool:
@@ -69,46 +66,46 @@ class SamplingParams:
         self.validate()
 
     def validate(self, vocab_size: int | None = None) -> None:
-        _check(_is_int(self.n) and 1 <= self.n <= 128, "n", f"must be an int in [1, 128], got {self.n!r}")
-        _check(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature",
+        require(_is_int(self.n) and 1 <= self.n <= 128, "n", f"must be an int in [1, 128], got {self.n!r}")
+        require(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature",
                f"must be a number in [0, 100], got {self.temperature!r}")
-        _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
+        require(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
                f"must be in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0), "top_k",
+        require(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0), "top_k",
                f"must be -1 (disabled), 0 (disabled) or a positive int, got {self.top_k!r}")
-        _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p",
+        require(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p",
                f"must be in [0, 1], got {self.min_p!r}")
-        _check(self.seed is None or (_is_int(self.seed) and -_MAX_SEED <= self.seed <= _MAX_SEED), "seed",
+        require(self.seed is None or (_is_int(self.seed) and -_MAX_SEED <= self.seed <= _MAX_SEED), "seed",
                f"must be an int (64-bit) or None, got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            _check(_is_num(v) and -2.0 <= v <= 2.0, name, f"must be a number in [-2, 2], got {v!r}")
-        _check(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+            require(_is_num(v) and -2.0 <= v <= 2.0, name, f"must be a number in [-2, 2], got {v!r}")
+        require(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
                "repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
-        _check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+        require(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
                "stop", "must be a non-empty string or a list of non-empty strings")
-        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop",
+        require(len(self.stop) <= MAX_STOP_STRINGS, "stop",
                f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        _check(all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
+        require(all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
                f"each stop string must be at most {MAX_STOP_STRING_CHARS} characters, got "
                f"{max(map(len, self.stop), default=0)}")
-        _check(self.output_kind in OUTPUT_KINDS, "output_kind",
+        require(self.output_kind in OUTPUT_KINDS, "output_kind",
                f"must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+        require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be a list of non-negative ints")
-        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool")
-        _check(self.detokenize or not self.stop, "stop", "stop strings need detokenize=True")
-        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+        require(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool")
+        require(self.detokenize or not self.stop, "stop", "stop strings need detokenize=True")
+        require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
                f"must be a positive int or None, got {self.max_tokens!r}")
-        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
+        require(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
                f"must be a non-negative int, got {self.min_tokens!r}")
-        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+        require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
+        require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
                f"must be an int in [0, 20] or None, got {self.logprobs!r}")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if t >= vocab_size]
-            _check(not bad, "stop_token_ids", f"ids {bad} are outside the vocabulary (size {vocab_size})")
+            require(not bad, "stop_token_ids", f"ids {bad} are outside the vocabulary (size {vocab_size})")
 
     @property
     def greedy(self) -> bool:

@@ -31,13 +31,14 @@ _ORDER_WINDOW = 128
 @dataclass
 class ScheduledRequest:
     req: Request
-    num_new_tokens: int  # query tokens this step: positions [start, start + num_new_tokens)
-    start: int  # num_computed_tokens when scheduled
+    # query tokens this step: positions [num_computed_tokens, num_computed_tokens + num_scheduled_tokens)
+    num_scheduled_tokens: int
+    num_computed_tokens: int  # the request's num_computed_tokens when scheduled
     # Sample after this chunk (it reaches the end of the known tokens); num_samples > 1 only
     # for the step that completes the prompt of an n > 1 request (the n samples fork it).
     num_samples: int
     # Speculative draft tokens (decodes only): the query is [last token] + draft, every position
-    # is verified, and num_new_tokens == 1 + len(draft).
+    # is verified, and num_scheduled_tokens == 1 + len(draft).
     draft: list[int] = field(default_factory=list)
 
 
@@ -145,7 +146,7 @@ class Scheduler:
             copy_ops.extend(ops)
             self.kv.cache_blocks(req.seq_id, req.token_ids, req.num_computed_tokens + num_new)
             sched = self._scheduled(req, num_new)
-            (decodes if sched.start == req.num_tokens - 1 and num_new == 1 else prefills).append(sched)
+            (decodes if sched.num_computed_tokens == req.num_tokens - 1 and num_new == 1 else prefills).append(sched)
             budget -= num_new
             i += 1
 
@@ -169,7 +170,7 @@ class Scheduler:
         end = req.num_computed_tokens + num_new
         samples = 0
         if end >= req.num_tokens:  # > : a decode with a draft
-            samples = 1 if req.forked else req.sampling_params.n
+            samples = req.sampling_params.n if req.needs_fork else 1
         return ScheduledRequest(req, num_new, req.num_computed_tokens, samples)
 
     def _add_drafts(self, budget: int, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]) -> int:
@@ -189,7 +190,7 @@ class Scheduler:
                 kept.append(sched)
                 continue
             sched.draft = draft
-            sched.num_new_tokens = 1 + len(draft)
+            sched.num_scheduled_tokens = 1 + len(draft)
             self.num_draft_tokens += len(draft)
             budget -= len(draft)
             prefills.insert(0, sched)
@@ -223,7 +224,7 @@ class Scheduler:
     @property
     def num_seats(self) -> int:
         """Sequences running now, counting an n > 1 request that has not forked yet as n."""
-        return sum(1 if r.forked else r.sampling_params.n for r in self.running)
+        return sum(r.sampling_params.n if r.needs_fork else 1 for r in self.running)
 
     def wait_steps(self, req: Request) -> int:
         """Steps that passed over ``req`` while it waited (counted at schedule time, no per-step
@@ -257,7 +258,7 @@ class Scheduler:
             return budget  # not one block to be had: nobody can be admitted, match nobody
         admitted: list[Request] = []
         for req, _ in self._admission_order():
-            n = 1 if req.forked else req.sampling_params.n
+            n = req.sampling_params.n if req.needs_fork else 1
             if budget <= 0 or seats + n > self.config.max_num_seqs and (self.running or admitted):
                 break
             # match again: it touches the LRU, and counts blocks cached by requests admitted just now
@@ -324,20 +325,20 @@ class Scheduler:
             # toks = the accepted draft tokens + the model's next one; the KV of the last known
             # token and of the accepted draft tokens is now valid, the rest is overwritten later
             assert 1 <= len(toks) <= len(sched.draft) + 1, (toks, sched.draft)
-            req.num_computed_tokens = sched.start + len(toks)
+            req.num_computed_tokens = sched.num_computed_tokens + len(toks)
             req.token_ids.extend(toks)
             self.kv.cache_blocks(req.seq_id, req.token_ids, req.num_computed_tokens)
             self.kv.trim(req.seq_id, req.num_tokens)  # blocks that held only rejected tokens
             self.num_accepted_tokens += len(toks) - 1
             changed.append(req)
             return
-        req.num_computed_tokens = sched.start + sched.num_new_tokens
+        req.num_computed_tokens = sched.num_computed_tokens + sched.num_scheduled_tokens
         if not sched.num_samples:
             return
         assert len(toks) == sched.num_samples, (len(toks), sched.num_samples)
-        if not req.forked:
+        if req.needs_fork:
             changed.extend(self._fork(req, toks[1:]))
-            req.forked = True
+            req.needs_fork = False
         req.token_ids.append(toks[0])
         changed.append(req)
 

@@ -138,11 +138,11 @@ def test_scheduler_chunks_prefill_and_mixes_decodes():
     a, b = _req(0, list(range(1, 11))), _req(1, list(range(50, 53)))
     s.add_request(a)
     out = s.schedule()
-    assert [(x.req.seq_id, x.start, x.num_new_tokens, x.num_samples) for x in out.scheduled] == [("r0#0", 0, 8, 0)]
+    assert [(x.req.seq_id, x.num_computed_tokens, x.num_scheduled_tokens, x.num_samples) for x in out.scheduled] == [("r0#0", 0, 8, 0)]
     s.update(out, [[]])
     s.add_request(b)
     out = s.schedule()  # a's last 2 prompt tokens, then b's whole prompt
-    assert [(x.req.seq_id, x.start, x.num_new_tokens, x.num_samples) for x in out.scheduled] == [
+    assert [(x.req.seq_id, x.num_computed_tokens, x.num_scheduled_tokens, x.num_samples) for x in out.scheduled] == [
         ("r0#0", 8, 2, 1), ("r1#0", 0, 3, 1)]
     s.update(out, [[7], [9]])
     out = s.schedule()  # both decode
@@ -228,7 +228,7 @@ def test_randomized_run_keeps_integrity_and_leaks_nothing():
         cached = s.kv.radix.cached_blocks()
         for r in s.running:
             table = s.kv.block_tables[r.seq_id]
-            for i in range(s.kv.num_cached_blocks[r.seq_id]):
+            for i in range(s.kv.num_indexed_blocks[r.seq_id]):
                 if table[i] in cached:
                     assert cached[table[i]] == tuple(r.token_ids[i * 4:(i + 1) * 4])
     while s.has_unfinished():

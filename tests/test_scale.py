@@ -186,3 +186,24 @@ def test_offline_queue_bookkeeping_is_flat_per_step():
         return s.waiting.num_iterated, matches["n"]
 
     assert elements_touched_per_step(200) == elements_touched_per_step(20_000)
+
+
+def test_offline_generate_feeds_the_queue_as_it_drains(tiny_llama):
+    """One generate call with far more prompts than max_waiting_requests: all are served, and the
+    waiting queue a step scans never exceeds the limit."""
+    from prefixkv import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_llama), block_size=4, num_kv_blocks=1024, max_waiting_requests=32, max_num_seqs=16)
+    eng = llm.engine
+    real, peak = eng.step, {"waiting": 0}
+
+    def step():
+        peak["waiting"] = max(peak["waiting"], eng.scheduler.num_waiting)
+        return real()
+
+    eng.step = step
+    prompts = [[5 + i % 97, 6 + i % 13, 7] for i in range(400)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2] * 400
+    assert peak["waiting"] == 32
+    assert not eng.has_unfinished() and eng.scheduler.kv.num_used_blocks == 0

@@ -345,7 +345,7 @@ def test_drafts_only_take_budget_left_after_every_request(monkeypatch):
     for r in reqs:
         s.add_request(r)
     out = s.schedule()  # 8 prompts of 3 tokens, budget 20: r0-r5 whole, 2 tokens of r6, r7 waits
-    assert [x.num_new_tokens for x in out.scheduled] == [3, 3, 3, 3, 3, 3, 2] and not any(x.draft for x in out.scheduled)
+    assert [x.num_scheduled_tokens for x in out.scheduled] == [3, 3, 3, 3, 3, 3, 2] and not any(x.draft for x in out.scheduled)
     s.update(out, [[1]] * 6 + [[]])
     out = s.schedule()
     s.add_request(late := _req(8, list(range(30, 36))))  # arrives after this step was scheduled
@@ -357,7 +357,7 @@ def test_drafts_only_take_budget_left_after_every_request(monkeypatch):
     s.update(out, [[7] * 9 if x.draft else [1] * x.num_samples for x in out.scheduled])
     out = s.schedule()  # the late request is admitted before anyone drafts
     assert late.seq_id in {x.req.seq_id for x in out.scheduled}
-    assert all(x.num_new_tokens >= 1 for x in out.scheduled) and len(out.scheduled) == 9
+    assert all(x.num_scheduled_tokens >= 1 for x in out.scheduled) and len(out.scheduled) == 9
     s.check_integrity()
 
 

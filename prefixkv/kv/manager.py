@@ -4,7 +4,7 @@ A request's block table covers its computed tokens plus the tokens scheduled thi
 
     token positions  0 ........................................ num_tokens
     blocks           [ full | full | full (cached in tree) | partial ]
-                     <- num_cached_blocks (in the tree) -><- its own ->
+                     <- num_indexed_blocks (in the tree) -><- its own ->
 
 Copy-on-write: a block with ref_cnt > 1 is never written. Only a partial block can be written
 into (full blocks are complete), and only forks (n > 1) share a partial block; before a request
@@ -32,8 +32,10 @@ class KVCacheManager:
         self.radix = RadixIndex(self.pool, block_size)
         self.enable_prefix_caching = enable_prefix_caching
         self.block_tables: dict[str, list[int]] = {}
-        # How many leading blocks of each table the tree already holds (inserted or matched).
-        self.num_cached_blocks: dict[str, int] = {}
+        # How many leading blocks of each table the radix index holds (inserted or matched).
+        # (RadixIndex.num_cached_blocks counts the tree's blocks; BlockPool.num_evictable those
+        # only the tree holds.)
+        self.num_indexed_blocks: dict[str, int] = {}
         # Prefix-cache statistics (tokens).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -88,7 +90,7 @@ class KVCacheManager:
             for b in prefix.block_ids:
                 self.pool.incref(b)
             self.block_tables[seq_id] = list(prefix.block_ids)
-            self.num_cached_blocks[seq_id] = len(prefix.block_ids)
+            self.num_indexed_blocks[seq_id] = len(prefix.block_ids)
         table = self.block_tables[seq_id]
         need = self.blocks_needed(seq_id, num_computed, num_new_tokens)
         if need + reserve > self.num_reclaimable_blocks:
@@ -116,7 +118,7 @@ class KVCacheManager:
             return
         bs = self.block_size
         num_full = num_computed // bs
-        done = self.num_cached_blocks[seq_id]
+        done = self.num_indexed_blocks[seq_id]
         if num_full <= done:
             return
         table = self.block_tables[seq_id]
@@ -124,7 +126,7 @@ class KVCacheManager:
         # block before the new ones is then not the tree's
         if not done or self.pool.cached[table[done - 1]]:
             self.radix.insert(token_ids, table, num_done=done, num_blocks=num_full)
-        self.num_cached_blocks[seq_id] = num_full
+        self.num_indexed_blocks[seq_id] = num_full
 
     def extend(self, seq_id: str, num_tokens: int, reserve: int = 0) -> bool:
         """Append free blocks (never evicting, leaving ``reserve`` free) until the table covers
@@ -154,7 +156,7 @@ class KVCacheManager:
         for b in table:
             self.pool.incref(b)
         self.block_tables[child_id] = list(table)
-        self.num_cached_blocks[child_id] = self.num_cached_blocks[parent_id]
+        self.num_indexed_blocks[child_id] = self.num_indexed_blocks[parent_id]
 
     def free(self, seq_id: str) -> None:
         """Drop a request's table. Its cached blocks stay in the tree (evictable); the rest go back
@@ -164,7 +166,7 @@ class KVCacheManager:
 
     def _release(self, seq_id: str) -> None:
         table = self.block_tables.pop(seq_id)
-        self.num_cached_blocks.pop(seq_id)
+        self.num_indexed_blocks.pop(seq_id)
         for b in reversed(table):
             self.pool.decref(b)
 

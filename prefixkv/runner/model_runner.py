@@ -85,15 +85,15 @@ class ModelRunner:
         for s in out.scheduled:
             req = s.req
             table = out.block_tables[req.seq_id]
-            end = s.start + s.num_new_tokens
+            end = s.num_computed_tokens + s.num_scheduled_tokens
             if s.draft:  # the last sampled token, then the draft: every position is verified
-                input_ids.append(req.token_ids[s.start])
+                input_ids.append(req.token_ids[s.num_computed_tokens])
                 input_ids.extend(s.draft)
             else:
-                input_ids.extend(req.token_ids[s.start:end])
-            positions.extend(range(s.start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(s.start, end))
-            starts.append(starts[-1] + s.num_new_tokens)
+                input_ids.extend(req.token_ids[s.num_computed_tokens:end])
+            positions.extend(range(s.num_computed_tokens, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(s.num_computed_tokens, end))
+            starts.append(starts[-1] + s.num_scheduled_tokens)
             seq_lens.append(end)
             tables.append(table)
             if s.draft:
@@ -180,7 +180,7 @@ class ModelRunner:
                 rows += [(req, req.sample_index)] * (1 + len(s.draft))
                 repeats += [1] * (1 + len(s.draft))
             elif s.num_samples:  # the n samples of a fork step share one row of logits
-                rows += [(req, req.sample_index if req.forked else k) for k in range(s.num_samples)]
+                rows += [(req, k if req.needs_fork else req.sample_index) for k in range(s.num_samples)]
                 repeats.append(s.num_samples)
         if not rows:
             return ModelOutput([[] for _ in out.scheduled], [None for _ in out.scheduled])
