@@ -14,6 +14,7 @@ Within prefixkv only::
     sched-overhead     CPU µs per scheduled request per step (fake model runner)
     memory             requests that fit in a fixed KV budget: paged blocks vs contiguous reservation
     flops              machine matmul GFLOP/s and the fraction the systems reach on decode-heavy work
+    roofline           a decode step at batch B against the machine's read bandwidth and GEMM peak
 
 Against ``prefixkv serve`` (spawned on loopback, or ``--url``)::
 
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ablate", help="prefixkv variants on one workload, same run")
     p.add_argument("--on", default="shared-prefix", choices=WORKLOADS, help="workload (default: %(default)s)")
     p.add_argument("--ablations", default="policy,cache,chunked,block-size",
-                   help="comma-separated from policy,cache,chunked,block-size")
+                   help="comma-separated from policy,cache,chunked,block-size,cpu-speed")
     p.add_argument("--block-sizes", default="1,8,16,32,64,128")
     for w in WORKLOADS:
         add_sizes(p, w, use_defaults=False)
@@ -138,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=64)
     add_common(p, systems_default="prefixkv,hf-static")
+    p = sub.add_parser("roofline", help="a decode step at batch B against read bandwidth and GEMM peak")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--system-tokens", type=int, default=196)
+    p.add_argument("--question-tokens", type=int, default=32)
+    p.add_argument("--steps", type=int, default=40)
+    add_common(p, systems_default=None)
     p = sub.add_parser("serving", help="prefixkv serve: latency percentiles and throughput against request rate")
     from bench.serving import add_arguments
 

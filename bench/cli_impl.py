@@ -106,6 +106,11 @@ def cmd_ablate(args: argparse.Namespace, command: str) -> int:
         variants.append(("prefix-cache=off", replace(base, enable_prefix_caching=False)))
     if "chunked" in wanted:
         variants.append(("chunked-prefill=off", replace(base, enable_chunked_prefill=False)))
+    if "cpu-speed" in wanted:  # each CPU speed change taken away on its own, then all of them
+        variants.append(("cpu-linear=torch", replace(base, cpu_linear="torch")))
+        variants.append(("attention=torch", replace(base, attention_backend="torch")))
+        variants.append(("fused-ops=off", replace(base, fused_cpu_ops=False)))
+        variants.append(("all-off", replace(base, cpu_linear="torch", attention_backend="torch", fused_cpu_ops=False)))
     if "block-size" in wanted:
         for bs in (int(x) for x in args.block_sizes.split(",")):
             if bs != base.block_size:
@@ -155,6 +160,8 @@ def dispatch(args: argparse.Namespace, command: str) -> int:
         return micro.cmd_memory(args, command)
     if args.workload == "flops":
         return micro.cmd_flops(args, command)
+    if args.workload == "roofline":
+        return micro.cmd_roofline(args, command)
     if args.workload == "serving":
         from bench import serving
 

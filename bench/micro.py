@@ -11,10 +11,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import time
 from dataclasses import asdict
+from pathlib import Path
 from types import SimpleNamespace
 
 from bench.run import _loadavg, machine_info, rewrite_result, write_result
@@ -373,5 +375,111 @@ def cmd_flops(args: argparse.Namespace, command: str) -> int:
     for name, f in fl.items():
         print(f"{name}: {f['achieved_gflops']} GFLOP/s of model matmuls = {f['fraction_of_peak']:.1%} of the "
               f"{peak} GFLOP/s peak, {f['fraction_of_decode_shape_matmul']:.1%} of a decode-shaped matmul")
+    print(f"wrote {jp}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- roofline
+def read_bandwidth_gbs(num_bytes: int = 1 << 30, seconds: float = 2.0) -> dict:
+    """Streaming read bandwidth of this machine (all torch threads): a float32 sum over a buffer
+    far larger than the caches, best and median of repeated passes."""
+    import torch
+
+    x = torch.ones(num_bytes // 4)
+    x.sum()
+    rates = []
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end or len(rates) < 3:
+        t0 = time.perf_counter()
+        x.sum()
+        rates.append(num_bytes / (time.perf_counter() - t0) / 1e9)
+    return dict(bytes=num_bytes, best_gbs=round(max(rates), 2), median_gbs=round(statistics.median(rates), 2))
+
+
+def onednn_gemm_gflops(m: int, k: int, n: int, seconds: float = 1.0) -> dict:
+    """fp32 GEMM peak through the engine's own GEMM path (oneDNN on a prepacked weight)."""
+    import torch
+
+    from prefixkv.model.linear import Linear
+
+    lin = Linear(k, n)
+    lin.weight = torch.nn.Parameter(torch.randn(n, k), requires_grad=False)
+    lin.prepack()
+    x = torch.randn(m, k)
+    for _ in range(3):
+        lin(x)
+    rates = []
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end or len(rates) < 5:
+        t0 = time.perf_counter()
+        lin(x)
+        rates.append(2 * m * k * n / (time.perf_counter() - t0) / 1e9)
+    return dict(shape=[m, k, n], best_gflops=round(max(rates), 2), median_gflops=round(statistics.median(rates), 2))
+
+
+def cmd_roofline(args: argparse.Namespace, command: str) -> int:
+    """A prefixkv decode step at batch B against the machine's roofline: the larger of (weights +
+    KV bytes read per step / measured read bandwidth) and (FLOPs per step / measured fp32 GEMM
+    peak). The decode step is timed in the shared-prefix state (B requests, S shared tokens, each
+    with its own Q tokens, prefilled), median of ``--steps``."""
+    import torch
+
+    from prefixkv import LLM, SamplingParams
+    from prefixkv.model.loader import load_hf_config, resolve_model
+
+    path = resolve_model(args.model)
+    cfg = load_hf_config(path)
+    bw = read_bandwidth_gbs()
+    peak = onednn_gemm_gflops(512, cfg.hidden_size, cfg.intermediate_size)
+    llm = LLM(model=args.model, block_size=args.block_size, num_kv_blocks=max(1, args.kv_tokens // args.block_size),
+              max_num_seqs=max(64, args.batch), max_num_batched_tokens=args.max_num_batched_tokens)
+    eng = llm.engine
+    v = eng.info.vocab_size - 10
+    shared = [3 + (i * 7919) % v for i in range(args.system_tokens)]
+    for i in range(args.batch):
+        own = [3 + (i * 104729 + k * 31) % v for k in range(args.question_tokens)]
+        eng.add_request(f"r{i}", shared + own, SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    times, contexts = [], []
+    for _ in range(args.steps):
+        contexts.append(sum(r.num_tokens for r in eng.scheduler.running) / len(eng.scheduler.running))
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    step = statistics.median(times)
+    ctx = statistics.fmean(contexts)
+    m = eng.model
+    packed = [mod.packed for mod in m.modules() if getattr(mod, "packed", None) is not None]
+    weight_bytes = 0
+    for mod in m.modules():
+        w = getattr(mod, "weight", None)
+        if getattr(mod, "packed", None) is not None:
+            weight_bytes += mod.in_features * mod.out_features * 4
+        elif isinstance(w, torch.Tensor) and mod is not m.model.embed_tokens:
+            weight_bytes += w.numel() * w.element_size()
+    s = m.shape
+    kv_bytes_per_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim * 4
+    # every sequence reads its whole context (the shared prefix too: the kernel reads per sequence)
+    kv_bytes = int(args.batch * ctx * kv_bytes_per_token)
+    flops = 2 * args.batch * (weight_bytes // 4) + 4 * args.batch * ctx * s.num_layers * s.num_heads * s.head_dim
+    t_mem = (weight_bytes + kv_bytes) / (bw["best_gbs"] * 1e9)
+    t_flop = flops / (peak["best_gflops"] * 1e9)
+    roof = max(t_mem, t_flop)
+    doc = dict(command=command, batch=args.batch, mean_context_tokens=round(ctx, 1), read_bandwidth=bw,
+               gemm_peak=peak, weight_bytes=weight_bytes, kv_bytes_per_step=kv_bytes, flops_per_step=flops,
+               roofline_memory_ms=round(t_mem * 1e3, 2), roofline_compute_ms=round(t_flop * 1e3, 2),
+               roofline_ms=round(roof * 1e3, 2), decode_step_ms_median=round(step * 1e3, 2),
+               decode_step_ms_best=round(min(times) * 1e3, 2), step_over_roofline=round(step / roof, 3),
+               num_packed_gemms=len(packed))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jp = out / f"{args.stem or 'roofline'}.json"
+    jp.write_text(json.dumps(doc, indent=2))
+    print(json.dumps({k: v for k, v in doc.items() if k != "command"}, indent=2))
+    print(f"decode step {doc['decode_step_ms_median']} ms (median) = {doc['step_over_roofline']}x the roofline "
+          f"of {doc['roofline_ms']} ms (memory {doc['roofline_memory_ms']} ms, compute {doc['roofline_compute_ms']} ms)")
     print(f"wrote {jp}")
     return 0

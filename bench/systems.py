@@ -41,6 +41,10 @@ class EngineArgs:
     scheduling_policy: str = "continuous"
     enable_chunked_prefill: bool = True
     num_speculative_tokens: int = 0
+    # CPU speed paths (ablations): oneDNN GEMMs, the C attention backend, fused elementwise ops
+    cpu_linear: str = "onednn"
+    attention_backend: str | None = None
+    fused_cpu_ops: bool = True
 
     def llm_kwargs(self) -> dict:
         return dict(model=self.model, dtype=self.dtype, block_size=self.block_size,
@@ -48,7 +52,8 @@ class EngineArgs:
                     num_kv_blocks=max(1, self.kv_tokens // self.block_size),
                     enable_prefix_caching=self.enable_prefix_caching, scheduling_policy=self.scheduling_policy,
                     enable_chunked_prefill=self.enable_chunked_prefill,
-                    num_speculative_tokens=self.num_speculative_tokens)
+                    num_speculative_tokens=self.num_speculative_tokens, cpu_linear=self.cpu_linear,
+                    attention_backend=self.attention_backend, fused_cpu_ops=self.fused_cpu_ops)
 
 
 @dataclass
