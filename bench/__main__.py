@@ -14,6 +14,7 @@ Within prefixkv only::
     sched-overhead     CPU µs per scheduled request per step (fake model runner)
     memory             requests that fit in a fixed KV budget: paged blocks vs contiguous reservation
     flops              machine matmul GFLOP/s and the fraction the systems reach on decode-heavy work
+    scale              host time per engine step at 256-1,024 running, 1e5-1e6 cached blocks (fake runner)
     roofline           a decode step at batch B against the machine's read bandwidth and GEMM peak
 
 Against ``prefixkv serve`` (spawned on loopback, or ``--url``)::
@@ -139,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=64)
     add_common(p, systems_default="prefixkv,hf-static")
+    p = sub.add_parser("scale", help="host time per engine step at GPU scale (fake runner, no model)")
+    p.add_argument("--sizes", default="256,1024", help="running requests")
+    p.add_argument("--cached-blocks", default="1e5,1e6", help="cached (evictable) blocks beside them")
+    p.add_argument("--context-tokens", type=int, default=32768)
+    p.add_argument("--steps", type=int, default=20)
+    add_common(p, systems_default=None)
     p = sub.add_parser("roofline", help="a decode step at batch B against read bandwidth and GEMM peak")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--system-tokens", type=int, default=196)

@@ -483,3 +483,131 @@ def cmd_roofline(args: argparse.Namespace, command: str) -> int:
           f"of {doc['roofline_ms']} ms (memory {doc['roofline_memory_ms']} ms, compute {doc['roofline_compute_ms']} ms)")
     print(f"wrote {jp}")
     return 0
+
+
+# ---------------------------------------------------------------------------------------- scale
+def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: int, steps: int,
+                    block_size: int = 16, num_waiting: int = 128, waiting_tokens: int = 8192) -> dict:
+    """Host time of an engine step at GPU scale, without a model: ``num_running`` decoding requests
+    of ``context_tokens`` each (their blocks in the radix index), ``num_cached_blocks`` more cached
+    (evictable) blocks, no free block (each completed decode block evicts one), and
+    ``num_waiting`` long prompts that cannot be admitted (admission pressure). Times
+    ``LLMEngine.step`` with a fake runner (scheduler, KV bookkeeping, update, output processing)
+    and, apart, the real ``ModelRunner.prepare`` on the same step (host tensors of the batch)."""
+    import torch
+
+    from prefixkv.config import CacheConfig, SchedulerConfig
+    from prefixkv.engine import LLMEngine
+    from prefixkv.output_processor import OutputProcessor, RequestState
+    from prefixkv.request import Request, RequestStatus
+    from prefixkv.runner.model_runner import ModelOutput, ModelRunner
+    from prefixkv.sampling_params import SamplingParams
+    from prefixkv.scheduler import Scheduler
+
+    bs = block_size
+    blocks_per_req = -(-(context_tokens + steps + 1) // bs)
+    num_blocks = num_running * blocks_per_req + num_cached_blocks
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=max(2048, 2 * num_running), max_num_seqs=num_running,
+                                      max_waiting_requests=num_waiting + 1),
+                      CacheConfig(block_size=bs, num_kv_blocks=num_blocks), num_blocks)
+    kv = sched.kv
+    t_setup = time.perf_counter()
+    # cached prefixes: distinct 64-block prompts, computed and released (evictable)
+    prefix_blocks = 64
+    for i in range(num_cached_blocks // prefix_blocks):
+        toks = [(i * 7 + k) % 251 for k in range(prefix_blocks * bs)]
+        toks[0], toks[1] = 1000 + i // 251, i % 251
+        sid = f"c{i}"
+        kv.allocate_slots(sid, 0, len(toks))
+        kv.cache_blocks(sid, toks, len(toks))
+        kv.free(sid)
+    # running requests in decode: context_tokens computed, their full blocks in the tree
+    params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True, output_kind="delta")
+    groups = {}
+    for i in range(num_running):
+        toks = [(i * 13 + k * 7) % 251 for k in range(context_tokens)]
+        toks[0], toks[1] = 2000 + i // 251, i % 251
+        req = Request(f"r{i}", toks, params, i, 0)
+        kv.allocate_slots(req.seq_id, 0, context_tokens)
+        kv.cache_blocks(req.seq_id, toks, context_tokens - 1)
+        req.num_computed_tokens = context_tokens - 1
+        req.status = RequestStatus.RUNNING
+        sched.running.append(req)
+        sched.requests[req.seq_id] = req
+        g = RequestState(req.request_id, None, toks, params)
+        g.seqs[0] = req
+        groups[req.request_id] = g
+    while kv.pool.num_free:  # no free block: decode growth must evict cached prefixes
+        sid = f"pad{kv.pool.num_free}"
+        kv.allocate_slots(sid, 0, bs)
+        kv.num_indexed_blocks[sid] = 0
+    for i in range(num_waiting):
+        toks = [3000 + i] + [(i + k) % 251 for k in range(waiting_tokens - 1)]
+        sched.add_request(Request(f"w{i}", toks, SamplingParams(max_tokens=4), num_running + i, 0))
+    setup_s = time.perf_counter() - t_setup
+
+    # an engine around this scheduler: the real step loop and output processing, a fake runner
+    eng = LLMEngine.__new__(LLMEngine)
+    eng.config = SimpleNamespace(scheduler=sched.config)
+    eng.scheduler = sched
+    eng._groups = {**groups, **{r.request_id: RequestState(r.request_id, None, r.token_ids, r.sampling_params,
+                                                           seqs={0: r}) for r in sched.waiting}}
+    eng.output = OutputProcessor(_FakeTokenizer(), [], 1 << 30)
+    eng.check_integrity_each_step = False
+    eng.num_steps = 0
+    eng.dead = None
+    for g in eng._groups.values():  # detokenize=False requests: no text work
+        g.params.detokenize = False
+    eng.runner = SimpleNamespace(execute=lambda out: ModelOutput(_fake_sampled(out), [None] * len(out.scheduled)))
+    prep_runner = SimpleNamespace(block_size=bs, device=torch.device("cpu"), vocab_size=50000, eos_token_ids=[2],
+                                  max_model_len=1 << 30)
+    evict_calls = []
+    real_evict = kv.radix.evict
+
+    def counting_evict(n):
+        evict_calls.append(n)
+        return real_evict(n)
+
+    kv.radix.evict = counting_evict
+    host, prep = [], []
+    v0 = kv.radix.num_visits
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        outs = eng.step()
+        host.append(time.perf_counter() - t0)
+        assert len(outs) == num_running, len(outs)
+        out = sched.schedule()  # the next step's batch, for prepare alone (then undone by update)
+        t1 = time.perf_counter()
+        ModelRunner.prepare(prep_runner, out)
+        prep.append(time.perf_counter() - t1)
+        for req in sched.update(out, _fake_sampled(out)):
+            eng._groups[req.request_id].seqs[0] = req
+    assert sched.num_waiting == num_waiting  # admission never succeeded: every step had pressure
+    return dict(num_running=num_running, num_cached_blocks=num_cached_blocks, num_pool_blocks=num_blocks,
+                context_tokens=context_tokens, num_waiting=num_waiting, waiting_tokens=waiting_tokens,
+                setup_s=round(setup_s, 1), host_step_ms_median=round(statistics.median(host) * 1e3, 3),
+                host_step_ms_max=round(max(host) * 1e3, 3), prepare_ms_median=round(statistics.median(prep) * 1e3, 3),
+                evictions=sum(evict_calls), radix_visits_per_step=round((kv.radix.num_visits - v0) / (2 * steps), 1))
+
+
+class _FakeTokenizer:
+    eos_token_ids = [2]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def cmd_scale(args: argparse.Namespace, command: str) -> int:
+    rows = []
+    for n in [int(x) for x in args.sizes.split(",")]:
+        for c in [int(float(x)) for x in args.cached_blocks.split(",")]:
+            r = scale_step_cost(n, c, args.context_tokens, args.steps, args.block_size)
+            rows.append(r)
+            print(f"{n:>5} running, {c:>8} cached blocks, {args.context_tokens} ctx: host step "
+                  f"{r['host_step_ms_median']:.3f} ms (max {r['host_step_ms_max']:.3f}), runner.prepare "
+                  f"{r['prepare_ms_median']:.3f} ms, {r['evictions']} blocks evicted, "
+                  f"{r['radix_visits_per_step']} radix visits/step (setup {r['setup_s']} s)", flush=True)
+    doc = dict(workload="scale", command=command, machine=machine_info(args.threads), results=rows)
+    path = write_result(doc, args.out, args.stem or f"scale-{time.strftime('%Y%m%d-%H%M%S')}")
+    print(f"wrote {path}")
+    return 0

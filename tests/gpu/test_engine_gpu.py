@@ -73,8 +73,9 @@ def test_gpu_engine_greedy_equals_transformers(gpu_model, block_size, chunk):
 def test_graphs_equal_eager_and_are_replayed(gpu_model):
     prompts = _prompts(5, seed=3)
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=1)
-    eager = LLM(model=str(gpu_model), device="cuda", dtype="float32", enforce_eager=True, max_num_seqs=8)
-    graphs = LLM(model=str(gpu_model), device="cuda", dtype="float32", max_num_seqs=8)
+    eager = LLM(model=str(gpu_model), device="cuda", dtype="float32", enforce_eager=True, max_num_seqs=8,
+                num_kv_blocks=512)
+    graphs = LLM(model=str(gpu_model), device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=512)
     assert graphs.engine.runner.graphs is not None and eager.engine.runner.graphs is None
     assert [o.token_ids for o in graphs.generate(prompts, sp)] == [o.token_ids for o in eager.generate(prompts, sp)]
     # n=2 forks, copy-on-write and padded buckets under graphs too
@@ -117,7 +118,36 @@ def test_replay_reads_new_inputs(gpu_model):
 
 
 def test_bf16_engine_runs(gpu_model):
-    llm = LLM(model=str(gpu_model), device="cuda", dtype="bfloat16", max_num_seqs=8)
+    llm = LLM(model=str(gpu_model), device="cuda", dtype="bfloat16", max_num_seqs=8, num_kv_blocks=512)
     outs = llm.generate(_prompts(6), SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     assert all(len(o.token_ids) == 10 for o in outs)
     assert llm.engine.scheduler.kv.num_used_blocks == 0
+
+
+def test_dtype_auto_and_kv_cache_sized_from_free_memory(gpu_model):
+    """dtype auto on CUDA: the checkpoint is float32, so bfloat16; no num_kv_blocks: the KV cache
+    takes what gpu_memory_utilization leaves after the weights and the profiled activation peak."""
+    import gc
+
+    free0, total = torch.cuda.mem_get_info()
+    llm = LLM(model=str(gpu_model), device="cuda", gpu_memory_utilization=0.3, max_num_seqs=8)
+    assert llm.engine.dtype == "bfloat16" and llm.engine.runner.kv_cache.dtype == torch.bfloat16
+    kv_bytes = llm.engine.runner.kv_cache.numel() * 2
+    used_before = total - free0
+    assert 0 < kv_bytes <= 0.3 * total - used_before
+    assert kv_bytes > 0.8 * (0.3 * total - used_before) - (1 << 30)  # most of the budget, less weights/peak
+    outs = llm.generate(_prompts(4), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert all(len(o.token_ids) == 6 for o in outs)
+    del llm, outs
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def test_torch_attention_backend_on_cuda_equals_transformers(gpu_model):
+    """The fallback where the CuPy kernels cannot run: --attention-backend torch on the GPU."""
+    prompts = _prompts(5, seed=3)
+    refs = _hf_greedy(gpu_model, prompts, 12)
+    llm = LLM(model=str(gpu_model), device="cuda", dtype="float32", attention_backend="torch", num_kv_blocks=256,
+              max_num_seqs=8)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
