@@ -82,6 +82,9 @@ def load() -> ctypes.CDLL | None:
         fn = getattr(lib, f"paged_decode_attention_{suffix}")
         fn.argtypes = [p, i64, p, p, p, p, i32, i32, i32, i32, i32, i32, i64, scalar]
         fn.restype = None
+    lib.paged_prefill_attention_f32.argtypes = [p, i64, p, p, p, p, p, i32, i32, i32, i32, i32, i32, i64,
+                                                ctypes.c_float]
+    lib.paged_prefill_attention_f32.restype = i32
     lib.add_rmsnorm_f32.argtypes = [p, i64, p, i64, p, i64, p, p, i64, i32, i32, ctypes.c_float]
     lib.rope_f32.argtypes = [p, i64, p, p, i32, i32, i32]
     lib.rope_f64.argtypes = [p, i64, p, p, i32, i32, i32]
@@ -104,6 +107,31 @@ def supports_decode(q: torch.Tensor, kv_cache_layer: torch.Tensor) -> bool:
     _, h, d = q.shape
     bs = kv_cache_layer.shape[3]
     return h <= max_heads and bs <= max_block and d <= max_head_dim and kv_cache_layer.is_contiguous()
+
+
+def supports_prefill(q: torch.Tensor, kv_cache_layer: torch.Tensor) -> bool:
+    """The prefill kernel: float32, head_dim 64 or 128, AVX-512 (it reports 0 otherwise)."""
+    return (q.dtype == torch.float32 and q.shape[2] in (64, 128) and supports_decode(q, kv_cache_layer)
+            and q.stride(2) == 1 and q.stride(1) == q.shape[2])
+
+
+def paged_prefill_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_tables: torch.Tensor,
+                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                            out: torch.Tensor) -> bool:
+    """Causal attention of prefill chunks: q [T, H, D] (rows may be strided) holds the query tokens
+    of S sequences, ``query_start_loc`` [S + 1] int32 (from 0) delimits them; sequence s's queries
+    are its last ``qlen`` positions of ``seq_lens[s]``. Writes out [T, H, D] (contiguous). False
+    when the library has no kernel for these shapes (nothing written)."""
+    t, h, d = q.shape
+    _, nb1, kvh, bs, _ = kv_cache_layer.shape
+    s = seq_lens.shape[0]
+    assert query_start_loc.dtype == torch.int32 and query_start_loc.shape == (s + 1,), query_start_loc.shape
+    assert block_tables.dtype == torch.int32 and block_tables.shape[0] == s and seq_lens.dtype == torch.int32
+    assert out.shape == (t, h, d) and out.is_contiguous() and out.dtype == q.dtype
+    block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
+    return bool(load().paged_prefill_attention_f32(
+        q.data_ptr(), q.stride(0), kv_cache_layer.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
+        query_start_loc.data_ptr(), out.data_ptr(), s, h, kvh, d, bs, block_tables.shape[1], nb1, scale))
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_tables: torch.Tensor,

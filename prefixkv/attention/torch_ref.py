@@ -108,13 +108,18 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
         if nd:
             self._decode_rows(q[:nd], kv_cache_layer, meta, scale, out[:nd])
+        if meta.num_seqs > nd:
+            self._prefill_rows(q, kv_cache_layer, meta, scale, out)
+        return out
+
+    def _prefill_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out) -> None:
+        """The prefill sequences' query tokens (rows from ``query_start_loc[num_decode_seqs]`` on)."""
         starts = meta.query_start_loc_cpu
-        for s in range(nd, meta.num_seqs):
+        for s in range(meta.num_decode_seqs, meta.num_seqs):
             a, b = starts[s], starts[s + 1]
             seq_len = meta.seq_lens_cpu[s]
             kk, vv = gather_kv(kv_cache_layer, meta.block_tables[s], seq_len)
             out[a:b] = self._prefill(q[a:b], kk, vv, seq_len, scale)
-        return out
 
     def _decode_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out) -> None:
         """The first ``num_decode_seqs`` sequences' attention: q [nd, H, D] -> out [nd, H, D]."""

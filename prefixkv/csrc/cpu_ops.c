@@ -221,6 +221,132 @@ static inline __attribute__((always_inline)) void decode_seq_avx512(
             _mm512_storeu_ps(ob + (int64_t)h * D + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + (int64_t)h * D + 16 * c), inv));
     }
 }
+/* Prefill attention (AVX-512, float32, D = 64 or 128, block size <= 64): the query tokens of each
+ * prefill sequence, query i of sequence s at position ctx + i (ctx = seq_len - query_len), causal.
+ *
+ *   q               [T, H, D]   rows ldq apart (all prefill sequences' query tokens, flattened)
+ *   block_tables    [S, max_blocks] int32;  seq_lens [S] int32;  query_start_loc [S + 1] int32
+ *   out             [T, H, D]   contiguous
+ *
+ * One work item per (sequence, tile of 16 queries, kv head). Per query head the tile's queries are
+ * the 16 lanes of a vector: with Q transposed once ([D][16]), a key's 16 scores are D FMAs, and
+ * the online softmax (running max, sum, rescale) is lane-wise, no horizontal reductions. A lane's
+ * arithmetic depends only on its own query and keys: keys past its position are -inf (p = 0, the
+ * running max unchanged, alpha exactly 1), so a query's result is the same in any tile or chunk. */
+static inline __attribute__((always_inline)) void prefill_tile_avx512(
+        const float *q, int64_t ldq, const float *kv_layer, const int32_t *table, int ctx, int qlen, int i0,
+        float *out, int H, int KVH, int kh, int BS, int64_t half, float scale, const int ND) {
+    const int D = 16 * ND, G = H / KVH;
+    const int64_t blk_elems = (int64_t)KVH * BS * D;
+    const int nq = qlen - i0 < 16 ? qlen - i0 : 16;
+    const int last_pos = ctx + i0 + nq - 1;
+    const int nblocks = last_pos / BS + 1;
+    float qt[MAXD * 16] __attribute__((aligned(64)));
+    float pbuf[MAXBS * 16] __attribute__((aligned(64)));
+    float acc[16 * MAXD] __attribute__((aligned(64)));
+    int32_t qpos[16];
+    for (int lane = 0; lane < 16; lane++) qpos[lane] = lane < nq ? ctx + i0 + lane : -1;  /* -1: padding */
+    const __m512i vpos = _mm512_loadu_si512(qpos);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const int h = kh * G + g;
+        for (int d = 0; d < D; d++)
+            for (int lane = 0; lane < 16; lane++)
+                qt[d * 16 + lane] = lane < nq ? q[(int64_t)(i0 + lane) * ldq + (int64_t)h * D + d] : 0.0f;
+        __m512 m = ninf, l = zero;
+        memset(acc, 0, sizeof(float) * 16 * D);
+        for (int j = 0; j < nblocks; j++) {
+            const float *kt = kv_layer + (int64_t)table[j] * blk_elems + (int64_t)kh * BS * D;
+            const float *vt = kt + half;
+            const int n = last_pos - j * BS + 1 < BS ? last_pos - j * BS + 1 : BS;
+            __m512 bmax = ninf;
+            for (int t = 0; t < n; t++) {
+                const float *krow = kt + (int64_t)t * D;
+                __m512 sc = _mm512_mul_ps(_mm512_set1_ps(krow[0]), _mm512_load_ps(qt));
+                for (int d = 1; d < D; d++) sc = _mm512_fmadd_ps(_mm512_set1_ps(krow[d]), _mm512_load_ps(qt + d * 16), sc);
+                sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
+                const __mmask16 visible = _mm512_cmpge_epi32_mask(vpos, _mm512_set1_epi32(j * BS + t));
+                sc = _mm512_mask_blend_ps(visible, ninf, sc);
+                _mm512_store_ps(pbuf + t * 16, sc);
+                bmax = _mm512_max_ps(bmax, sc);
+            }
+            const __m512 mnew = _mm512_max_ps(m, bmax);
+            const __mmask16 live = _mm512_cmp_ps_mask(mnew, ninf, _CMP_NEQ_OQ);  /* lanes with a key so far */
+            const __m512 base = _mm512_mask_blend_ps(live, zero, mnew);
+            const __m512 alpha = _mm512_maskz_mov_ps(live, softmax_expf16(_mm512_sub_ps(m, base)));
+            __m512 lsum = zero;
+            for (int t = 0; t < n; t++) {
+                const __m512 pt = _mm512_maskz_mov_ps(live, softmax_expf16(_mm512_sub_ps(_mm512_load_ps(pbuf + t * 16), base)));
+                const __mmask16 vis = _mm512_cmpge_epi32_mask(vpos, _mm512_set1_epi32(j * BS + t));
+                const __m512 p = _mm512_maskz_mov_ps(vis, pt);  /* masked keys: exactly 0 */
+                _mm512_store_ps(pbuf + t * 16, p);
+                lsum = _mm512_add_ps(lsum, p);
+            }
+            l = _mm512_add_ps(_mm512_mul_ps(l, alpha), lsum);
+            m = mnew;
+            float al[16] __attribute__((aligned(64)));
+            _mm512_store_ps(al, alpha);
+            for (int lane = 0; lane < nq; lane++) {
+                __m512 av[ND];
+                float *a = acc + lane * D;
+                const __m512 s_al = _mm512_set1_ps(al[lane]);
+                for (int c = 0; c < ND; c++) av[c] = _mm512_mul_ps(_mm512_load_ps(a + 16 * c), s_al);
+                for (int t = 0; t < n; t++) {
+                    const __m512 pt = _mm512_set1_ps(pbuf[t * 16 + lane]);
+                    for (int c = 0; c < ND; c++)
+                        av[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt + (int64_t)t * D + 16 * c), av[c]);
+                }
+                for (int c = 0; c < ND; c++) _mm512_store_ps(a + 16 * c, av[c]);
+            }
+        }
+        float lv[16] __attribute__((aligned(64)));
+        _mm512_store_ps(lv, l);
+        for (int lane = 0; lane < nq; lane++) {
+            const __m512 inv = _mm512_set1_ps(1.0f / lv[lane]);
+            float *o = out + (int64_t)(i0 + lane) * H * D + (int64_t)h * D;
+            for (int c = 0; c < ND; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + lane * D + 16 * c), inv));
+        }
+    }
+}
+
+/* Returns 0 when these shapes have no kernel here (the caller keeps the torch path). */
+int paged_prefill_attention_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
+                                const int32_t *seq_lens, const int32_t *query_start_loc, float *out, int S,
+                                int H, int KVH, int D, int BS, int max_blocks, int64_t nb1, float scale) {
+    if (!(D == 64 || D == 128) || BS > MAXBS || H > MAXH) return 0;
+    const int64_t half = nb1 * (int64_t)KVH * BS * D;
+    int num_items = 0;
+    for (int s = 0; s < S; s++) num_items += (query_start_loc[s + 1] - query_start_loc[s] + 15) / 16 * KVH;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int item = 0; item < num_items; item++) {
+        int s = 0, rest = item, tiles = 0;
+        for (;; s++) {  /* find this item's sequence (S is small) */
+            tiles = (query_start_loc[s + 1] - query_start_loc[s] + 15) / 16 * KVH;
+            if (rest < tiles) break;
+            rest -= tiles;
+        }
+        const int qlen = query_start_loc[s + 1] - query_start_loc[s];
+        const int tile = rest / KVH, kh = rest % KVH;
+        const float *qs = q + (int64_t)query_start_loc[s] * ldq;
+        float *os = out + (int64_t)query_start_loc[s] * H * D;
+        const int ctx = seq_lens[s] - qlen;
+        if (D == 64)
+            prefill_tile_avx512(qs, ldq, kv_layer, block_tables + (int64_t)s * max_blocks, ctx, qlen, 16 * tile, os,
+                                H, KVH, kh, BS, half, scale, 4);
+        else
+            prefill_tile_avx512(qs, ldq, kv_layer, block_tables + (int64_t)s * max_blocks, ctx, qlen, 16 * tile, os,
+                                H, KVH, kh, BS, half, scale, 8);
+    }
+    return 1;
+}
+#else
+int paged_prefill_attention_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
+                                const int32_t *seq_lens, const int32_t *query_start_loc, float *out, int S,
+                                int H, int KVH, int D, int BS, int max_blocks, int64_t nb1, float scale) {
+    (void)q; (void)ldq; (void)kv_layer; (void)block_tables; (void)seq_lens; (void)query_start_loc; (void)out;
+    (void)S; (void)H; (void)KVH; (void)D; (void)BS; (void)max_blocks; (void)nb1; (void)scale;
+    return 0;
+}
 #endif
 
 void paged_decode_attention_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
