@@ -160,6 +160,8 @@ def dispatch(args: argparse.Namespace, command: str) -> int:
         return micro.cmd_memory(args, command)
     if args.workload == "flops":
         return micro.cmd_flops(args, command)
+    if args.workload == "gemm":
+        return micro.cmd_gemm(args, command)
     if args.workload == "scale":
         return micro.cmd_scale(args, command)
     if args.workload == "roofline":

@@ -611,3 +611,56 @@ def cmd_scale(args: argparse.Namespace, command: str) -> int:
     path = write_result(doc, args.out, args.stem or f"scale-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"wrote {path}")
     return 0
+
+
+# ---------------------------------------------------------------------------------------- gemm
+def cmd_gemm(args: argparse.Namespace, command: str) -> int:
+    """The model's projections, every layer's own weights (so they stream from memory as in a
+    step), through F.linear (MKL sgemm), oneDNN on prepacked weights (the engine's CPU path) and
+    MKL's packed GEMM, at several row counts: ms per pass over the layer stack, GB/s of weights."""
+    import torch
+    import torch.nn.functional as F
+
+    from prefixkv.model.loader import load_hf_config, resolve_model
+
+    cfg = load_hf_config(resolve_model(args.model))
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    nh = cfg.num_attention_heads
+    kvh = getattr(cfg, "num_key_value_heads", nh) or nh
+    d = getattr(cfg, "head_dim", None) or h // nh
+    shapes = [((nh + 2 * kvh) * d, h), (h, nh * d), (2 * inter, h), (h, inter)]  # fused qkv, o, gate_up, down
+    g = torch.Generator().manual_seed(0)
+    weights = [[torch.randn(n, k, generator=g) * 0.02 for n, k in shapes] for _ in range(cfg.num_hidden_layers)]
+    nbytes = sum(w.numel() * 4 for ws in weights for w in ws)
+    mk = torch.ops.mkldnn
+    rows = []
+    for m in [int(x) for x in args.rows.split(",")]:
+        xs = {k: torch.randn(m, k, generator=g) for k in {k for _, k in shapes}}
+        dnn = [[mk._reorder_linear_weight(w, 16) for w in ws] for ws in weights]
+        mkl = [[torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in ws] for ws in weights]
+        paths = {
+            "F.linear": lambda: [F.linear(xs[w.shape[1]], w) for ws in weights for w in ws],
+            "onednn-prepacked": lambda: [mk._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                                         for ws, ps in zip(weights, dnn) for w, p in zip(ws, ps)],
+            "mkl-packed": lambda: [torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, m)
+                                   for ws, ps in zip(weights, mkl) for w, p in zip(ws, ps)],
+        }
+        res = dict(rows=m)
+        for name, fn in paths.items():
+            fn()
+            times = []
+            for _ in range(args.repeat_passes):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            t = statistics.median(times)
+            res[name] = dict(ms=round(t * 1e3, 2), weight_gbs=round(nbytes / t / 1e9, 2),
+                             gflops=round(2 * m * nbytes / 4 / t / 1e9, 1))
+        rows.append(res)
+        print(f"M={m:>4}: " + "  ".join(f"{k} {v['ms']} ms ({v['weight_gbs']} GB/s, {v['gflops']} GFLOP/s)"
+                                        for k, v in res.items() if k != "rows"), flush=True)
+    doc = dict(workload="gemm", command=command, weight_bytes=nbytes, shapes=shapes,
+               num_layers=cfg.num_hidden_layers, machine=machine_info(args.threads), results=rows)
+    path = write_result(doc, args.out, args.stem or f"gemm-{time.strftime('%Y%m%d-%H%M%S')}")
+    print(f"wrote {path}")
+    return 0

@@ -81,3 +81,24 @@ def test_ablate_and_micro(tiny_llama, tmp_path):
         "paged (block_size=16, watermark=0.05)"]
     assert paged["mean_running"] >= max(c["mean_running"] for c in contig)
     assert paged_wm5["num_preemptions"] <= paged_no_wm["num_preemptions"]
+
+
+def test_cpu_speed_ablation_and_machine_commands(tiny_llama, tmp_path):
+    """The CPU speed ablation (float32: oneDNN, C kernels and fused ops each off), the GEMM,
+    roofline and scale commands, at tiny sizes."""
+    doc = _run(["ablate", "--model", str(tiny_llama), "--on", "decode-heavy", "--ablations", "cpu-speed",
+                "--num-requests", "3", "--prompt-tokens", "12", "--output-tokens", "6", "--no-plot", "--no-progress",
+                "--kv-tokens", "4096"], tmp_path, "ablate-cpu")
+    assert set(doc["systems"]) == {"prefixkv", "cpu-linear=torch", "attention=torch", "fused-ops=off", "all-off"}
+    assert all(r["error"] is None for r in doc["systems"].values())
+    assert doc["systems"]["all-off"]["info"]["cpu_linear"] == "torch"
+    doc = _run(["gemm", "--model", str(tiny_llama), "--rows", "1,4", "--repeat-passes", "2"], tmp_path, "gemm")
+    assert [r["rows"] for r in doc["results"]] == [1, 4]
+    assert all(r["onednn-prepacked"]["ms"] > 0 for r in doc["results"])
+    doc = _run(["roofline", "--model", str(tiny_llama), "--batch", "3", "--system-tokens", "20",
+                "--question-tokens", "5", "--steps", "4", "--kv-tokens", "4096"], tmp_path, "roof")
+    assert doc["roofline_ms"] > 0 and doc["decode_step_ms_median"] > 0 and doc["weight_bytes"] > 0
+    doc = _run(["scale", "--sizes", "8", "--cached-blocks", "256", "--context-tokens", "256", "--steps", "3"],
+               tmp_path, "scale")
+    r = doc["results"][0]
+    assert r["num_running"] == 8 and r["evictions"] > 0 and r["host_step_ms_median"] > 0

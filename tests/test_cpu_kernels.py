@@ -199,8 +199,9 @@ def test_prefill_kernel_matches_reference(head_dim, block_size, num_kv_heads, gr
     0; unused cache slots are NaN, so a read outside a sequence's visible keys shows."""
     b = make_batch(torch.float32, head_dim, block_size, num_kv_heads, group, PREFILL_SPECS, seed=head_dim + block_size)
     out = torch.empty_like(b["q"])
-    assert cpu_ops.paged_prefill_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"],
-                                           b["query_start_loc"], head_dim ** -0.5, out)
+    if not cpu_ops.paged_prefill_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"],
+                                           b["query_start_loc"], head_dim ** -0.5, out):
+        pytest.skip("no AVX-512 on this CPU: prefill chunks keep the torch path")
     ref = reference_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], b["query_start_loc"],
                               head_dim ** -0.5)
     diff = (out.double() - ref).abs().max().item()
@@ -212,8 +213,9 @@ def test_prefill_kernel_result_of_a_query_does_not_depend_on_its_chunk():
     """The same positions computed as one chunk of 40 or as chunks of 7 / 16 / 17: bitwise equal."""
     b = make_batch(torch.float32, 64, 16, 3, 3, [(100, 40)], seed=5)
     whole = torch.empty_like(b["q"])
-    cpu_ops.paged_prefill_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], b["query_start_loc"],
-                                    0.125, whole)
+    if not cpu_ops.paged_prefill_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"],
+                                           b["query_start_loc"], 0.125, whole):
+        pytest.skip("no AVX-512 on this CPU: prefill chunks keep the torch path")
     for cuts in ([7, 16, 17], [1, 39], [33, 7]):
         start = 60
         pos = 0

@@ -35,3 +35,51 @@ def test_float64_lm_head_is_one_matmul(monkeypatch):
     w = torch.randn(3 * _LM_HEAD_SLICE, 16, dtype=torch.float64)
     h = torch.randn(4, 16, dtype=torch.float64)
     assert torch.equal(lm_head(h, w), F.linear(h, w)) and calls == []
+
+
+def test_dtype_auto_resolution():
+    from types import SimpleNamespace
+
+    from prefixkv.model.loader import resolve_dtype
+
+    assert resolve_dtype("auto", "cpu", SimpleNamespace(dtype="bfloat16")) == "float32"
+    assert resolve_dtype("auto", "cuda", SimpleNamespace(dtype="bfloat16")) == "bfloat16"
+    assert resolve_dtype("auto", "cuda", SimpleNamespace(torch_dtype="torch.float16")) == "float16"
+    assert resolve_dtype("auto", "cuda", SimpleNamespace(dtype="float32")) == "bfloat16"
+    assert resolve_dtype("float64", "cpu", SimpleNamespace()) == "float64"
+
+
+def test_kv_cache_budget_from_device_memory():
+    from prefixkv.runner.memory import kv_cache_bytes_for
+
+    gib = 1 << 30
+    # 100 GiB device, 10 GiB in use (weights, others), 2 GiB activation peak, 0.9 utilization
+    assert kv_cache_bytes_for(100 * gib, 90 * gib, 0.9, 2 * gib) == 78 * gib
+    with pytest.raises(ValueError, match="^gpu_memory_utilization: 0.1 of 100.0 GiB leaves no room"):
+        kv_cache_bytes_for(100 * gib, 90 * gib, 0.1, 2 * gib)
+
+
+def test_loader_streams_and_checks_every_tensor(tiny_llama, tmp_path):
+    """Weights are read tensor by tensor; a checkpoint missing a tensor, or holding one the model
+    does not have, is refused by name."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from prefixkv.model.loader import load_model
+
+    model, _ = load_model(tiny_llama, "float32", "cpu")
+    assert not any(p.is_meta for p in model.parameters())
+    for case in ("missing", "extra"):
+        d = tmp_path / case
+        shutil.copytree(tiny_llama, d)
+        f = next(d.glob("*.safetensors"))
+        sd = load_file(str(f))
+        if case == "missing":
+            sd.pop("model.layers.1.mlp.down_proj.weight")
+        else:
+            sd["model.layers.0.self_attn.rotary_bias"] = torch.zeros(3)
+        save_file(sd, str(f))
+        want = "lacks .*model.layers.1.mlp.down_proj.weight" if case == "missing" else "unexpected tensor 'model.layers.0"
+        with pytest.raises(ValueError, match=want):
+            load_model(d, "float32", "cpu")

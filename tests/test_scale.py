@@ -65,15 +65,19 @@ def _visits_growing_one_sequence(num_tokens: int) -> float:
     kv = KVCacheManager(num_blocks=num_tokens // BS + 4, block_size=BS)
     kv.allocate_slots("s", 0, 8)
     tokens = list(range(8))
+    kv.cache_blocks("s", tokens, 8)
+    leaf = next(iter(kv.radix.root.children.values()))
+    leaf_tokens = leaf.tokens
     v0 = kv.radix.num_visits
     for n in range(8, num_tokens):  # decode: one token a step, a block completes every BS steps
         assert kv.allocate_slots("s", n, 1) is not None
         tokens.append(n % 50)
         kv.cache_blocks("s", tokens, n + 1)
     assert kv.radix.num_cached_blocks == num_tokens // BS
-    assert kv.radix.num_nodes == 1  # one leaf, extended in place
+    assert kv.radix.num_nodes == 1  # one leaf, extended in place: its token list is never copied
+    assert leaf.tokens is leaf_tokens and len(leaf_tokens) == num_tokens // BS * BS
     kv.check_integrity()
-    return (kv.radix.num_visits - v0) / (num_tokens // BS)
+    return (kv.radix.num_visits - v0) / (num_tokens // BS - 2)
 
 
 def test_caching_a_growing_sequence_costs_the_same_per_block_at_any_length():

@@ -146,7 +146,7 @@ def test_only_verified_tokens_enter_the_prefix_cache(tiny_llama, monkeypatch):
     n_paths = 0
     while stack:
         path, node = stack.pop()
-        path = path + node.tokens
+        path = path + tuple(node.tokens)
         assert any(s[:len(path)] == path for s in seqs), "a cached block holds tokens of no real sequence"
         n_paths += 1
         stack.extend((path, c) for c in node.children.values())

@@ -28,9 +28,9 @@ class MatchResult(NamedTuple):
 class RadixNode:
     __slots__ = ("tokens", "block_ids", "children", "parent", "last_access", "key")
 
-    def __init__(self, tokens: tuple[int, ...], block_ids: list[int], parent: "RadixNode | None",
+    def __init__(self, tokens: list[int], block_ids: list[int], parent: "RadixNode | None",
                  key: tuple[int, ...] = ()) -> None:
-        self.tokens = tokens
+        self.tokens = tokens  # a list: a growing leaf extends it and eviction trims it in place
         self.block_ids = block_ids
         self.children: dict[tuple[int, ...], RadixNode] = {}
         self.parent = parent  # None for the root and for a node removed from the tree
@@ -52,7 +52,7 @@ class RadixIndex:
     def __init__(self, pool: BlockPool, block_size: int) -> None:
         self.pool = pool
         self.block_size = block_size
-        self.root = RadixNode((), [], None)
+        self.root = RadixNode([], [], None)
         self._clock = itertools.count(1)
         self._seq = itertools.count()
         self.num_cached_blocks = 0
@@ -89,7 +89,7 @@ class RadixIndex:
             m = 1
             n_child = len(child.block_ids)
             while m < n_child and pos + (m + 1) * bs <= end and \
-                    child.tokens[m * bs:(m + 1) * bs] == tuple(tokens[pos + m * bs:pos + (m + 1) * bs]):
+                    child.tokens[m * bs:(m + 1) * bs] == list(tokens[pos + m * bs:pos + (m + 1) * bs]):
                 m += 1
             yield child, m, pos
             if m < n_child:
@@ -156,12 +156,12 @@ class RadixIndex:
             return 0
         new_blocks = list(block_ids[pos // bs:num_blocks])
         if node is not self.root and not node.children:  # a growing leaf: extend it in place
-            node.tokens = node.tokens + tuple(tokens[pos:end])
+            node.tokens.extend(tokens[pos:end])
             node.block_ids.extend(new_blocks)
             leaf = node
         else:
             key = self._key(tokens, pos)
-            leaf = RadixNode(tuple(tokens[pos:end]), new_blocks, node, key)
+            leaf = RadixNode(list(tokens[pos:end]), new_blocks, node, key)
             node.children[key] = leaf
             self.num_nodes += 1
         for b in new_blocks:
@@ -181,7 +181,7 @@ class RadixIndex:
         upper.last_access = node.last_access
         node.parent.children[node.key] = upper
         node.tokens, node.block_ids, node.parent = node.tokens[m * bs:], node.block_ids[m:], upper
-        node.key = node.tokens[:bs]
+        node.key = tuple(node.tokens[:bs])
         upper.children[node.key] = node
         for b in upper.block_ids:
             self._block_node[b] = upper
@@ -202,7 +202,7 @@ class RadixIndex:
                 continue  # removed, no longer a leaf, or touched since (a newer entry exists)
             while node.block_ids and len(freed) < num_blocks and ref_cnt[node.block_ids[-1]] == 1:
                 b = node.block_ids.pop()
-                node.tokens = node.tokens[:-self.block_size]
+                del node.tokens[-self.block_size:]
                 self.pool.unpin(b)
                 del self._block_node[b]
                 freed.append(b)
@@ -240,7 +240,7 @@ class RadixIndex:
         bs = self.block_size
         for n in self._nodes():
             for i, b in enumerate(n.block_ids):
-                out[b] = n.tokens[i * bs:(i + 1) * bs]
+                out[b] = tuple(n.tokens[i * bs:(i + 1) * bs])
         return out
 
     def check_integrity(self) -> None:
@@ -252,7 +252,7 @@ class RadixIndex:
             num_nodes += 1
             assert n.block_ids, f"empty non-root node with tokens {n.tokens[:8]}"
             assert len(n.tokens) == len(n.block_ids) * bs, f"node tokens {len(n.tokens)} != {len(n.block_ids)} blocks"
-            assert n.key == n.tokens[:bs], f"node key {n.key} != its first block {n.tokens[:bs]}"
+            assert n.key == tuple(n.tokens[:bs]), f"node key {n.key} != its first block {n.tokens[:bs]}"
             assert n.parent is not None and n.parent.children.get(n.key) is n, "bad child key"
             for b in n.block_ids:
                 assert b not in seen, f"block {b} twice in the tree"
