@@ -132,7 +132,10 @@ def test_cli_device_cuda_and_enforce_eager_reach_the_engine_config():
     p = argparse.ArgumentParser()
     add_engine_args(p)
     cfg = engine_config_from_args(p.parse_args(["--device", "cuda", "--enforce-eager"]))
-    assert (cfg.device, cfg.dtype, cfg.enforce_eager) == ("cuda", "bfloat16", True)
+    assert (cfg.device, cfg.dtype, cfg.enforce_eager) == ("cuda", "auto", True)  # the checkpoint's half dtype
+    cfg = engine_config_from_args(p.parse_args(["--device", "cuda", "--gpu-memory-utilization", "0.5",
+                                                "--attention-backend", "torch"]))
+    assert (cfg.gpu_memory_utilization, cfg.attention_backend, cfg.cache.kv_cache_memory_bytes) == (0.5, "torch", None)
     cfg = engine_config_from_args(p.parse_args(["--device", "cuda"]))
     assert (cfg.device, cfg.enforce_eager) == ("cuda", False)
 

@@ -110,14 +110,18 @@ def test_serve_listens_only_on_loopback(tiny_llama):
 
 # ---------------------------------------------------------------------- the API key
 class CountingEngine(AsyncEngine):
-    """Counts every way a request reaches the engine: add_request, and work run on the engine thread
-    (the chat template)."""
+    """Counts every way a request reaches the engine: add_request(s), and work run on the engine
+    thread."""
 
     num_calls = 0
 
     async def add_request(self, *args, **kwargs):
         self.num_calls += 1
         return await super().add_request(*args, **kwargs)
+
+    async def add_requests(self, *args, **kwargs):
+        self.num_calls += 1
+        return await super().add_requests(*args, **kwargs)
 
     async def run(self, fn):
         self.num_calls += 1

@@ -262,8 +262,18 @@ static inline __attribute__((always_inline)) void prefill_tile_avx512(
             __m512 bmax = ninf;
             for (int t = 0; t < n; t++) {
                 const float *krow = kt + (int64_t)t * D;
-                __m512 sc = _mm512_mul_ps(_mm512_set1_ps(krow[0]), _mm512_load_ps(qt));
-                for (int d = 1; d < D; d++) sc = _mm512_fmadd_ps(_mm512_set1_ps(krow[d]), _mm512_load_ps(qt + d * 16), sc);
+                /* four partial sums over d (d mod 4): independent FMA chains, not one 64 long */
+                __m512 s0 = _mm512_mul_ps(_mm512_set1_ps(krow[0]), _mm512_load_ps(qt));
+                __m512 s1 = _mm512_mul_ps(_mm512_set1_ps(krow[1]), _mm512_load_ps(qt + 16));
+                __m512 s2 = _mm512_mul_ps(_mm512_set1_ps(krow[2]), _mm512_load_ps(qt + 32));
+                __m512 s3 = _mm512_mul_ps(_mm512_set1_ps(krow[3]), _mm512_load_ps(qt + 48));
+                for (int d = 4; d < D; d += 4) {
+                    s0 = _mm512_fmadd_ps(_mm512_set1_ps(krow[d]), _mm512_load_ps(qt + d * 16), s0);
+                    s1 = _mm512_fmadd_ps(_mm512_set1_ps(krow[d + 1]), _mm512_load_ps(qt + (d + 1) * 16), s1);
+                    s2 = _mm512_fmadd_ps(_mm512_set1_ps(krow[d + 2]), _mm512_load_ps(qt + (d + 2) * 16), s2);
+                    s3 = _mm512_fmadd_ps(_mm512_set1_ps(krow[d + 3]), _mm512_load_ps(qt + (d + 3) * 16), s3);
+                }
+                __m512 sc = _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3));
                 sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
                 const __mmask16 visible = _mm512_cmpge_epi32_mask(vpos, _mm512_set1_epi32(j * BS + t));
                 sc = _mm512_mask_blend_ps(visible, ninf, sc);
@@ -286,17 +296,28 @@ static inline __attribute__((always_inline)) void prefill_tile_avx512(
             m = mnew;
             float al[16] __attribute__((aligned(64)));
             _mm512_store_ps(al, alpha);
-            for (int lane = 0; lane < nq; lane++) {
-                __m512 av[ND];
-                float *a = acc + lane * D;
-                const __m512 s_al = _mm512_set1_ps(al[lane]);
-                for (int c = 0; c < ND; c++) av[c] = _mm512_mul_ps(_mm512_load_ps(a + 16 * c), s_al);
-                for (int t = 0; t < n; t++) {
-                    const __m512 pt = _mm512_set1_ps(pbuf[t * 16 + lane]);
-                    for (int c = 0; c < ND; c++)
-                        av[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt + (int64_t)t * D + 16 * c), av[c]);
+            for (int lane = 0; lane < nq; lane += 2) {  /* two lanes at once: 2 * ND independent chains */
+                const int two = lane + 1 < nq;
+                __m512 av[ND], bv[ND];
+                float *a = acc + lane * D, *b = acc + (lane + two) * D;
+                const __m512 sa = _mm512_set1_ps(al[lane]), sb = _mm512_set1_ps(al[lane + two]);
+                for (int c = 0; c < ND; c++) {
+                    av[c] = _mm512_mul_ps(_mm512_load_ps(a + 16 * c), sa);
+                    bv[c] = _mm512_mul_ps(_mm512_load_ps(b + 16 * c), sb);
                 }
-                for (int c = 0; c < ND; c++) _mm512_store_ps(a + 16 * c, av[c]);
+                for (int t = 0; t < n; t++) {
+                    const __m512 pa = _mm512_set1_ps(pbuf[t * 16 + lane]);
+                    const __m512 pb = _mm512_set1_ps(pbuf[t * 16 + lane + two]);
+                    for (int c = 0; c < ND; c++) {
+                        const __m512 vv = _mm512_loadu_ps(vt + (int64_t)t * D + 16 * c);
+                        av[c] = _mm512_fmadd_ps(pa, vv, av[c]);
+                        bv[c] = _mm512_fmadd_ps(pb, vv, bv[c]);
+                    }
+                }
+                for (int c = 0; c < ND; c++) {
+                    if (two) _mm512_store_ps(b + 16 * c, bv[c]);
+                    _mm512_store_ps(a + 16 * c, av[c]);
+                }
             }
         }
         float lv[16] __attribute__((aligned(64)));

@@ -176,12 +176,23 @@ def _iter_weights(path: Path, device: str, dtype: torch.dtype):
         raise FileNotFoundError(f"model: {path} has no *.safetensors or pytorch_model*.bin weights")
     for f in bins:
         try:
-            shard = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
+            shard = _torch_load(f)
         except pickle.UnpicklingError as e:
             raise ValueError(f"model: {f} holds more than plain tensors; refusing to unpickle it "
                              f"(convert it to safetensors)") from e
         for name in list(shard):
             yield name, shard.pop(name).to(device=device, dtype=dtype)
+
+
+def _torch_load(f: Path) -> dict:
+    """A ``pytorch_model*.bin`` shard, tensors only (weights_only), memory-mapped where the file is
+    in the zip format (the legacy format cannot be mapped: read whole)."""
+    try:
+        return torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        return torch.load(str(f), map_location="cpu", weights_only=True)
 
 
 def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:

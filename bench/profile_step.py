@@ -1,0 +1,62 @@
+"""torch.profiler table of prefixkv decode steps in the shared-prefix state, the counterpart of
+vLLM's own profiler run (``bench/vllm_worker.py --profile``)::
+
+    python -m bench.profile_step [--batch 16] [--system-tokens 196] [--question-tokens 32] [--steps 10]
+
+B requests share an S-token prefix, each with its own Q tokens; after their prefill, ``--steps``
+decode steps run under the profiler. The C kernels (called through ctypes) do not show as ops:
+their time is the step's total minus the listed ops."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from prefixkv import LLM, SamplingParams
+
+    p = argparse.ArgumentParser(prog="python -m bench.profile_step")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--system-tokens", type=int, default=196)
+    p.add_argument("--question-tokens", type=int, default=32)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None, help="also write the table to this file")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    llm = LLM()
+    eng = llm.engine
+    shared = [3 + (i * 7919) % 40000 for i in range(a.system_tokens)]
+    for i in range(a.batch):
+        eng.add_request(f"r{i}", shared + [5 + (i * 31 + k) % 40000 for k in range(a.question_tokens)],
+                        SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))
+    while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
+        eng.step()
+    times = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            eng.step()
+        profiled = (time.perf_counter() - t0) / a.steps
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    head = (f"prefixkv decode step, batch {a.batch}, {a.system_tokens} shared + {a.question_tokens} own tokens: "
+            f"{times[len(times) // 2] * 1e3:.2f} ms median of 20 unprofiled steps (min {times[0] * 1e3:.2f}); "
+            f"{profiled * 1e3:.2f} ms per profiled step ({a.steps} steps below)\n")
+    print(head + table)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(head + table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
