@@ -186,7 +186,7 @@ class LLMEngine:
         try:
             model_out = self.runner.execute(out)
         except Exception as e:
-            return self._failed_forward(out, e)
+            return self._failed_forward(out, e) + self._emit(touched)
         except BaseException:  # KeyboardInterrupt and the like: nothing of this step can be trusted
             for rid in list(self._groups):
                 self.abort(rid)
