@@ -257,3 +257,38 @@ def test_server_with_a_dead_engine_answers_503_and_exits_1(tiny_llama, tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_failed_step_still_ends_its_out_of_memory_requests(tiny_llama):
+    """A request the scheduler stops for lack of memory, in a step whose forward pass fails: its
+    finished output is delivered too (else it would stay unfinished forever)."""
+    from prefixkv.request import RequestStatus
+
+    llm = _engine(tiny_llama)
+    eng = llm.engine
+    eng.add_request("oom", PROMPTS[0], _params())
+    eng.add_request("run", PROMPTS[1], _params())
+    real_schedule = eng.scheduler.schedule
+
+    def schedule():
+        out = real_schedule()
+        victim = eng.scheduler.requests.get("oom#0")
+        if victim is not None:  # as when the whole cache cannot hold it
+            eng.scheduler.finish_request(victim, RequestStatus.FINISHED_LENGTH)
+            out.out_of_memory.append(victim)
+            out.scheduled[:] = [s for s in out.scheduled if s.req is not victim]
+            out.num_decodes = sum(1 for s in out.scheduled if s.num_scheduled_tokens == 1)
+        eng.scheduler.schedule = real_schedule
+        return out
+
+    def broken(out):
+        eng.runner.execute = real_execute
+        raise RuntimeError("injected runner failure")
+
+    real_execute = eng.runner.execute
+    eng.scheduler.schedule = schedule
+    eng.runner.execute = broken
+    outs = {o.request_id: o for o in eng.step()}
+    assert outs["oom"].finished and outs["oom"].finish_reason == "length" and outs["oom"].error is None
+    assert outs["run"].finished and outs["run"].error and "injected" in outs["run"].error
+    assert not eng.has_unfinished() and eng.scheduler.kv.num_used_blocks == 0
