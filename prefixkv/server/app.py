@@ -674,7 +674,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def run_server(args: argparse.Namespace) -> int:
     """``prefixkv serve``: load the model, serve until SIGTERM/SIGINT, exit 0 after a graceful stop."""
-    from prefixkv.cli import engine_config_from_args
+    from prefixkv.engine_args import engine_config_from_args
     from prefixkv.engine import LLMEngine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
