@@ -134,3 +134,20 @@ def test_slow_consumer_gets_merged_outputs(tiny_llama):
     assert len(got) <= 2 and got[-1].finished
     assert sum(len(o.outputs[0].delta_token_ids) for o in got) == 30
     assert len(got[-1].outputs[0].token_ids) == 30
+
+
+def test_server_refuses_an_overlong_stop_string_naming_the_field(tiny_llama):
+    import openai
+
+    from prefixkv.async_engine import AsyncEngine
+    from prefixkv.config import CacheConfig, EngineConfig
+    from prefixkv.engine import LLMEngine
+    from prefixkv.server.app import BackgroundServer, ServerConfig
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), cache=CacheConfig(block_size=4, num_kv_blocks=64)))
+    with BackgroundServer(AsyncEngine(engine), ServerConfig("m")) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="m", prompt="hi", max_tokens=2, stop=["x" * (MAX_STOP_STRING_CHARS + 1)])
+        assert err.value.status_code == 400 and err.value.body["param"] == "stop"
+        assert err.value.body["message"].startswith("stop: each stop string must be at most 1024 characters")
