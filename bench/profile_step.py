@@ -4,12 +4,13 @@ vLLM's own profiler run (``bench/vllm_worker.py --profile``)::
     python -m bench.profile_step [--batch 16] [--system-tokens 196] [--question-tokens 32] [--steps 10]
 
 B requests share an S-token prefix, each with its own Q tokens; after their prefill, ``--steps``
-decode steps run under the profiler. The C kernels (called through ctypes) do not show as ops:
-their time is the step's total minus the listed ops."""
+decode steps run under the profiler. The C kernels (called through ctypes) do not show as ops, so
+they are timed apart over the same number of unprofiled steps (their wrappers in prefixkv.cpu_ops)."""
 
 from __future__ import annotations
 
 import argparse
+import collections
 import time
 
 
@@ -48,6 +49,26 @@ def main(argv: list[str] | None = None) -> int:
             eng.step()
         profiled = (time.perf_counter() - t0) / a.steps
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    from prefixkv import cpu_ops
+
+    spent: dict[str, float] = collections.defaultdict(float)
+    for name in ("paged_decode_attention", "paged_prefill_attention", "add_rmsnorm", "rope_", "silu_mul"):
+        fn = getattr(cpu_ops, name)
+
+        def timed(*args, _fn=fn, _name=name, **kw):
+            t = time.perf_counter()
+            try:
+                return _fn(*args, **kw)
+            finally:
+                spent[_name] += time.perf_counter() - t
+
+        setattr(cpu_ops, name, timed)
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        eng.step()
+    plain = (time.perf_counter() - t0) / a.steps
+    kernels = "".join(f"  {k}: {v / a.steps * 1e3:.2f} ms per step\n" for k, v in sorted(spent.items(), key=lambda x: -x[1]))
+    table += (f"\nC kernels (ctypes; timed over {a.steps} unprofiled steps of {plain * 1e3:.2f} ms):\n" + kernels)
     head = (f"prefixkv decode step, batch {a.batch}, {a.system_tokens} shared + {a.question_tokens} own tokens: "
             f"{times[len(times) // 2] * 1e3:.2f} ms median of 20 unprofiled steps (min {times[0] * 1e3:.2f}); "
             f"{profiled * 1e3:.2f} ms per profiled step ({a.steps} steps below)\n")
