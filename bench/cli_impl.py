@@ -154,18 +154,10 @@ def dispatch(args: argparse.Namespace, command: str) -> int:
         return cmd_ablate(args, command)
     from bench import micro
 
-    if args.workload == "sched-overhead":
-        return micro.cmd_sched_overhead(args, command)
-    if args.workload == "memory":
-        return micro.cmd_memory(args, command)
-    if args.workload == "flops":
-        return micro.cmd_flops(args, command)
-    if args.workload == "gemm":
-        return micro.cmd_gemm(args, command)
-    if args.workload == "scale":
-        return micro.cmd_scale(args, command)
-    if args.workload == "roofline":
-        return micro.cmd_roofline(args, command)
+    micro_cmds = {"sched-overhead": micro.cmd_sched_overhead, "memory": micro.cmd_memory, "flops": micro.cmd_flops,
+                  "gemm": micro.cmd_gemm, "scale": micro.cmd_scale, "roofline": micro.cmd_roofline}
+    if args.workload in micro_cmds:
+        return micro_cmds[args.workload](args, command)
     if args.workload == "serving":
         from bench import serving
 

@@ -182,15 +182,7 @@ class AsyncEngine:
         when the waiting queue is full), or ``EngineDeadError`` after shutdown. If this coroutine is
         cancelled, the request is aborted whether or not the engine thread had already added it.
         """
-        sink = _Sink(asyncio.get_running_loop(), params.output_kind == "delta")
-        fut = self._submit(lambda: self._add(request_id, prompt, params, sink))
-        try:
-            await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:
-            # The command may already be running: abort after it (same queue, so it runs later).
-            self._abort_sink(request_id, sink)
-            raise
-        return RequestStream(self, request_id, sink)
+        return (await self.add_requests([(request_id, prompt)], params))[0]
 
     async def add_requests(self, requests: list[tuple[str, PromptType]], params: SamplingParams) -> list[RequestStream]:
         """Queue several requests in one engine command (so they enter the same step), all or none:

@@ -197,13 +197,9 @@ class OutputProcessor:
                              num_cached_tokens=first.num_cached_tokens)
 
 
-def find_stop(text: TextBuffer | str, stops: list[str], prev_len: int) -> tuple[int, str] | None:
+def find_stop(text: TextBuffer, stops: list[str], prev_len: int) -> tuple[int, str] | None:
     """Earliest stop string that ends in the text added after ``prev_len`` (only the tail that new
     text can complete is read)."""
-    if isinstance(text, str):
-        buf = TextBuffer()
-        buf.append(text)
-        text = buf
     start = max(0, prev_len - max(map(len, stops)) + 1)
     window = text.tail_from(start)
     best = None

@@ -135,7 +135,7 @@ void paged_decode_attention_##SUFFIX(const T *q, int64_t ldq, const T *kv_layer,
     }                                                                                            \
 }
 
-DEFINE_DECODE(float, decode_generic_f32, expf, softmax_expf)
+DEFINE_DECODE(float, generic_f32, expf, softmax_expf)
 DEFINE_DECODE(double, f64, exp, exp)
 
 #if defined(__AVX512F__)
@@ -389,8 +389,8 @@ void paged_decode_attention_f32(const float *q, int64_t ldq, const float *kv_lay
         return;
     }
 #endif
-    paged_decode_attention_decode_generic_f32(q, ldq, kv_layer, block_tables, seq_lens, out, B, H, KVH, D, BS,
-                                              max_blocks, nb1, scale);
+    paged_decode_attention_generic_f32(q, ldq, kv_layer, block_tables, seq_lens, out, B, H, KVH, D, BS,
+                                       max_blocks, nb1, scale);
 }
 
 /* The limits the fixed-size scratch above assumes (checked by the Python wrapper too). */
