@@ -107,6 +107,7 @@ def cmd_ablate(args: argparse.Namespace, command: str) -> int:
     if "chunked" in wanted:
         variants.append(("chunked-prefill=off", replace(base, enable_chunked_prefill=False)))
     if "cpu-speed" in wanted:  # each CPU speed change taken away on its own, then all of them
+        variants.append(("cpu-linear=onednn", replace(base, cpu_linear="onednn")))
         variants.append(("cpu-linear=torch", replace(base, cpu_linear="torch")))
         variants.append(("attention=torch", replace(base, attention_backend="torch")))
         variants.append(("fused-ops=off", replace(base, fused_cpu_ops=False)))

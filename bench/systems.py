@@ -42,7 +42,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     num_speculative_tokens: int = 0
     # CPU speed paths (ablations): oneDNN GEMMs, the C attention backend, fused elementwise ops
-    cpu_linear: str = "onednn"
+    cpu_linear: str = "auto"
     attention_backend: str | None = None
     fused_cpu_ops: bool = True
 

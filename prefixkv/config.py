@@ -90,8 +90,9 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     attention_backend: str | None = None  # None = "cpu" on cpu, "cuda" on cuda
-    # CPU float32 GEMMs: "onednn" (prepacked weights, model/linear.py) or "torch" (F.linear, MKL)
-    cpu_linear: str = "onednn"
+    # CPU float32 GEMMs (model/linear.py): "c" (the engine's AVX-512 kernel on packed weights),
+    # "onednn" (oneDNN on prepacked weights), "torch" (F.linear, MKL); "auto": c, else onednn
+    cpu_linear: str = "auto"
     # CPU: RoPE, residual-add + RMSNorm and SiLU-and-mul through the C kernels (prefixkv/cpu_ops.py)
     fused_cpu_ops: bool = True
     # CUDA, when CacheConfig.num_kv_blocks is unset: the KV cache takes this fraction of the device's
@@ -107,8 +108,8 @@ class EngineConfig:
                  f"must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         require(isinstance(self.gpu_memory_utilization, (int, float)) and 0.0 < self.gpu_memory_utilization <= 1.0,
                  "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        require(self.cpu_linear in ("onednn", "torch"), "cpu_linear",
-                 f"must be 'onednn' or 'torch', got {self.cpu_linear!r}")
+        require(self.cpu_linear in ("auto", "c", "onednn", "torch"), "cpu_linear",
+                 f"must be one of ('auto', 'c', 'onednn', 'torch'), got {self.cpu_linear!r}")
         if self.max_model_len is not None:
             require(isinstance(self.max_model_len, int) and self.max_model_len >= 1,
                      "max_model_len", f"must be a positive int, got {self.max_model_len!r}")

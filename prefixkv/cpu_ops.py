@@ -89,13 +89,51 @@ def load() -> ctypes.CDLL | None:
     lib.rope_f32.argtypes = [p, i64, p, p, i32, i32, i32]
     lib.rope_f64.argtypes = [p, i64, p, p, i32, i32, i32]
     lib.silu_mul_f32.argtypes = [p, i64, p, i64, i32, i32]
-    for name in ("add_rmsnorm_f32", "rope_f32", "rope_f64", "silu_mul_f32"):
+    lib.gemm_pack_f32.argtypes = [p, i64, i32, i32, p]
+    lib.gemm_f32.argtypes = [p, i64, p, p, p, i64, i32, i32, i32]
+    lib.gemm_f32.restype = i32
+    for name in ("add_rmsnorm_f32", "rope_f32", "rope_f64", "silu_mul_f32", "gemm_pack_f32"):
         getattr(lib, name).restype = None
     lib.limits = (lib.paged_decode_max_heads(), lib.paged_decode_max_block(), lib.paged_decode_max_head_dim())
     return lib
 
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+
+
+# ---------------------------------------------------------------------------------------------- GEMM
+def gemm_available() -> bool:
+    """Whether the library has its float32 GEMM (an AVX-512 build)."""
+    lib = load()
+    return lib is not None and bool(lib.gemm_available())
+
+
+def gemm_pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float32 (CPU, rows contiguous) -> its packed copy for ``gemm``: panels of
+    ``gemm_panel_width()`` output features, [ceil(N / width), K, width], zero-padded."""
+    assert weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2, weight.shape
+    assert weight.stride(1) == 1, weight.stride()
+    lib = load()
+    n, k = weight.shape
+    width = lib.gemm_panel_width()
+    packed = torch.empty(((n + width - 1) // width, k, width), dtype=torch.float32)
+    lib.gemm_pack_f32(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr())
+    return packed
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32 (rows contiguous, any row stride) @ W.T (+ bias) -> [M, n], W being the
+    [n, K] weight ``packed`` came from. Each output is one float32 FMA chain over k in order, then
+    + bias: bitwise independent of M and of the row's place in x."""
+    m, k = x.shape
+    assert x.dtype == torch.float32 and x.stride(1) == 1 and packed.shape[1] == k, (x.shape, x.stride(), packed.shape)
+    assert packed.shape[0] * packed.shape[2] >= n > packed.shape[0] * packed.shape[2] - packed.shape[2], (n, packed.shape)
+    assert bias is None or (bias.shape == (n,) and bias.is_contiguous() and bias.dtype == torch.float32)
+    y = torch.empty((m, n), dtype=torch.float32)
+    if m:
+        load().gemm_f32(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                        y.data_ptr(), n, m, n, k)
+    return y
 
 
 def supports_decode(q: torch.Tensor, kv_cache_layer: torch.Tensor) -> bool:

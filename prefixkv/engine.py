@@ -46,7 +46,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, config.device, load_hf_config(self.model_path))
         dtype = DTYPES[self.dtype]
         self.model, self.hf_config = load_model(self.model_path, self.dtype, config.device,
-                                                prepack=config.cpu_linear == "onednn", cpu_ops=config.fused_cpu_ops)
+                                                cpu_linear=config.cpu_linear, cpu_ops=config.fused_cpu_ops)
         shape = self.model.shape
         max_len = config.max_model_len or shape.max_position_embeddings
         if shape.sliding_window:
@@ -301,7 +301,7 @@ class LLM:
         seed: int = 0,
         attention_backend: str | None = None,
         enforce_eager: bool = False,
-        cpu_linear: str = "onednn",
+        cpu_linear: str = "auto",
         fused_cpu_ops: bool = True,
         scheduling_policy: str = "continuous",
         enable_chunked_prefill: bool = True,

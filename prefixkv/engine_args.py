@@ -28,8 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="requests queued beyond this are refused with 503 (default: SchedulerConfig's)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--cpu-linear", default="onednn", choices=["onednn", "torch"],
-                   help="CPU float32 GEMMs: oneDNN on prepacked weights, or torch's F.linear")
+    g.add_argument("--cpu-linear", default="auto", choices=["auto", "c", "onednn", "torch"],
+                   help="CPU float32 GEMMs: the engine's C kernel on packed weights, oneDNN on prepacked "
+                        "weights, or torch's F.linear (auto: c where built with AVX-512, else onednn)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="exact n-gram (prompt lookup) speculative decoding for greedy requests: draft tokens per "

@@ -1,5 +1,6 @@
-"""The decoder's GEMMs: oneDNN on prepacked weights (CPU float32) against the plain F.linear path,
-fused projections against separate ones, and where each path is used."""
+"""The decoder's GEMMs on packed weights (CPU float32: the C kernel and oneDNN) against the plain
+F.linear path, fused projections against separate ones, batch independence of rows, and which
+backend runs where."""
 
 from __future__ import annotations
 
@@ -7,9 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixkv.model.linear import FusedLinear, Linear, onednn_available
+from prefixkv import cpu_ops
+from prefixkv.model import linear as linear_mod
+from prefixkv.model.linear import FusedLinear, Linear, onednn_available, resolve_cpu_linear
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+needs_c_gemm = pytest.mark.skipif(not cpu_ops.gemm_available(), reason="C kernels not built with AVX-512")
+KINDS = [pytest.param("c", marks=needs_c_gemm), pytest.param("onednn", marks=needs_onednn)]
 
 
 def _linear(n_in: int, n_out: int, bias: bool, seed: int, dtype=torch.float32) -> Linear:
@@ -21,31 +26,69 @@ def _linear(n_in: int, n_out: int, bias: bool, seed: int, dtype=torch.float32) -
     return m
 
 
-@needs_onednn
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("n_in,n_out", [(576, 960), (1536, 576), (96, 49152 // 16)])
-def test_prepacked_linear_matches_f_linear(n_in, n_out, bias):
-    """float32 rounding apart, the same values as F.linear (the plain path, MKL)."""
+@pytest.mark.parametrize("n_in,n_out", [(576, 960), (1536, 576), (96, 49152 // 16), (7, 50), (33, 1)])
+def test_prepacked_linear_matches_f_linear(kind, n_in, n_out, bias):
+    """float32 rounding apart, the same values as F.linear (the plain path, MKL); both within
+    float32 rounding of the float64 product. Shapes include N not a multiple of the panel width."""
     m = _linear(n_in, n_out, bias, seed=n_in + n_out)
     w, b = m.weight.clone(), None if m.bias is None else m.bias.clone()
     x = torch.randn(130, n_in, generator=torch.Generator().manual_seed(1))
     ref = F.linear(x, w, b)
-    m.prepack()
-    assert m.weight is None and m.packed is not None
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    m.prepack(kind)
+    assert m.weight is None and m.packed is not None and m.kind == kind
     out = m(x)
-    diff = (out - ref).abs().max().item()
-    print(f"prepacked vs F.linear {n_in}->{n_out} bias={bias}: max abs diff {diff:.3e}")
+    assert out.shape == (130, n_out) and out.dtype == torch.float32
+    diff, err, ref_err = ((out - ref).abs().max().item(), (out.double() - exact).abs().max().item(),
+                          (ref.double() - exact).abs().max().item())
+    print(f"{kind} vs F.linear {n_in}->{n_out} bias={bias}: max abs diff {diff:.3e}; "
+          f"vs float64 {err:.3e} (F.linear's {ref_err:.3e})")
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert err <= 4 * ref_err + 1e-6
+
+
+@needs_c_gemm
+def test_c_gemm_takes_strided_rows_and_empty_batches():
+    m = _linear(64, 100, True, seed=3)
+    w, b = m.weight.clone(), m.bias.clone()
+    m.prepack("c")
+    big = torch.randn(10, 3 * 64, generator=torch.Generator().manual_seed(4))
+    x = big[:, 64:128]  # rows 192 apart
+    assert x.stride() == (192, 1)
+    assert torch.equal(m(x), m(x.contiguous()))
+    torch.testing.assert_close(m(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert m(torch.empty(0, 64)).shape == (0, 100)
+
+
+@needs_c_gemm
+@pytest.mark.parametrize("n_in,n_out", [(576, 960), (1536, 576), (576, 3072), (64, 49)])
+def test_c_gemm_rows_do_not_depend_on_the_batch_or_threads(n_in, n_out):
+    """The C kernel: a row's output is bitwise the same whatever the number of rows in the call
+    (1 included), where in the call it sits, and how many threads run it."""
+    m = _linear(n_in, n_out, True, seed=7)
+    m.prepack("c")
+    x = torch.randn(300, n_in, generator=torch.Generator().manual_seed(2))
+    full = m(x)
+    for start, rows in ((0, 1), (5, 1), (0, 2), (0, 7), (1, 8), (3, 9), (0, 16), (40, 17), (100, 129), (0, 300)):
+        assert torch.equal(m(x[start:start + rows]), full[start:start + rows]), (start, rows)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(m(x), full)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_onednn
 @pytest.mark.parametrize("n_in,n_out", [(576, 960), (1536, 576), (576, 3072)])
-def test_prepacked_linear_rows_do_not_depend_on_the_batch(n_in, n_out):
-    """Measured on this machine's oneDNN (what batch-invariant work can build on): from 2 rows up, a
-    row's output is bitwise the same whatever the number of rows in the call. A single row with
-    K = 1536 takes another kernel (it differs in the last bit), so M = 1 is left out."""
+def test_onednn_rows_do_not_depend_on_the_batch(n_in, n_out):
+    """Measured on this machine's oneDNN: from 2 rows up, a row's output is bitwise the same
+    whatever the number of rows in the call. A single row with K = 1536 takes another kernel (it
+    differs in the last bit), so M = 1 is left out."""
     m = _linear(n_in, n_out, False, seed=7)
-    m.prepack()
+    m.prepack("onednn")
     x = torch.randn(512, n_in, generator=torch.Generator().manual_seed(2))
     full = m(x)
     for rows in (2, 3, 7, 16, 17, 64, 129, 300):
@@ -53,20 +96,18 @@ def test_prepacked_linear_rows_do_not_depend_on_the_batch(n_in, n_out):
     assert torch.equal(m(x[100:117]), full[100:117])
 
 
-@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("kind", [None, *KINDS])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_projections_equal_separate_ones_bitwise(pack, bias):
+def test_fused_projections_equal_separate_ones_bitwise(kind, bias):
     """q/k/v (and gate/up) as one GEMM: every column is the same dot product as in its own GEMM."""
-    if pack and not onednn_available():
-        pytest.skip("torch built without oneDNN")
     parts = [_linear(576, n, bias, seed=i) for i, n in enumerate((576, 192, 192))]
     x = torch.randn(37, 576, generator=torch.Generator().manual_seed(3))
     fused = FusedLinear.from_parts(parts)
     assert fused.part_sizes == [576, 192, 192]
-    if pack:
+    if kind is not None:
         for p in parts:
-            p.prepack()
-        fused.prepack()
+            p.prepack(kind)
+        fused.prepack(kind)
     for got, part in zip(fused(x), parts):
         assert torch.equal(got, part(x))
 
@@ -78,21 +119,44 @@ def test_float64_keeps_f_linear():
     assert torch.equal(m(x), F.linear(x, m.weight, m.bias))
 
 
+def test_resolve_cpu_linear(monkeypatch):
+    assert resolve_cpu_linear("torch") == "torch"
+    monkeypatch.setattr(linear_mod.cpu_ops, "gemm_available", lambda: True)
+    monkeypatch.setattr(linear_mod, "onednn_available", lambda: True)
+    assert resolve_cpu_linear("auto") == "c"
+    assert resolve_cpu_linear("onednn") == "onednn"
+    monkeypatch.setattr(linear_mod.cpu_ops, "gemm_available", lambda: False)
+    assert resolve_cpu_linear("auto") == "onednn"
+    with pytest.raises(ValueError, match=r"^cpu_linear: 'c' is not available on this machine"):
+        resolve_cpu_linear("c")
+    monkeypatch.setattr(linear_mod, "onednn_available", lambda: False)
+    assert resolve_cpu_linear("auto") == "torch"
+    with pytest.raises(ValueError, match=r"^cpu_linear: must be one of"):
+        resolve_cpu_linear("mkl")
+
+
+def test_engine_config_refuses_an_unknown_cpu_linear():
+    from prefixkv.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"^cpu_linear: must be one of"):
+        EngineConfig(cpu_linear="mkl")
+
+
 def _tiny_model(path, dtype: str, cpu_linear: str):
     from prefixkv.model.loader import load_model
 
-    return load_model(path, dtype, "cpu", prepack=cpu_linear == "onednn")[0]
+    return load_model(path, dtype, "cpu", cpu_linear=cpu_linear)[0]
 
 
-@needs_onednn
-def test_model_prepacks_only_cpu_float32(tiny_llama):
-    m32 = _tiny_model(tiny_llama, "float32", "onednn")
+@pytest.mark.parametrize("kind", KINDS)
+def test_model_prepacks_only_cpu_float32(tiny_llama, kind):
+    m32 = _tiny_model(tiny_llama, "float32", kind)
     lin = [m for m in m32.modules() if isinstance(m, Linear)]
-    assert lin and all(m.packed is not None and m.weight is None for m in lin)
+    assert lin and all(m.packed is not None and m.weight is None and m.kind == kind for m in lin)
     assert m32.packed_lm_head is not None and not hasattr(m32, "lm_head")
     plain = _tiny_model(tiny_llama, "float32", "torch")
     assert all(m.packed is None for m in plain.modules() if isinstance(m, Linear)) and plain.packed_lm_head is None
-    m64 = _tiny_model(tiny_llama, "float64", "onednn")
+    m64 = _tiny_model(tiny_llama, "float64", kind)
     assert all(m.packed is None for m in m64.modules() if isinstance(m, Linear)) and m64.packed_lm_head is None
     # fused projections either way: one GEMM for q/k/v and one for gate/up per layer
     layer = m64.model.layers[0]
@@ -100,22 +164,28 @@ def test_model_prepacks_only_cpu_float32(tiny_llama):
     assert hasattr(layer.mlp, "gate_up_proj") and not hasattr(layer.mlp, "up_proj")
 
 
-@needs_onednn
-def test_prepacked_model_logits_close_to_plain_and_same_greedy_tokens(tiny_llama, tiny_qwen2):
-    """The whole float32 forward on prepacked GEMMs against the plain path: logits within float32
-    rounding (max abs diff printed) and the same greedy tokens from the engine."""
+@needs_c_gemm
+def test_auto_picks_the_c_gemm(tiny_llama):
+    m = _tiny_model(tiny_llama, "float32", "auto")
+    assert {x.kind for x in m.modules() if isinstance(x, Linear)} == {"c"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prepacked_model_logits_close_to_plain_and_same_greedy_tokens(tiny_llama, tiny_qwen2, kind):
+    """The whole float32 forward on packed GEMMs against the plain path: logits within float32
+    rounding (max abs diff printed) and the same greedy tokens from the engine. Qwen2 has biases."""
     from prefixkv import LLM, SamplingParams
 
     prompts = [[5 + (i * 7 + k) % 300 for i in range(20 + 9 * k)] for k in range(4)]
     for path in (tiny_llama, tiny_qwen2):
         outs = {}
-        for cl in ("torch", "onednn"):
+        for cl in ("torch", kind):
             llm = LLM(model=str(path), cpu_linear=cl, block_size=4, num_kv_blocks=256)
             res = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True))
             outs[cl] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in res]
         diff = 0.0
-        for (ta, la), (tb, lb) in zip(outs["torch"], outs["onednn"]):
+        for (ta, la), (tb, lb) in zip(outs["torch"], outs[kind]):
             assert ta == tb
             diff = max(diff, max(abs(a.logprob - b.logprob) for a, b in zip(la, lb)))
-        print(f"{path.name}: max abs diff of chosen logprobs, oneDNN vs F.linear: {diff:.3e}")
+        print(f"{path.name}: max abs diff of chosen logprobs, {kind} vs F.linear: {diff:.3e}")
         assert diff < 1e-4

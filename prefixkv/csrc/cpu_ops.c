@@ -472,3 +472,107 @@ void silu_mul_f32(const float *gate_up, int64_t ld_in, float *out, int64_t ld_ou
     for (int r = 0; r < rows; r++)
         silu_mul_row(gate_up + r * ld_in, gate_up + r * ld_in + n, out + r * ld_out, n);
 }
+
+/* ----------------------------------------------------------------------------------------------
+ * Dense GEMM of the decoder's projections, float32:  y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]).
+ *
+ * W is packed once (gemm_pack_f32) into panels of GEMM_NR output features, each [K][GEMM_NR]
+ * (zero-padded past N), so that a panel streams through memory once per call. Work items are
+ * panels (split across threads); in a panel, tiles of up to GEMM_MR rows keep GEMM_MR x GEMM_NR
+ * accumulators in registers while the panel's rows go by (the first tile reads the panel from
+ * memory, the others from L2).
+ *
+ * Every output element is one accumulator: fma(x[m, k], W[n, k], acc) for k = 0, 1, ... K - 1 in
+ * order, from 0, then + bias[n]. Nothing else enters it: a row's outputs are bitwise the same
+ * whatever M, the row's position, the tile it falls in or the number of threads (tested).
+ * ---------------------------------------------------------------------------------------------- */
+#define GEMM_NR 48
+#define GEMM_MR 8
+
+int gemm_panel_width(void) { return GEMM_NR; }
+
+/* w [N, K] (rows ld_w apart) -> packed [ceil(N / GEMM_NR), K, GEMM_NR]. */
+void gemm_pack_f32(const float *w, int64_t ld_w, int N, int K, float *packed) {
+    const int P = (N + GEMM_NR - 1) / GEMM_NR;
+    #pragma omp parallel for schedule(static)
+    for (int p = 0; p < P; p++) {
+        float *dst = packed + (int64_t)p * K * GEMM_NR;
+        for (int j = 0; j < GEMM_NR; j++) {
+            const int n = p * GEMM_NR + j;
+            for (int k = 0; k < K; k++) dst[(int64_t)k * GEMM_NR + j] = n < N ? w[(int64_t)n * ld_w + k] : 0.0f;
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+#define GEMM_NV (GEMM_NR / 16)
+_Static_assert(GEMM_MR == 8, "gemm_f32's switch covers tiles of 1 to 8 rows");
+/* MR rows x one panel (ncols <= GEMM_NR of its columns are real). MR is a constant at every call
+ * site, so each instance is unrolled with its accumulators in registers. */
+static inline __attribute__((always_inline)) void gemm_tile(const int MR, const float *x, int64_t ld_x,
+                                                            const float *panel, int K, const float *bias,
+                                                            float *y, int64_t ld_y, int ncols) {
+    __m512 acc[GEMM_MR][GEMM_NV];
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < GEMM_NV; v++) acc[m][v] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        __m512 w[GEMM_NV];
+        for (int v = 0; v < GEMM_NV; v++) w[v] = _mm512_loadu_ps(panel + (int64_t)k * GEMM_NR + 16 * v);
+        for (int m = 0; m < MR; m++) {
+            const __m512 xv = _mm512_set1_ps(x[m * ld_x + k]);
+            for (int v = 0; v < GEMM_NV; v++) acc[m][v] = _mm512_fmadd_ps(xv, w[v], acc[m][v]);
+        }
+    }
+    for (int v = 0; v < GEMM_NV; v++) {
+        const int cnt = ncols - 16 * v;
+        if (cnt <= 0) break;
+        const __mmask16 mask = cnt >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cnt) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * v) : _mm512_setzero_ps();
+        for (int m = 0; m < MR; m++) {
+            const __m512 r = bias ? _mm512_add_ps(acc[m][v], b) : acc[m][v];
+            _mm512_mask_storeu_ps(y + m * ld_y + 16 * v, mask, r);
+        }
+    }
+}
+
+/* Returns 1 (done), or 0 where this build has no kernel (no AVX-512: the caller keeps oneDNN). */
+int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bias, float *y, int64_t ld_y,
+             int M, int N, int K) {
+    const int P = (N + GEMM_NR - 1) / GEMM_NR;
+    #pragma omp parallel for schedule(static)
+    for (int p = 0; p < P; p++) {
+        const float *panel = packed + (int64_t)p * K * GEMM_NR;
+        const float *b = bias ? bias + p * GEMM_NR : 0;
+        const int ncols = N - p * GEMM_NR < GEMM_NR ? N - p * GEMM_NR : GEMM_NR;
+        for (int m0 = 0; m0 < M; m0 += GEMM_MR) {
+            const float *xt = x + m0 * ld_x;
+            float *yt = y + m0 * ld_y + p * GEMM_NR;
+            switch (M - m0 < GEMM_MR ? M - m0 : GEMM_MR) {
+            case 1: gemm_tile(1, xt, ld_x, panel, K, b, yt, ld_y, ncols); break;
+            case 2: gemm_tile(2, xt, ld_x, panel, K, b, yt, ld_y, ncols); break;
+            case 3: gemm_tile(3, xt, ld_x, panel, K, b, yt, ld_y, ncols); break;
+            case 4: gemm_tile(4, xt, ld_x, panel, K, b, yt, ld_y, ncols); break;
+            case 5: gemm_tile(5, xt, ld_x, panel, K, b, yt, ld_y, ncols); break;
+            case 6: gemm_tile(6, xt, ld_x, panel, K, b, yt, ld_y, ncols); break;
+            case 7: gemm_tile(7, xt, ld_x, panel, K, b, yt, ld_y, ncols); break;
+            default: gemm_tile(8, xt, ld_x, panel, K, b, yt, ld_y, ncols); break;
+            }
+        }
+    }
+    return 1;
+}
+#else
+int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bias, float *y, int64_t ld_y,
+             int M, int N, int K) {
+    (void)x; (void)ld_x; (void)packed; (void)bias; (void)y; (void)ld_y; (void)M; (void)N; (void)K;
+    return 0;
+}
+#endif
+
+int gemm_available(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,4 +1,14 @@
-"""Linear layers of the decoder: fused projections and, on CPU in float32, prepacked oneDNN GEMMs.
+"""Linear layers of the decoder: fused projections and, on CPU in float32, GEMMs on prepacked weights.
+
+CPU float32 backends (``EngineConfig.cpu_linear``; ``resolve_cpu_linear`` picks for "auto"):
+
+- "c": the engine's own GEMM (``gemm_f32`` in prefixkv/csrc/cpu_ops.c, AVX-512): weights packed into
+  48-wide panels, 8 x 48 register tiles, every output one FMA chain over k in order. On SmolLM2's
+  projections (bench/RESULTS.md, "CPU GEMM"), a 16-row decode step's GEMMs take ~1.3x less time
+  than oneDNN's, and about the same from 2,048 rows. Its rows are bitwise independent of the
+  batch they run in, for every M including 1 (tests/test_linear.py).
+- "onednn": see below; where the C kernel is not built (no AVX-512 or no compiler).
+- "torch": ``F.linear`` (MKL), the plain path.
 
 Why oneDNN on CPU: torch's ``F.linear`` calls MKL's sgemm, which on this project's machines (AMD
 EPYC, AVX-512) runs a 16-row decode batch of SmolLM2's projections at ~12 GB/s of weights; oneDNN's
@@ -18,19 +28,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prefixkv import cpu_ops
+
 # the batch-size hint oneDNN picks its weight layout for; measured as good from 1 to 512 rows
 _PACK_ROWS_HINT = 16
+
+
+CPU_LINEAR_CHOICES = ("auto", "c", "onednn", "torch")
 
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def resolve_cpu_linear(requested: str) -> str:
+    """"auto" -> the C GEMM where built, else oneDNN, else torch; an explicit choice that this
+    machine cannot run is a ValueError naming ``cpu_linear``."""
+    available = {"c": cpu_ops.gemm_available(), "onednn": onednn_available(), "torch": True}
+    if requested == "auto":
+        return next(k for k in ("c", "onednn", "torch") if available[k])
+    if requested not in available:
+        raise ValueError(f"cpu_linear: must be one of {CPU_LINEAR_CHOICES}, got {requested!r}")
+    if not available[requested]:
+        raise ValueError(f"cpu_linear: {requested!r} is not available on this machine "
+                         f"({'no AVX-512 build of the C kernels' if requested == 'c' else 'torch without oneDNN'})")
+    return requested
+
+
 class Linear(nn.Module):
     """``y = x @ weight.T + bias`` over x [T, in_features] -> [T, out_features].
 
-    ``prepack()`` (CPU, float32) replaces ``weight`` by its oneDNN-blocked copy; the plain weight is
-    dropped (the packed one is the only copy) and ``forward`` calls the oneDNN matmul.
+    ``prepack(kind)`` (CPU, float32) replaces ``weight`` by its packed copy for the C GEMM
+    (kind "c") or its oneDNN-blocked copy ("onednn"); the plain weight is dropped (the packed one
+    is the only copy) and ``forward`` calls that GEMM.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -39,14 +69,22 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
+        self.kind = "torch"
 
-    def prepack(self) -> None:
-        w = self.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_ROWS_HINT)
+    def prepack(self, kind: str = "onednn") -> None:
+        assert kind in ("c", "onednn"), kind
+        w = self.weight.detach().contiguous()
+        if kind == "c":
+            self.packed = cpu_ops.gemm_pack(w)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS_HINT)
+        self.kind = kind
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.kind == "c":
+            return cpu_ops.gemm(x if x.stride(-1) == 1 else x.contiguous(), self.packed, self.out_features, self.bias)
+        if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

