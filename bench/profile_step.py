@@ -52,6 +52,18 @@ def main(argv: list[str] | None = None) -> int:
     from prefixkv import cpu_ops
 
     spent: dict[str, float] = collections.defaultdict(float)
+    from prefixkv.model.linear import Linear
+
+    for mod in eng.model.modules():  # the C GEMM: each packed Linear's bound call
+        if isinstance(mod, Linear) and mod.kind == "c":
+            def timed_gemm(x, _fn=mod.c_gemm):
+                t = time.perf_counter()
+                try:
+                    return _fn(x)
+                finally:
+                    spent["gemm"] += time.perf_counter() - t
+
+            mod.c_gemm = timed_gemm
     for name in ("paged_decode_attention", "paged_prefill_attention", "add_rmsnorm", "rope_", "silu_mul"):
         fn = getattr(cpu_ops, name)
 

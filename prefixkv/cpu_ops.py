@@ -129,11 +129,30 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | Non
     assert x.dtype == torch.float32 and x.stride(1) == 1 and packed.shape[1] == k, (x.shape, x.stride(), packed.shape)
     assert packed.shape[0] * packed.shape[2] >= n > packed.shape[0] * packed.shape[2] - packed.shape[2], (n, packed.shape)
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous() and bias.dtype == torch.float32)
-    y = torch.empty((m, n), dtype=torch.float32)
-    if m:
-        load().gemm_f32(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                        y.data_ptr(), n, m, n, k)
-    return y
+    return gemm_caller(packed, n, bias)(x)
+
+
+def gemm_caller(packed: torch.Tensor, n: int, bias: torch.Tensor | None = None):
+    """``gemm`` with its weight bound: checked once here, so that a call (121 a decode step on
+    SmolLM2) costs one allocation and one ctypes call. The returned function holds the tensors."""
+    k = packed.shape[1]
+    assert packed.dtype == torch.float32 and packed.is_contiguous() and packed.dim() == 3, packed.shape
+    assert packed.shape[0] * packed.shape[2] >= n > packed.shape[0] * packed.shape[2] - packed.shape[2], (n, packed.shape)
+    assert bias is None or (bias.shape == (n,) and bias.is_contiguous() and bias.dtype == torch.float32)
+    fn, p_ptr, b_ptr = load().gemm_f32, packed.data_ptr(), None if bias is None else bias.data_ptr()
+    f32, empty = torch.float32, torch.empty
+
+    def call(x: torch.Tensor, _keep=(packed, bias)) -> torch.Tensor:
+        if x.dtype != f32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.device.type != "cpu":
+            raise ValueError(f"gemm: x must be a CPU float32 [M, {k}] with contiguous rows, "
+                             f"got {x.dtype} {tuple(x.shape)} strides {x.stride()}")
+        m = x.shape[0]
+        y = empty((m, n), dtype=f32)
+        if m:
+            fn(x.data_ptr(), x.stride(0), p_ptr, b_ptr, y.data_ptr(), n, m, n, k)
+        return y
+
+    return call
 
 
 def supports_decode(q: torch.Tensor, kv_cache_layer: torch.Tensor) -> bool:

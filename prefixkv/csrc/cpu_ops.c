@@ -160,6 +160,74 @@ static inline __m512 softmax_expf16(__m512 x) {
     return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
+/* r[t] = sum of the 16 lanes of v[t], t = 0..15: pairs of vectors folded 512 -> 256 -> 128 bits
+ * (shuffle_f32x4), then within 128-bit lanes (unpack, shuffle_ps). The folds leave lane 4L + e
+ * holding the sum of input 4e + L, so the inputs are taken in that order. */
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 w[8], u[4], z[2];
+    for (int i = 0; i < 8; i++) {  /* input slot s holds v[4 * (s % 4) + s / 4] */
+        const __m512 a = v[4 * ((2 * i) % 4) + (2 * i) / 4], b = v[4 * ((2 * i + 1) % 4) + (2 * i + 1) / 4];
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; i++)
+        z[i] = _mm512_add_ps(_mm512_unpacklo_ps(u[2 * i], u[2 * i + 1]), _mm512_unpackhi_ps(u[2 * i], u[2 * i + 1]));
+    return _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+/* One block of up to 16 keys for GB query heads h0 .. h0 + GB - 1 of the same kv head: each head's
+ * scores (16 partial-sum vectors, summed across lanes at once by hsum16) and online-softmax update,
+ * then the P.V update of all GB heads together: each V row is loaded once, and GB * ND accumulator
+ * chains run side by side (a head's own chain order is t = 0 .. n - 1 as before). */
+#define DECODE_GB 3
+static inline __attribute__((always_inline)) void decode_block_heads(
+        const int GB, const int ND, const float *qb, int h0, const float *kt, const float *vt, int n,
+        __mmask16 valid, float scale, float *m, float *l, float *acc) {
+    const int D = 16 * ND;
+    float p[DECODE_GB][16] __attribute__((aligned(64)));
+    __m512 alpha[DECODE_GB];
+    for (int g = 0; g < GB; g++) {
+        const int h = h0 + g;
+        __m512 qv[ND];
+        for (int c = 0; c < ND; c++) qv[c] = _mm512_loadu_ps(qb + (int64_t)h * D + 16 * c);
+        __m512 dot[16];
+        for (int t = 0; t < 16; t++) {
+            if (t < n) {
+                dot[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt + (int64_t)t * D));
+                for (int c = 1; c < ND; c++)
+                    dot[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + (int64_t)t * D + 16 * c), dot[t]);
+            } else {
+                dot[t] = _mm512_setzero_ps();
+            }
+        }
+        const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
+                                             _mm512_mul_ps(hsum16(dot), _mm512_set1_ps(scale)));
+        const float bm = fmaxf(m[h], _mm512_reduce_max_ps(sv));
+        const float a = expf(m[h] - bm); /* 0 on the first block (m = -inf) */
+        const __m512 pv = _mm512_maskz_mov_ps(valid, softmax_expf16(_mm512_sub_ps(sv, _mm512_set1_ps(bm))));
+        l[h] = l[h] * a + _mm512_reduce_add_ps(pv);
+        m[h] = bm;
+        _mm512_store_ps(p[g], pv);
+        alpha[g] = _mm512_set1_ps(a);
+    }
+    __m512 av[DECODE_GB][ND];
+    for (int g = 0; g < GB; g++)
+        for (int c = 0; c < ND; c++)
+            av[g][c] = _mm512_mul_ps(_mm512_load_ps(acc + (int64_t)(h0 + g) * D + 16 * c), alpha[g]);
+    for (int t = 0; t < n; t++) {
+        for (int c = 0; c < ND; c++) {
+            const __m512 v = _mm512_loadu_ps(vt + (int64_t)t * D + 16 * c);
+            for (int g = 0; g < GB; g++) av[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g][t]), v, av[g][c]);
+        }
+    }
+    for (int g = 0; g < GB; g++)
+        for (int c = 0; c < ND; c++) _mm512_store_ps(acc + (int64_t)(h0 + g) * D + 16 * c, av[g][c]);
+}
+
 /* One sequence's decode attention with D = 16 * ND, block size <= 16: per query head, q and the
  * accumulator stay in registers while the block's K and V rows stream through (from L1: the
  * block's [BS, D] rows were fetched once for the first head of the group). */
@@ -186,33 +254,16 @@ static inline __attribute__((always_inline)) void decode_seq_avx512(
         }
         const int n = len - j * BS < BS ? len - j * BS : BS;
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
-        for (int h = 0; h < H; h++) {
-            const int kh = h / G;
+        for (int kh = 0; kh < KVH; kh++) {
             const float *kt = kb + (int64_t)kh * BS * D, *vt = vb + (int64_t)kh * BS * D;
-            __m512 qv[ND];
-            for (int c = 0; c < ND; c++) qv[c] = _mm512_loadu_ps(qb + (int64_t)h * D + 16 * c);
-            float sc[16] __attribute__((aligned(64)));
-            for (int t = 0; t < n; t++) {
-                __m512 dot = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt + (int64_t)t * D));
-                for (int c = 1; c < ND; c++) dot = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + (int64_t)t * D + 16 * c), dot);
-                sc[t] = _mm512_reduce_add_ps(dot) * scale;
+            for (int h0 = kh * G; h0 < (kh + 1) * G; h0 += DECODE_GB) {
+                const int gb = (kh + 1) * G - h0 < DECODE_GB ? (kh + 1) * G - h0 : DECODE_GB;
+                switch (gb) {
+                case 1: decode_block_heads(1, ND, qb, h0, kt, vt, n, valid, scale, m, l, acc); break;
+                case 2: decode_block_heads(2, ND, qb, h0, kt, vt, n, valid, scale, m, l, acc); break;
+                default: decode_block_heads(3, ND, qb, h0, kt, vt, n, valid, scale, m, l, acc); break;
+                }
             }
-            const __m512 sv = _mm512_mask_load_ps(_mm512_set1_ps(-INFINITY), valid, sc);
-            const float bm = fmaxf(m[h], _mm512_reduce_max_ps(sv));
-            const float alpha = expf(m[h] - bm); /* 0 on the first block (m = -inf) */
-            const __m512 pv = _mm512_maskz_mov_ps(valid, softmax_expf16(_mm512_sub_ps(sv, _mm512_set1_ps(bm))));
-            l[h] = l[h] * alpha + _mm512_reduce_add_ps(pv);
-            m[h] = bm;
-            float p[16] __attribute__((aligned(64)));
-            _mm512_store_ps(p, pv);
-            __m512 av[ND];
-            const __m512 a = _mm512_set1_ps(alpha);
-            for (int c = 0; c < ND; c++) av[c] = _mm512_mul_ps(_mm512_load_ps(acc + (int64_t)h * D + 16 * c), a);
-            for (int t = 0; t < n; t++) {
-                const __m512 pt = _mm512_set1_ps(p[t]);
-                for (int c = 0; c < ND; c++) av[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt + (int64_t)t * D + 16 * c), av[c]);
-            }
-            for (int c = 0; c < ND; c++) _mm512_store_ps(acc + (int64_t)h * D + 16 * c, av[c]);
         }
     }
     for (int h = 0; h < H; h++) {

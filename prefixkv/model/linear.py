@@ -76,6 +76,7 @@ class Linear(nn.Module):
         w = self.weight.detach().contiguous()
         if kind == "c":
             self.packed = cpu_ops.gemm_pack(w)
+            self.c_gemm = cpu_ops.gemm_caller(self.packed, self.out_features, self.bias)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS_HINT)
         self.kind = kind
@@ -83,7 +84,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "c":
-            return cpu_ops.gemm(x if x.stride(-1) == 1 else x.contiguous(), self.packed, self.out_features, self.bias)
+            return self.c_gemm(x if x.stride(-1) == 1 else x.contiguous())
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
