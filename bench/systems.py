@@ -2,6 +2,7 @@
 
     prefixkv          prefixkv's LLMEngine, prefix cache on (stepped here, to watch the KV cache)
     prefixkv-nocache  the same, prefix cache off
+    prefixkv-invariant  the same, batch-invariant mode (issue 14; not in the default --systems)
     hf-static         transformers ``model.generate``, left-padded batches of the engine's max batch
     hf-cb             transformers continuous batching, ``model.generate_batch``
     vllm-bN           vLLM's CPU build at block size N (vllm-b32, vllm-b128; 0.32.0's CPU attention
@@ -23,7 +24,7 @@ from bench.workloads import BenchRequest
 
 PEERS = ("prefixkv", "prefixkv-nocache", "hf-static", "hf-cb")
 # prefixkv with exact n-gram speculative decoding, and vLLM's CPU build (not in the default --systems)
-OPTIONAL = ("prefixkv-spec", "vllm-b16", "vllm-b32")
+OPTIONAL = ("prefixkv-spec", "prefixkv-invariant", "vllm-b16", "vllm-b32")
 SPEC_TOKENS = 4
 
 
@@ -45,6 +46,7 @@ class EngineArgs:
     cpu_linear: str = "auto"
     attention_backend: str | None = None
     fused_cpu_ops: bool = True
+    batch_invariant: bool = False
 
     def llm_kwargs(self) -> dict:
         return dict(model=self.model, dtype=self.dtype, block_size=self.block_size,
@@ -53,7 +55,8 @@ class EngineArgs:
                     enable_prefix_caching=self.enable_prefix_caching, scheduling_policy=self.scheduling_policy,
                     enable_chunked_prefill=self.enable_chunked_prefill,
                     num_speculative_tokens=self.num_speculative_tokens, cpu_linear=self.cpu_linear,
-                    attention_backend=self.attention_backend, fused_cpu_ops=self.fused_cpu_ops)
+                    attention_backend=self.attention_backend, fused_cpu_ops=self.fused_cpu_ops,
+                    batch_invariant=self.batch_invariant)
 
 
 @dataclass
@@ -500,6 +503,8 @@ def make_system(name: str, args: EngineArgs, model_path) -> System:
         return PrefixKVSystem(name, replace(args, enable_prefix_caching=False))
     if name == "prefixkv-spec":
         return PrefixKVSystem(name, replace(args, enable_prefix_caching=True, num_speculative_tokens=SPEC_TOKENS))
+    if name == "prefixkv-invariant":
+        return PrefixKVSystem(name, replace(args, enable_prefix_caching=True, batch_invariant=True))
     if name == "hf-static":
         return HFStaticSystem(model_path, args.dtype, args.max_num_seqs)
     if name == "hf-cb":

@@ -57,6 +57,8 @@ class LLMEngine:
         self.info = RuntimeInfo(num_kv_blocks=num_blocks, max_model_len=max_len,
                                 eos_token_ids=list(self.tokenizer.eos_token_ids), vocab_size=shape.vocab_size)
         backend = get_backend(config.attention_backend or ("cpu" if config.device == "cpu" else "cuda"))
+        if config.batch_invariant:
+            self._enable_batch_invariance(backend)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_len)
         self.runner = ModelRunner(self.model, backend, num_blocks, bs, config.device, dtype, self.info.eos_token_ids,
                                   max_len)
@@ -70,6 +72,29 @@ class LLMEngine:
         self.check_integrity_each_step = False
         self.num_steps = 0
         self.dead: BaseException | None = None  # set by a fatal step error (EngineFatalError)
+
+    def _enable_batch_invariance(self, backend) -> None:
+        """Batch-invariant mode needs every op of the forward pass to compute a row the same way
+        whatever the other rows: on CPU in float32 the C GEMM (rows bitwise independent of M),
+        the fused C elementwise kernels and the C attention backend with one routine per query
+        token (attention/cpu.py). Anything else is a ValueError naming ``batch_invariant``."""
+        from prefixkv.model.linear import Linear
+
+        cfg = self.config
+        why = None
+        if cfg.device != "cpu" or self.dtype != "float32":
+            why = f"is implemented for device 'cpu' in float32 (got {cfg.device!r}, {self.dtype})"
+        elif backend.name != "cpu":
+            why = f"needs attention_backend 'cpu' (got {backend.name!r})"
+        elif any(m.kind != "c" for m in self.model.modules() if isinstance(m, Linear)):
+            why = "needs cpu_linear 'c' (the C GEMM: oneDNN and MKL rows depend on the batch size)"
+        elif not (cfg.fused_cpu_ops and self.model.model.norm.fused):
+            why = "needs fused_cpu_ops (the C RMSNorm, RoPE and SiLU kernels)"
+        if why:
+            raise ValueError(f"batch_invariant: {why}")
+        s = self.model.shape
+        backend.check_batch_invariant(s.num_heads, cfg.cache.block_size, s.head_dim, DTYPES[self.dtype])
+        backend.batch_invariant = True
 
     def _kv_cache_bytes(self) -> int:
         cfg = self.config
@@ -201,7 +226,7 @@ class LLMEngine:
                 failed.setdefault(group.request_id, (group, e))
         for s, lps in zip(out.scheduled, model_out.logprobs):
             if lps and s.req.request_id not in failed:
-                self._record_logprobs(s.req, lps)
+                self._record_logprobs(s.req, lps, verified=bool(s.draft))
         for seq in changed:
             group = self._groups.get(seq.request_id)
             if group is None or group.request_id in failed:
@@ -245,9 +270,15 @@ class LLMEngine:
                 del self._groups[g.request_id]
         return outputs
 
-    def _record_logprobs(self, req: Request, lps) -> None:
+    def _record_logprobs(self, req: Request, lps, verified: bool = False) -> None:
+        """One entry per sample (a fork step: the n children), or with ``verified`` one per kept
+        draft token of ``req``, as many as the step appended (an eos among them ends it)."""
         group = self._groups.get(req.request_id)
         if group is None:
+            return
+        if verified:
+            for entry in lps[:max(0, req.num_output_tokens - len(req.logprobs))]:
+                req.logprobs.append(entry)
             return
         seq_ids = [req.seq_id] if len(lps) == 1 else [f"{req.request_id}#{k}" for k in range(len(lps))]
         for seq_id, (chosen, top) in zip(seq_ids, lps):
@@ -303,6 +334,7 @@ class LLM:
         enforce_eager: bool = False,
         cpu_linear: str = "auto",
         fused_cpu_ops: bool = True,
+        batch_invariant: bool = False,
         scheduling_policy: str = "continuous",
         enable_chunked_prefill: bool = True,
         max_waiting_requests: int | None = None,
@@ -314,7 +346,7 @@ class LLM:
         cfg = EngineConfig(
             model=model, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed,
             enforce_eager=enforce_eager, attention_backend=attention_backend, cpu_linear=cpu_linear,
-            fused_cpu_ops=fused_cpu_ops, gpu_memory_utilization=gpu_memory_utilization,
+            fused_cpu_ops=fused_cpu_ops, batch_invariant=batch_invariant, gpu_memory_utilization=gpu_memory_utilization,
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching),

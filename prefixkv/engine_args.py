@@ -31,6 +31,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-linear", default="auto", choices=["auto", "c", "onednn", "torch"],
                    help="CPU float32 GEMMs: the engine's C kernel on packed weights, oneDNN on prepacked "
                         "weights, or torch's F.linear (auto: c where built with AVX-512, else onednn)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="every logit of a request bitwise the same whatever else is batched, cached, chunked, "
+                        "preempted or speculated (cpu, float32)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="exact n-gram (prompt lookup) speculative decoding for greedy requests: draft tokens per "
@@ -47,6 +50,7 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
         enforce_eager=args.enforce_eager, cpu_linear=args.cpu_linear, attention_backend=args.attention_backend,
+        batch_invariant=args.batch_invariant,
         gpu_memory_utilization=args.gpu_memory_utilization,
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=None if args.kv_cache_memory is None

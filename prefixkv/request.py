@@ -74,9 +74,10 @@ class Request:
     @property
     def can_speculate(self) -> bool:
         """Greedy with nothing that depends on per-position sampling state: a draft verified by
-        argmax then yields exactly the tokens plain greedy decoding would."""
+        argmax then yields exactly the tokens plain greedy decoding would (logprobs come from the
+        verified positions' rows: bitwise those of plain decoding in batch-invariant mode)."""
         p = self.sampling_params
-        return (p.greedy and p.n == 1 and p.logprobs is None and not p.uses_penalties
+        return (p.greedy and p.n == 1 and not p.uses_penalties
                 and self.num_output_tokens >= p.min_tokens)
 
     @property

@@ -10,8 +10,9 @@ produced token by token, plus the model's own next token (so every step yields a
     query         x y z w                  argmax at each position:          y z q r
     accepted      y z   + bonus q          (w != q: w and later are discarded)
 
-Only greedy requests (no penalties, no logprobs, n = 1) speculate, so the output equals plain greedy
-decoding; what changes is how many tokens one pass over the weights yields.
+Only greedy requests (no penalties, n = 1) speculate, so the output equals plain greedy decoding;
+what changes is how many tokens one pass over the weights yields. A kept token's logprobs are its
+verified row's: bitwise those of plain decoding in batch-invariant mode, float-close otherwise.
 
 The index is incremental: each request keeps a dict from n-gram to the end of its latest
 occurrence, extended with the tokens appended since the previous proposal (O(new tokens) per step).

@@ -72,3 +72,29 @@ def test_gguf_conversion_matches_transformers(llm):
     assert set(ours) == {k for k in ref_sd if k != "lm_head.weight"}
     for name, p in ours.items():
         assert torch.equal(p, ref_sd[name]), name
+
+
+def test_batch_invariant_outputs_are_bitwise_the_prompt_alone():
+    """Issue 14 on the real model: 24 prompts (half sharing a long system prompt), each run alone on
+    a cold engine, then all together, in batches of 3, with chunk budgets 7 / 64 / 512, with the
+    cache warm, under forced preemption and with speculative decoding: token ids and logprobs
+    (chosen and top-2) bitwise equal (``==``) to the run alone."""
+    from test_batch_invariance import CASES, alone, run_case
+
+    from prefixkv.tokenizer import Tokenizer
+    from prefixkv.model.loader import resolve_model
+
+    tok = Tokenizer.from_pretrained(str(resolve_model(None)))
+    system = "You are a careful assistant for a small library. Answer briefly and never invent facts. " * 3
+    topics = ["tea", "rivers", "owls", "glass", "maps", "bread", "comets", "ink", "moss", "bells", "salt", "kites"]
+    prompts = []
+    for i, topic in enumerate(topics * 2):
+        msgs = ([{"role": "system", "content": system}] if i % 2 == 0 else []) + [
+            {"role": "user", "content": f"Tell me one fact about {topic}." + " Please." * (i % 3)}]
+        prompts.append(tok.apply_chat_template(msgs, add_generation_prompt=True))
+    assert len(prompts) == 24 and len(prompts[0]) > 64
+    ref = alone(None, prompts, 16)
+    for case in [c for c in CASES if c != "chunk-64"] + ["chunk-64", "chunk-512"]:
+        got = run_case(None, prompts, case, 16)
+        for i, (g, r) in enumerate(zip(got, ref)):
+            assert g == r, f"SmolLM2 {case}: prompt {i} differs from its run alone"

@@ -213,8 +213,10 @@ def test_streaming_deltas_with_drafts(tiny_llama, monkeypatch):
 
 
 def test_who_speculates(tiny_llama, monkeypatch):
-    """Sampled, logprobs, penalties and n > 1 never draft; in a batch with drafting greedy requests
-    their outputs are what they are without drafts."""
+    """Sampled, penalties and n > 1 never draft; in a batch with drafting greedy requests their
+    outputs are what they are without drafts. Greedy with logprobs drafts: its kept tokens'
+    logprobs come from the verified rows (float64 here: equal to decoding's within rounding;
+    bitwise in batch-invariant mode, tests/test_batch_invariance.py)."""
     monkeypatch.setattr(NgramIndex, "propose", lambda self, tokens, k: [7] * k)  # always a (wrong) draft
     prompt = [5, 6, 7, 8] * 12
     cases = [
@@ -232,14 +234,21 @@ def test_who_speculates(tiny_llama, monkeypatch):
     got = spec.generate([prompt] * len(cases), cases)
     for w, g in zip(want, got):
         assert [o.token_ids for o in g.outputs] == [o.token_ids for o in w.outputs]
-        assert [o.logprobs for o in g.outputs] == [o.logprobs for o in w.outputs]
-    for p in cases[1:5]:
+        for go, wo in zip(g.outputs, w.outputs):
+            assert (go.logprobs is None) == (wo.logprobs is None)
+            if wo.logprobs is not None:
+                assert len(go.logprobs) == len(wo.logprobs) == len(wo.token_ids)
+                for a, b in zip(go.logprobs, wo.logprobs):
+                    assert a.logprob == pytest.approx(b.logprob, abs=1e-12)
+                    assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+    for p in (cases[1], cases[3], cases[4]):
         solo = LLM(model=str(tiny_llama), dtype="float64", num_speculative_tokens=4)
         solo.generate([prompt], p)
         assert solo.engine.stats()["spec_draft_tokens"] == 0, p
-    solo = LLM(model=str(tiny_llama), dtype="float64", num_speculative_tokens=4)
-    solo.generate([prompt], cases[0])
-    assert solo.engine.stats()["spec_draft_tokens"] > 0
+    for p in (cases[0], cases[2]):
+        solo = LLM(model=str(tiny_llama), dtype="float64", num_speculative_tokens=4)
+        solo.generate([prompt], p)
+        assert solo.engine.stats()["spec_draft_tokens"] > 0, p
 
 
 def test_disable_by_batch_size(tiny_llama, monkeypatch):

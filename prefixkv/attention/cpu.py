@@ -4,7 +4,15 @@ gather copies, no per-step plan), an online softmax a block at a time. Prefill c
 16 query tokens against the blocks they see, lane-wise online softmax (AVX-512, float32).
 
 Where the kernel library is not built (no C compiler), the dtype is not float32 (prefill) or the
-shapes exceed the kernels' limits, those rows take the torch path unchanged."""
+shapes exceed the kernels' limits, those rows take the torch path unchanged.
+
+Batch-invariant mode (``batch_invariant = True``, set by the engine; issue 14): every query token,
+decode or prefill, goes through the one decode routine with its own context length (a prefill
+token at position p attends to positions 0 .. p through its sequence's block table). A token's
+attention is then the same sequence of float operations whether it is decoded, prefilled whole,
+prefilled in chunks of any size, recomputed after preemption or verified as a speculative draft,
+and whatever else is in the batch (the kernel's work item is one token, and its reductions depend
+on that token's context length only)."""
 
 from __future__ import annotations
 
@@ -18,6 +26,20 @@ from prefixkv.attention.torch_ref import TorchAttentionBackend
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
+    def __init__(self) -> None:
+        self.batch_invariant = False
+
+    def check_batch_invariant(self, num_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
+        """Raises ValueError (naming ``batch_invariant``) where these shapes would leave the C kernel."""
+        lib = cpu_ops.load()
+        if lib is None:
+            raise ValueError("batch_invariant: needs the C kernels (no working C compiler, or PREFIXKV_CPU_KERNELS=0)")
+        max_heads, max_block, max_head_dim = lib.limits
+        if dtype != torch.float32 or num_heads > max_heads or block_size > max_block or head_dim > max_head_dim:
+            raise ValueError(f"batch_invariant: the C attention kernel takes float32 with at most {max_heads} heads, "
+                             f"block size {max_block} and head dim {max_head_dim}; got {dtype}, {num_heads} heads, "
+                             f"block size {block_size}, head dim {head_dim}")
+
     def _decode_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out) -> None:
         if not cpu_ops.supports_decode(q, kv_cache_layer) or q.stride(2) != 1 or q.stride(1) != q.shape[2]:
             return super()._decode_rows(q, kv_cache_layer, meta, scale, out)
@@ -26,6 +48,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _prefill_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out) -> None:
         nd = meta.num_decode_seqs
+        if self.batch_invariant:
+            return self._prefill_rows_as_decodes(q, kv_cache_layer, meta, scale, out)
         if not cpu_ops.supports_prefill(q, kv_cache_layer):
             return super()._prefill_rows(q, kv_cache_layer, meta, scale, out)
         if "prefill_qsl" not in meta.scratch:  # per step: prefill rows' start offsets from 0
@@ -36,3 +60,21 @@ class CpuAttentionBackend(TorchAttentionBackend):
                                                meta.scratch["prefill_qsl"], scale, out[a:])
         if not done:
             super()._prefill_rows(q, kv_cache_layer, meta, scale, out)
+
+    def _prefill_rows_as_decodes(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out) -> None:
+        """Every prefill query token as a decode row of its own: its sequence's block table and a
+        context length of its position + 1 (per-token tables built once per step)."""
+        nd = meta.num_decode_seqs
+        if "token_tables" not in meta.scratch:
+            qsl = meta.query_start_loc.to(torch.int64)
+            qlens = qsl[nd + 1:] - qsl[nd:-1]
+            first = qsl[nd:-1] - qsl[nd]  # each prefill sequence's first row, from 0
+            seq = torch.repeat_interleave(torch.arange(nd, meta.num_seqs), qlens)
+            offset = torch.arange(int(qlens.sum())) - torch.repeat_interleave(first, qlens)
+            ctx = meta.seq_lens[nd:].to(torch.int64) - qlens  # tokens before this step's rows
+            lens = torch.repeat_interleave(ctx, qlens) + offset + 1
+            meta.scratch["token_tables"] = (meta.block_tables.index_select(0, seq).contiguous(),
+                                            lens.to(torch.int32).contiguous())
+        tables, lens = meta.scratch["token_tables"]
+        a = meta.query_start_loc_cpu[nd]
+        cpu_ops.paged_decode_attention(q[a:], kv_cache_layer, tables, lens, scale, out[a:])

@@ -199,20 +199,20 @@ class ModelRunner:
         sampled, logprobs = [], []
         i = 0
         for s in out.scheduled:
-            if s.draft:  # greedy at every verified position; no logprobs (see spec_decode.py)
-                sampled.append(accept_greedy(s.draft, res.token_ids[i:i + 1 + len(s.draft)]))
-                logprobs.append(None)
-                i += 1 + len(s.draft)
-                continue
-            toks = res.token_ids[i:i + s.num_samples]
+            if s.draft:  # greedy at every verified position; each kept token's logprobs from its row
+                toks = accept_greedy(s.draft, res.token_ids[i:i + 1 + len(s.draft)])
+                n_rows = 1 + len(s.draft)
+            else:
+                toks = res.token_ids[i:i + s.num_samples]
+                n_rows = s.num_samples
             sampled.append(toks)
             lp = None
-            if s.num_samples and s.req.sampling_params.logprobs is not None and res.chosen_logprobs is not None:
+            if toks and s.req.sampling_params.logprobs is not None and res.chosen_logprobs is not None:
                 k = s.req.sampling_params.logprobs
                 lp = []
-                for j in range(i, i + s.num_samples):
+                for j in range(i, i + len(toks)):
                     top = list(zip(res.top_ids[j][:k], res.top_logprobs[j][:k])) if k and res.top_ids else []
                     lp.append((res.chosen_logprobs[j], top))
             logprobs.append(lp)
-            i += s.num_samples
+            i += n_rows
         return ModelOutput(sampled, logprobs)
