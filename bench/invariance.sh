@@ -4,7 +4,7 @@
 #   bench/invariance.sh [OUT_DIR]
 cd "$(dirname "$0")/.." || exit 1
 OUT=${1:-bench/out/invariance}
-SYSTEMS=prefixkv,prefixkv-invariant,hf-static
+SYSTEMS=prefixkv-variant,prefixkv-invariant,hf-static
 COMMON=(--systems "$SYSTEMS" --repeat 3 --wait-quiet 30 --no-progress --out "$OUT")
 set -x
 .venv/bin/python -m bench shared-prefix --groups 1 --per-group 16 --system-tokens 196 --question-tokens 32 \

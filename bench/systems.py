@@ -2,7 +2,8 @@
 
     prefixkv          prefixkv's LLMEngine, prefix cache on (stepped here, to watch the KV cache)
     prefixkv-nocache  the same, prefix cache off
-    prefixkv-invariant  the same, batch-invariant mode (issue 14; not in the default --systems)
+    prefixkv-invariant  the same, batch-invariant mode required (issue 14; the CPU default where possible)
+    prefixkv-variant    the same, batch-invariant mode off (what it costs; neither is in the default --systems)
     hf-static         transformers ``model.generate``, left-padded batches of the engine's max batch
     hf-cb             transformers continuous batching, ``model.generate_batch``
     vllm-bN           vLLM's CPU build at block size N (vllm-b32, vllm-b128; 0.32.0's CPU attention
@@ -24,7 +25,7 @@ from bench.workloads import BenchRequest
 
 PEERS = ("prefixkv", "prefixkv-nocache", "hf-static", "hf-cb")
 # prefixkv with exact n-gram speculative decoding, and vLLM's CPU build (not in the default --systems)
-OPTIONAL = ("prefixkv-spec", "prefixkv-invariant", "vllm-b16", "vllm-b32")
+OPTIONAL = ("prefixkv-spec", "prefixkv-invariant", "prefixkv-variant", "vllm-b16", "vllm-b32")
 SPEC_TOKENS = 4
 
 
@@ -46,7 +47,7 @@ class EngineArgs:
     cpu_linear: str = "auto"
     attention_backend: str | None = None
     fused_cpu_ops: bool = True
-    batch_invariant: bool = False
+    batch_invariant: bool | None = None  # None: the engine's default (on where possible)
 
     def llm_kwargs(self) -> dict:
         return dict(model=self.model, dtype=self.dtype, block_size=self.block_size,
@@ -505,6 +506,8 @@ def make_system(name: str, args: EngineArgs, model_path) -> System:
         return PrefixKVSystem(name, replace(args, enable_prefix_caching=True, num_speculative_tokens=SPEC_TOKENS))
     if name == "prefixkv-invariant":
         return PrefixKVSystem(name, replace(args, enable_prefix_caching=True, batch_invariant=True))
+    if name == "prefixkv-variant":
+        return PrefixKVSystem(name, replace(args, enable_prefix_caching=True, batch_invariant=False))
     if name == "hf-static":
         return HFStaticSystem(model_path, args.dtype, args.max_num_seqs)
     if name == "hf-cb":

@@ -96,8 +96,9 @@ class EngineConfig:
     # CPU: RoPE, residual-add + RMSNorm and SiLU-and-mul through the C kernels (prefixkv/cpu_ops.py)
     fused_cpu_ops: bool = True
     # every logit of a request bitwise the same whatever the batch, cache, chunking, preemption or
-    # speculation (CPU float32: the C GEMM, the C kernels, one attention routine per query token)
-    batch_invariant: bool = False
+    # speculation (CPU float32: the C GEMM, the C kernels, one attention routine per query token).
+    # None: on wherever the engine can make it so (it costs <= 3%: bench/RESULTS.md); True: required
+    batch_invariant: bool | None = None
     # CUDA, when CacheConfig.num_kv_blocks is unset: the KV cache takes this fraction of the device's
     # memory minus the weights and the profiled activation peak (as vLLM's --gpu-memory-utilization)
     gpu_memory_utilization: float = 0.9
@@ -111,8 +112,8 @@ class EngineConfig:
                  f"must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         require(isinstance(self.gpu_memory_utilization, (int, float)) and 0.0 < self.gpu_memory_utilization <= 1.0,
                  "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        require(isinstance(self.batch_invariant, bool), "batch_invariant",
-                 f"must be a bool, got {self.batch_invariant!r}")
+        require(self.batch_invariant is None or isinstance(self.batch_invariant, bool), "batch_invariant",
+                 f"must be a bool or None, got {self.batch_invariant!r}")
         require(self.cpu_linear in ("auto", "c", "onednn", "torch"), "cpu_linear",
                  f"must be one of ('auto', 'c', 'onednn', 'torch'), got {self.cpu_linear!r}")
         if self.max_model_len is not None:

@@ -57,8 +57,12 @@ class LLMEngine:
         self.info = RuntimeInfo(num_kv_blocks=num_blocks, max_model_len=max_len,
                                 eos_token_ids=list(self.tokenizer.eos_token_ids), vocab_size=shape.vocab_size)
         backend = get_backend(config.attention_backend or ("cpu" if config.device == "cpu" else "cuda"))
-        if config.batch_invariant:
-            self._enable_batch_invariance(backend)
+        self.batch_invariant = False
+        if config.batch_invariant is not False:
+            why = self._batch_invariance_blocker(backend)
+            if why is not None and config.batch_invariant:
+                raise ValueError(f"batch_invariant: {why}")
+            backend.batch_invariant = self.batch_invariant = why is None
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_len)
         self.runner = ModelRunner(self.model, backend, num_blocks, bs, config.device, dtype, self.info.eos_token_ids,
                                   max_len)
@@ -73,28 +77,24 @@ class LLMEngine:
         self.num_steps = 0
         self.dead: BaseException | None = None  # set by a fatal step error (EngineFatalError)
 
-    def _enable_batch_invariance(self, backend) -> None:
-        """Batch-invariant mode needs every op of the forward pass to compute a row the same way
-        whatever the other rows: on CPU in float32 the C GEMM (rows bitwise independent of M),
-        the fused C elementwise kernels and the C attention backend with one routine per query
-        token (attention/cpu.py). Anything else is a ValueError naming ``batch_invariant``."""
+    def _batch_invariance_blocker(self, backend) -> str | None:
+        """Why this engine cannot be batch-invariant, or None. The mode needs every op of the
+        forward pass to compute a row the same way whatever the other rows: on CPU in float32 the
+        C GEMM (rows bitwise independent of M), the fused C elementwise kernels and the C
+        attention backend with one routine per query token (attention/cpu.py)."""
         from prefixkv.model.linear import Linear
 
         cfg = self.config
-        why = None
         if cfg.device != "cpu" or self.dtype != "float32":
-            why = f"is implemented for device 'cpu' in float32 (got {cfg.device!r}, {self.dtype})"
-        elif backend.name != "cpu":
-            why = f"needs attention_backend 'cpu' (got {backend.name!r})"
-        elif any(m.kind != "c" for m in self.model.modules() if isinstance(m, Linear)):
-            why = "needs cpu_linear 'c' (the C GEMM: oneDNN and MKL rows depend on the batch size)"
-        elif not (cfg.fused_cpu_ops and self.model.model.norm.fused):
-            why = "needs fused_cpu_ops (the C RMSNorm, RoPE and SiLU kernels)"
-        if why:
-            raise ValueError(f"batch_invariant: {why}")
+            return f"is implemented for device 'cpu' in float32 (got {cfg.device!r}, {self.dtype})"
+        if backend.name != "cpu":
+            return f"needs attention_backend 'cpu' (got {backend.name!r})"
+        if any(m.kind != "c" for m in self.model.modules() if isinstance(m, Linear)):
+            return "needs cpu_linear 'c' (the C GEMM: oneDNN's and MKL's rows depend on the batch size)"
+        if not (cfg.fused_cpu_ops and self.model.model.norm.fused):
+            return "needs fused_cpu_ops (the C RMSNorm, RoPE and SiLU kernels)"
         s = self.model.shape
-        backend.check_batch_invariant(s.num_heads, cfg.cache.block_size, s.head_dim, DTYPES[self.dtype])
-        backend.batch_invariant = True
+        return backend.batch_invariance_blocker(s.num_heads, cfg.cache.block_size, s.head_dim, DTYPES[self.dtype])
 
     def _kv_cache_bytes(self) -> int:
         cfg = self.config
@@ -334,7 +334,7 @@ class LLM:
         enforce_eager: bool = False,
         cpu_linear: str = "auto",
         fused_cpu_ops: bool = True,
-        batch_invariant: bool = False,
+        batch_invariant: bool | None = None,
         scheduling_policy: str = "continuous",
         enable_chunked_prefill: bool = True,
         max_waiting_requests: int | None = None,

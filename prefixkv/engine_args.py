@@ -31,9 +31,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-linear", default="auto", choices=["auto", "c", "onednn", "torch"],
                    help="CPU float32 GEMMs: the engine's C kernel on packed weights, oneDNN on prepacked "
                         "weights, or torch's F.linear (auto: c where built with AVX-512, else onednn)")
-    g.add_argument("--batch-invariant", action="store_true",
+    g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="every logit of a request bitwise the same whatever else is batched, cached, chunked, "
-                        "preempted or speculated (cpu, float32)")
+                        "preempted or speculated (cpu, float32; default: on wherever possible)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="exact n-gram (prompt lookup) speculative decoding for greedy requests: draft tokens per "

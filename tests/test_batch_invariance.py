@@ -101,10 +101,11 @@ def test_batch_invariant_outputs_are_bitwise_the_prompt_alone(request, arch, blo
             assert g == r, f"{arch} block {block_size} {case}: prompt {i} differs from its run alone"
 
 
-def test_default_path_is_not_batch_invariant(tiny_llama):
-    """What the mode is tested against: without it, the prefill and decode attention kernels
-    reduce in different orders, so a token's logprobs depend on which computed it (here: drafts
-    verified as prefill rows, and the chunk a prompt token fell in)."""
+def test_without_the_mode_outputs_depend_on_the_batch(tiny_llama):
+    """What the mode is tested against: without it (``batch_invariant=False``), the prefill and
+    decode attention kernels reduce in different orders, so a token's logprobs depend on which
+    computed it (here: drafts verified as prefill rows; decoded tokens recomputed by prefill
+    after preemption)."""
     prompts = make_prompts(384, seed=16)
     ref = alone(tiny_llama, prompts, 16, batch_invariant=False)
     differing = {case: sum(g != r for g, r in zip(run_case(tiny_llama, prompts, case, 16, batch_invariant=False), ref))
@@ -126,8 +127,21 @@ def test_batch_invariant_refuses_what_it_cannot_make_invariant(tiny_llama, kw, m
         LLM(model=str(tiny_llama), batch_invariant=True, num_kv_blocks=64, **kw)
 
 
-def test_batch_invariant_must_be_a_bool():
+def test_batch_invariant_must_be_a_bool_or_none():
     from prefixkv.config import EngineConfig
 
-    with pytest.raises(ValueError, match=r"^batch_invariant: must be a bool"):
+    with pytest.raises(ValueError, match=r"^batch_invariant: must be a bool or None"):
         EngineConfig(batch_invariant="yes")
+
+
+def test_on_by_default_where_possible(tiny_llama):
+    """Unset (None), the mode is on wherever the engine can make it so (CPU float32 with the C
+    kernels: it costs <= 3%, bench/RESULTS.md) and off elsewhere, without an error."""
+    from prefixkv.cpu_ops import gemm_available
+
+    on = LLM(model=str(tiny_llama), dtype="float32", num_kv_blocks=64)
+    assert on.engine.batch_invariant is gemm_available()
+    assert on.engine.runner.backend.batch_invariant is gemm_available()
+    for kw in (dict(dtype="float64"), dict(dtype="float32", cpu_linear="onednn"),
+               dict(dtype="float32", attention_backend="torch"), dict(dtype="float32", batch_invariant=False)):
+        assert LLM(model=str(tiny_llama), num_kv_blocks=64, **kw).engine.batch_invariant is False, kw

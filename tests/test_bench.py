@@ -89,7 +89,8 @@ def test_cpu_speed_ablation_and_machine_commands(tiny_llama, tmp_path):
     doc = _run(["ablate", "--model", str(tiny_llama), "--on", "decode-heavy", "--ablations", "cpu-speed",
                 "--num-requests", "3", "--prompt-tokens", "12", "--output-tokens", "6", "--no-plot", "--no-progress",
                 "--kv-tokens", "4096"], tmp_path, "ablate-cpu")
-    assert set(doc["systems"]) == {"prefixkv", "cpu-linear=torch", "attention=torch", "fused-ops=off", "all-off"}
+    assert set(doc["systems"]) == {"prefixkv", "cpu-linear=onednn", "cpu-linear=torch", "attention=torch", "fused-ops=off",
+                                   "all-off"}
     assert all(r["error"] is None for r in doc["systems"].values())
     assert doc["systems"]["all-off"]["info"]["cpu_linear"] == "torch"
     doc = _run(["gemm", "--model", str(tiny_llama), "--rows", "1,4", "--repeat-passes", "2"], tmp_path, "gemm")

@@ -29,16 +29,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self) -> None:
         self.batch_invariant = False
 
-    def check_batch_invariant(self, num_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
-        """Raises ValueError (naming ``batch_invariant``) where these shapes would leave the C kernel."""
+    def batch_invariance_blocker(self, num_heads: int, block_size: int, head_dim: int,
+                                 dtype: torch.dtype) -> str | None:
+        """Why these shapes would leave the C kernel (so batch-invariant mode is off), or None."""
         lib = cpu_ops.load()
         if lib is None:
-            raise ValueError("batch_invariant: needs the C kernels (no working C compiler, or PREFIXKV_CPU_KERNELS=0)")
+            return "needs the C kernels (no working C compiler, or PREFIXKV_CPU_KERNELS=0)"
         max_heads, max_block, max_head_dim = lib.limits
         if dtype != torch.float32 or num_heads > max_heads or block_size > max_block or head_dim > max_head_dim:
-            raise ValueError(f"batch_invariant: the C attention kernel takes float32 with at most {max_heads} heads, "
-                             f"block size {max_block} and head dim {max_head_dim}; got {dtype}, {num_heads} heads, "
-                             f"block size {block_size}, head dim {head_dim}")
+            return (f"the C attention kernel takes float32 with at most {max_heads} heads, block size "
+                    f"{max_block} and head dim {max_head_dim}; got {dtype}, {num_heads} heads, block size "
+                    f"{block_size}, head dim {head_dim}")
+        return None
 
     def _decode_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out) -> None:
         if not cpu_ops.supports_decode(q, kv_cache_layer) or q.stride(2) != 1 or q.stride(1) != q.shape[2]:
