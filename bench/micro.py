@@ -396,15 +396,25 @@ def read_bandwidth_gbs(num_bytes: int = 1 << 30, seconds: float = 2.0) -> dict:
     return dict(bytes=num_bytes, best_gbs=round(max(rates), 2), median_gbs=round(statistics.median(rates), 2))
 
 
-def onednn_gemm_gflops(m: int, k: int, n: int, seconds: float = 1.0) -> dict:
-    """fp32 GEMM peak through the engine's own GEMM path (oneDNN on a prepacked weight)."""
+def gemm_peak_gflops(m: int, k: int, n: int, seconds: float = 1.0) -> dict:
+    """fp32 GEMM peak of this machine: the better of oneDNN on a prepacked weight and the engine's
+    C GEMM (where built), at a compute-bound shape."""
+    from prefixkv import cpu_ops
+
+    kinds = ["onednn"] + (["c"] if cpu_ops.gemm_available() else [])
+    runs = {kind: _gemm_gflops(kind, m, k, n, seconds) for kind in kinds}
+    best = max(runs, key=lambda kind: runs[kind]["best_gflops"])
+    return dict(runs[best], backend=best, by_backend=runs)
+
+
+def _gemm_gflops(kind: str, m: int, k: int, n: int, seconds: float) -> dict:
     import torch
 
     from prefixkv.model.linear import Linear
 
     lin = Linear(k, n)
     lin.weight = torch.nn.Parameter(torch.randn(n, k), requires_grad=False)
-    lin.prepack()
+    lin.prepack(kind)
     x = torch.randn(m, k)
     for _ in range(3):
         lin(x)
@@ -430,7 +440,7 @@ def cmd_roofline(args: argparse.Namespace, command: str) -> int:
     path = resolve_model(args.model)
     cfg = load_hf_config(path)
     bw = read_bandwidth_gbs()
-    peak = onednn_gemm_gflops(512, cfg.hidden_size, cfg.intermediate_size)
+    peak = gemm_peak_gflops(512, cfg.hidden_size, cfg.intermediate_size)
     llm = LLM(model=args.model, block_size=args.block_size, num_kv_blocks=max(1, args.kv_tokens // args.block_size),
               max_num_seqs=max(64, args.batch), max_num_batched_tokens=args.max_num_batched_tokens)
     eng = llm.engine
@@ -616,11 +626,13 @@ def cmd_scale(args: argparse.Namespace, command: str) -> int:
 # ---------------------------------------------------------------------------------------- gemm
 def cmd_gemm(args: argparse.Namespace, command: str) -> int:
     """The model's projections, every layer's own weights (so they stream from memory as in a
-    step), through F.linear (MKL sgemm), oneDNN on prepacked weights (the engine's CPU path) and
-    MKL's packed GEMM, at several row counts: ms per pass over the layer stack, GB/s of weights."""
+    step), through F.linear (MKL sgemm), the engine's C GEMM on packed weights (its CPU default),
+    oneDNN on prepacked weights and MKL's packed GEMM, at several row counts: ms per pass over the
+    layer stack, GB/s of weights."""
     import torch
     import torch.nn.functional as F
 
+    from prefixkv import cpu_ops
     from prefixkv.model.loader import load_hf_config, resolve_model
 
     cfg = load_hf_config(resolve_model(args.model))
@@ -637,6 +649,8 @@ def cmd_gemm(args: argparse.Namespace, command: str) -> int:
     for m in [int(x) for x in args.rows.split(",")]:
         xs = {k: torch.randn(m, k, generator=g) for k in {k for _, k in shapes}}
         dnn = [[mk._reorder_linear_weight(w, 16) for w in ws] for ws in weights]
+        c_calls = [[cpu_ops.gemm_caller(cpu_ops.gemm_pack(w), w.shape[0]) for w in ws] for ws in weights] \
+            if cpu_ops.gemm_available() else None
         mkl = [[torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in ws] for ws in weights]
         paths = {
             "F.linear": lambda: [F.linear(xs[w.shape[1]], w) for ws in weights for w in ws],
@@ -645,6 +659,8 @@ def cmd_gemm(args: argparse.Namespace, command: str) -> int:
             "mkl-packed": lambda: [torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, m)
                                    for ws, ps in zip(weights, mkl) for w, p in zip(ws, ps)],
         }
+        if c_calls is not None:
+            paths["c-packed"] = lambda: [c(xs[w.shape[1]]) for ws, cs in zip(weights, c_calls) for w, c in zip(ws, cs)]
         res = dict(rows=m)
         for name, fn in paths.items():
             fn()
