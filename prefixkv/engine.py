@@ -21,6 +21,7 @@ from prefixkv.runner.memory import kv_cache_bytes_for, profile_activation_peak
 from prefixkv.runner.model_runner import ModelRunner
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.scheduler import Scheduler
+from prefixkv.structured_outputs import GrammarCompiler
 from prefixkv.tokenizer import Tokenizer
 
 PromptType = str | Sequence[int]
@@ -73,6 +74,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._groups: dict[str, RequestState] = {}
         self.output = OutputProcessor(self.tokenizer, self.info.eos_token_ids, max_len)
+        self.grammars = GrammarCompiler(self.tokenizer, shape.vocab_size)
         self.check_integrity_each_step = False
         self.num_steps = 0
         self.dead: BaseException | None = None  # set by a fatal step error (EngineFatalError)
@@ -130,6 +132,8 @@ class LLMEngine:
         """Everything ``add_request`` checks that does not depend on the queue: the parameters, the
         prompt (tokenized here) and whether it fits the context and the cache. Returns (text, ids)."""
         params.validate(self.info.vocab_size)
+        if params.structured_outputs is not None:  # compiled and validated here, cached for enqueue
+            self.grammars.compile(params.structured_outputs)
         if params.n > self.config.scheduler.max_num_seqs:
             raise ValueError(f"n: {params.n} samples exceed max_num_seqs ({self.config.scheduler.max_num_seqs})")
         text, ids = self.tokenize_prompt(prompt)
@@ -151,6 +155,8 @@ class LLMEngine:
             raise OverflowError(f"the waiting queue is full ({self.scheduler.num_waiting} requests)")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, ids, params, next(self._arrivals), seed)
+        if params.structured_outputs is not None:
+            req.matcher = self.grammars.matcher(params.structured_outputs)
         group = RequestState(request_id, text, ids, params)
         group.seqs[0] = req
         self.scheduler.add_request(req)

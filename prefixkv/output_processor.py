@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from prefixkv.outputs import CompletionOutput, Logprob, RequestOutput
 from prefixkv.request import Request, RequestStatus
 from prefixkv.sampling_params import SamplingParams
+from prefixkv.structured_outputs import StructuredOutputError
 from prefixkv.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -134,6 +135,9 @@ class OutputProcessor:
         p = group.params
         tok = seq.token_ids[i]
         n_out = i + 1 - seq.num_prompt_tokens
+        if seq.matcher is not None and not seq.matcher.consume_token(tok):
+            raise StructuredOutputError(f"structured_outputs: the grammar refused token {tok} "
+                                        f"({seq.matcher.get_error()})")
         if not p.ignore_eos and tok in self.eos_token_ids and n_out > p.min_tokens - 1:
             return RequestStatus.FINISHED_STOPPED, None
         if tok in p.stop_token_ids and n_out > p.min_tokens - 1:
@@ -147,6 +151,8 @@ class OutputProcessor:
                     idx, stop = hit
                     st.text.truncate(idx)
                     return RequestStatus.FINISHED_STOPPED, stop
+        if seq.matcher is not None and seq.matcher.is_stopped():  # the grammar is complete
+            return RequestStatus.FINISHED_STOPPED, None
         if p.max_tokens is not None and n_out >= p.max_tokens:
             return RequestStatus.FINISHED_LENGTH, None
         if i + 1 >= self.max_model_len:

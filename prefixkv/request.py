@@ -40,7 +40,7 @@ class Request:
     __slots__ = (
         "seq_id", "request_id", "sample_index", "prompt_token_ids", "token_ids", "sampling_params",
         "num_computed_tokens", "num_cached_tokens", "status", "arrival_order", "wait_start_step",
-        "num_preemptions", "seed", "logprobs", "needs_fork", "ngram",
+        "num_preemptions", "seed", "logprobs", "needs_fork", "ngram", "matcher",
     )
 
     def __init__(
@@ -70,6 +70,9 @@ class Request:
         # an n > 1 request runs as one sequence until its prompt is computed, then forks n - 1 siblings
         self.needs_fork = sampling_params.n > 1
         self.ngram = None  # NgramIndex of its tokens, once it speculates (prefixkv/spec_decode.py)
+        # llguidance matcher of a structured-outputs request (prefixkv/structured_outputs.py): it
+        # has consumed exactly this sequence's output tokens
+        self.matcher = None
 
     @property
     def can_speculate(self) -> bool:
@@ -77,7 +80,7 @@ class Request:
         argmax then yields exactly the tokens plain greedy decoding would (logprobs come from the
         verified positions' rows: bitwise those of plain decoding in batch-invariant mode)."""
         p = self.sampling_params
-        return (p.greedy and p.n == 1 and not p.uses_penalties
+        return (p.greedy and p.n == 1 and not p.uses_penalties and p.structured_outputs is None
                 and self.num_output_tokens >= p.min_tokens)
 
     @property
@@ -109,6 +112,7 @@ class Request:
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status
         child.needs_fork = False
+        child.matcher = None if self.matcher is None else self.matcher.deep_copy()
         return child
 
     def __repr__(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixkv.structured_outputs import StructuredOutputsParams, structured_outputs_from
 from prefixkv.validation import require
 
 _MAX_SEED = 2**63 - 1
@@ -32,6 +33,9 @@ class SamplingParams:
     token, the log-probability of the chosen token and of the ``k`` most likely tokens, taken
     from the model's raw distribution (``log_softmax`` of the logits) *before* penalties,
     temperature and top-k/top-p/min-p are applied.
+
+    ``structured_outputs`` (a ``StructuredOutputsParams`` or its dict form, e.g. ``{"json": schema}``)
+    constrains the output to a JSON schema, regex, choice or grammar (prefixkv/structured_outputs.py).
     """
 
     n: int = 1
@@ -56,6 +60,7 @@ class SamplingParams:
     # (everything so far, every step), "delta" (what is new; the final output has everything), or
     # "final_only" (nothing until it finishes).
     output_kind: str = "cumulative"
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +68,7 @@ class SamplingParams:
         elif self.stop is None:
             self.stop = []
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.structured_outputs = structured_outputs_from(self.structured_outputs)
         self.validate()
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -103,6 +109,10 @@ class SamplingParams:
                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
                f"must be an int in [0, 20] or None, got {self.logprobs!r}")
+        if self.structured_outputs is not None:
+            require(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+                    "must be a StructuredOutputsParams or a dict of its fields")
+            self.structured_outputs.validate()
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if t >= vocab_size]
             require(not bad, "stop_token_ids", f"ids {bad} are outside the vocabulary (size {vocab_size})")

@@ -160,9 +160,27 @@ def test_bad_stream_request_fails_before_streaming(server):
     assert headers["Content-Type"].startswith("application/json")
 
 
-def test_unknown_fields_are_ignored(server):
-    status, body, _ = call(server, "POST", CHAT, chat(user="u1", response_format={"type": "text"}, foo=[1]), AUTH)
+def test_unknown_fields_are_refused_by_name(server):
+    status, body, _ = call(server, "POST", CHAT, chat(user="u1", response_format={"type": "text"}), AUTH)
     assert status == 200 and body["object"] == "chat.completion"
+    status, body, _ = call(server, "POST", CHAT, chat(foo=[1]), AUTH)
+    assert status == 400 and body["error"]["param"] == "foo", body
+    assert body["error"]["message"].startswith("foo: unknown field")
+    status, body, _ = call(server, "POST", COMPL, compl(response_format={"type": "text", "bar": 1}), AUTH)
+    assert status == 400 and body["error"]["param"] == "response_format.bar", body
+
+
+@pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                          ("tool_choice", "auto"), ("logit_bias", {"5": 10}),
+                                          ("chat_template_kwargs", {"enable_thinking": False}),
+                                          ("best_of", 2), ("guided_json", {"type": "object"})])
+def test_unimplemented_openai_and_vllm_fields_are_refused_by_name(server, field, value):
+    status, body, _ = call(server, "POST", CHAT, chat(**{field: value}), AUTH)
+    assert status == 400, body
+    assert body["error"] == {"message": f"{field}: is not supported by this server", "type": "invalid_request_error",
+                             "param": field, "code": None}
+    status, _, _ = call(server, "POST", CHAT, chat(**{field: None}), AUTH)  # null means absent
+    assert status == 200
 
 
 def test_nulls_mean_defaults(server):
@@ -170,6 +188,8 @@ def test_nulls_mean_defaults(server):
                            "top_p", "seed", "ignore_eos", "min_tokens", "user", "max_completion_tokens"])
     status, body, _ = call(server, "POST", CHAT, chat(**nulls), AUTH)
     assert status == 200 and len(body["choices"]) == 1, body
+    for chat_only in ("top_logprobs", "max_completion_tokens"):  # not fields of /v1/completions
+        del nulls[chat_only]
     status, body, _ = call(server, "POST", COMPL, compl(**nulls, echo=None, suffix=None), AUTH)
     assert status == 200 and len(body["choices"]) == 1, body
 

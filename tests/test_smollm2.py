@@ -4,6 +4,8 @@ to transformers' own GGUF loading."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -98,3 +100,73 @@ def test_batch_invariant_outputs_are_bitwise_the_prompt_alone():
         got = run_case(None, prompts, case, 16)
         for i, (g, r) in enumerate(zip(got, ref)):
             assert g == r, f"SmolLM2 {case}: prompt {i} differs from its run alone"
+
+
+def _schemas() -> list[dict]:
+    """16 JSON schemas: nested objects, enums, arrays, bounded numbers, in varied combinations."""
+    colors = {"type": "string", "enum": ["red", "green", "blue"]}
+    name = {"type": "string", "maxLength": 24}
+    out = []
+    for i in range(16):
+        props: dict = {"name": name, "age": {"type": "integer", "minimum": 1 + i, "maximum": 90 + i}}
+        if i % 2:
+            props["favorite_color"] = colors
+        if i % 3 == 0:
+            props["address"] = {"type": "object", "properties": {"city": name, "zip": {"type": "string",
+                                                                                        "pattern": "^[0-9]{5}$"}},
+                                "required": ["city", "zip"], "additionalProperties": False}
+        if i % 4 == 1:
+            props["scores"] = {"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 10},
+                               "minItems": 1, "maxItems": 3}
+        if i % 5 == 2:
+            props["tags"] = {"type": "array", "items": colors, "maxItems": 2}
+        out.append({"type": "object", "properties": props, "required": sorted(props), "additionalProperties": False})
+    return out
+
+
+def test_sixteen_concurrent_json_schemas_all_validate(llm):
+    """Issue 18 on the real model: 16 concurrent requests with different schemas, mixed with 8
+    unconstrained ones (which give exactly what they give alone): every constrained output parses
+    and validates against its schema (jsonschema)."""
+    import jsonschema
+
+    schemas = _schemas()
+    people = ["a baker", "a pilot", "a child", "a teacher"]
+    convs = [[{"role": "user", "content": f"Describe {people[i % 4]} as JSON."}] for i in range(16)]
+    free = [[{"role": "user", "content": f"Name {k + 2} animals."}] for k in range(8)]
+    plain = SamplingParams(max_tokens=24, temperature=0.0)
+    alone = [o.outputs[0].token_ids for o in llm.chat(free, plain)]
+    params = [SamplingParams(max_tokens=300, temperature=0.0, structured_outputs={"json": s}) for s in schemas]
+    outs = llm.chat(convs + free, params + [plain] * 8)
+    for o, schema in zip(outs[:16], schemas):
+        c = o.outputs[0]
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), schema)
+    assert [o.outputs[0].token_ids for o in outs[16:]] == alone
+
+
+def test_openai_client_parse_with_a_pydantic_model(llm):
+    """The official client's ``chat.completions.parse``: it sends a strict json_schema built from
+    the pydantic model and parses the reply back into it."""
+    from typing import Literal
+
+    import openai
+    import pydantic
+
+    from prefixkv.async_engine import AsyncEngine
+    from prefixkv.server.app import BackgroundServer, ServerConfig
+
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=30)
+        country: str = pydantic.Field(max_length=30)
+        population_millions: float = pydantic.Field(ge=0, le=40)
+        climate: Literal["cold", "mild", "hot"]
+
+    with BackgroundServer(AsyncEngine(llm.engine), ServerConfig("smollm2")) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
+        done = client.chat.completions.parse(
+            model="smollm2", messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+            response_format=City, temperature=0, max_tokens=200)
+    city = done.choices[0].message.parsed
+    assert isinstance(city, City), done.choices[0].message.content
+    assert done.choices[0].finish_reason == "stop"

@@ -159,6 +159,12 @@ class ModelRunner:
                 if ids:
                     banned.append((i, ids))
         b.banned = banned or None
+        constrained = [(i, r.matcher) for i, (r, _) in enumerate(rows) if r.matcher is not None]
+        if constrained:
+            from prefixkv.structured_outputs import fill_bitmask
+
+            b.constrained_rows = torch.tensor([i for i, _ in constrained], dtype=torch.int64, device=dev)
+            b.allowed = torch.from_numpy(fill_bitmask([m for _, m in constrained], v)).to(dev)
         return b
 
     # ------------------------------------------------------------------ the step

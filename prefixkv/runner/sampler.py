@@ -9,6 +9,8 @@ Randomness is counter-based: the uniform noise for row r, vocab entry v is a has
 the batch, however its prompt was chunked, and after preemption. Sampling is the exponential
 race (argmax of p / Exp(1)), which equals drawing from p.
 
+Structured outputs: after min_tokens, the constrained rows' disallowed tokens are set to -inf.
+
 Logprobs come from the raw distribution: ``log_softmax`` of the logits before any of the above.
 """
 
@@ -78,6 +80,9 @@ class SamplingBatch:
     # min_tokens: rows whose listed token ids are masked this step
     banned: list[tuple[int, list[int]]] | None = None
     max_logprobs: int = -1  # -1: no row wants logprobs
+    # structured outputs: the constrained rows and their allowed tokens (bool [len(rows), V])
+    constrained_rows: torch.Tensor | None = None
+    allowed: torch.Tensor | None = None
 
 
 @dataclass
@@ -128,10 +133,13 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     if b.max_logprobs >= 0:
         logprobs = torch.log_softmax(logits.float() if logits.dtype != torch.float64 else logits, dim=-1)
     logits = apply_penalties(logits, b)
-    if b.banned:
+    if b.banned or b.allowed is not None:
         logits = logits.clone()
-        for row, ids in b.banned:
-            logits[row, ids] = float("-inf")
+    for row, ids in b.banned or ():
+        logits[row, ids] = float("-inf")
+    if b.allowed is not None:  # structured outputs: only what the grammar allows next
+        rows = b.constrained_rows
+        logits[rows] = logits[rows].masked_fill(~b.allowed, float("-inf"))
     greedy_tokens = logits.argmax(dim=-1)
     if b.all_greedy:
         tokens = greedy_tokens

@@ -142,7 +142,10 @@ def bad_request(e: ValueError, aliases: dict[str, str] | None = None) -> ApiErro
     msg = str(e)
     head, sep, rest = msg.partition(": ")
     param = head if sep and _PARAM.fullmatch(head) else None
-    if param and aliases:
+    if param and aliases and param in aliases:  # a whole path renamed
+        param = aliases[param]
+        msg = f"{param}: {rest}"
+    elif param and aliases:
         root = re.split(r"[.\[]", param, maxsplit=1)[0]
         if root in aliases:  # name the field the client sent, in the message too
             param = aliases[root] + param[len(root):]
@@ -483,7 +486,13 @@ class _Server:
 
     def _params(self, req: Any, max_tokens: int | None, logprobs: int | None,
                 aliases: dict[str, str]) -> SamplingParams:
+        bad = req.unsupported_field()
+        if bad is not None:
+            raise ApiError(400, f"{bad}: is not supported by this server", param=bad)
         kw: dict[str, Any] = dict(max_tokens=max_tokens, stop=req.stop, logprobs=logprobs, output_kind="delta")
+        so = self._structured_outputs(req, aliases)
+        if so is not None:
+            kw["structured_outputs"] = so
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens"):
             value = getattr(req, name)
@@ -493,6 +502,35 @@ class _Server:
             return SamplingParams(**kw)
         except ValueError as e:
             raise bad_request(e, aliases) from None
+
+    def _prepare_prompts(self, prompts: list, params: SamplingParams) -> list:
+        """Off the event loop and the engine thread: tokenize, and compile the request's grammar
+        into the engine's cache (so that adding the request finds it compiled)."""
+        if params.structured_outputs is not None:
+            self.engine.engine.grammars.compile(params.structured_outputs)
+        return [self.tokenizer.encode(p) if isinstance(p, str) and p else p for p in prompts]
+
+    @staticmethod
+    def _structured_outputs(req: Any, aliases: dict[str, str]) -> dict | None:
+        """``response_format`` (OpenAI) or ``structured_outputs`` (vLLM) as StructuredOutputsParams'
+        dict form; errors about it will name the field the client sent (``aliases``)."""
+        rf, so = req.response_format, req.structured_outputs
+        if rf is not None and rf.type != "text":
+            if so is not None:
+                raise ApiError(400, "structured_outputs: set either structured_outputs or response_format, not both",
+                               param="structured_outputs")
+            if rf.type == "json_object":
+                aliases["structured_outputs.json_object"] = "response_format"
+                return {"json_object": True}
+            if rf.type == "json_schema":
+                if rf.json_schema is None or not isinstance(rf.json_schema.schema, dict):
+                    raise ApiError(400, "response_format.json_schema.schema: a JSON schema object is required "
+                                        "for type 'json_schema'", param="response_format.json_schema.schema")
+                aliases["structured_outputs.json"] = "response_format.json_schema.schema"
+                return {"json": rf.json_schema.schema}
+            raise ApiError(400, f"response_format.type: must be 'text', 'json_object' or 'json_schema', got "
+                                f"{rf.type!r}", param="response_format.type")
+        return so
 
     async def _generate(self, request: web.Request, t0: float, fmt_type: type[_Format],
                         req: ChatCompletionRequest | CompletionRequest, prompts: list, params: SamplingParams,
@@ -504,8 +542,7 @@ class _Server:
         try:
             try:
                 async with _timeout_at(deadline):
-                    ids = await self._off_loop(lambda: [self.tokenizer.encode(p) if isinstance(p, str) and p else p
-                                                        for p in prompts])
+                    ids = await self._off_loop(lambda: self._prepare_prompts(prompts, params))
                     rids = [fmt.id if len(prompts) == 1 else f"{fmt.id}-{i}" for i in range(len(prompts))]
                     streams.extend(await self.engine.add_requests(list(zip(rids, ids)), params))
             except OverflowError as e:

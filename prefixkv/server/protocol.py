@@ -1,7 +1,9 @@
 """The OpenAI wire format as msgspec Structs.
 
-Requests are decoded and type-checked in one pass (unknown fields are ignored, as OpenAI-compatible
-servers do); ``decode_request`` turns msgspec's errors into ``ProtocolError(message, param)`` where
+Requests are decoded and type-checked in one pass; a field the server does not know is refused
+(400 naming it), and fields of the OpenAI / vLLM surface it does not implement are declared so that
+the refusal says so (``UNSUPPORTED_FIELDS``): nothing a client sends is silently ignored.
+``decode_request`` turns msgspec's errors into ``ProtocolError(message, param)`` where
 ``param`` is the field path ("messages[0].role"). Responses and stream chunks are Structs encoded
 straight to JSON. Logprobs are converted from the engine's ``Logprob`` list into the chat format
 (``content: [{token, logprob, bytes, top_logprobs}]``) and the legacy completions format
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from msgspec import Struct
@@ -47,7 +49,29 @@ class ChatMessage(Struct, omit_defaults=True):
     name: str | None = None
 
 
-class _SamplingRequest(Struct, kw_only=True):
+class JsonSchemaFormat(Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict | bool | None = None
+    strict: bool | None = None  # the schema is always enforced exactly (a token mask), strict or not
+
+
+class ResponseFormat(Struct, kw_only=True, forbid_unknown_fields=True):
+    type: str  # "text", "json_object" or "json_schema"
+    json_schema: JsonSchemaFormat | None = None
+
+
+# Fields of the OpenAI / vLLM request surface this server does not implement: a non-null value is a
+# 400 naming the field (null means absent).
+UNSUPPORTED_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logit_bias",
+                      "chat_template_kwargs", "allowed_token_ids", "bad_words", "prompt_logprobs",
+                      "include_stop_str_in_output", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar", "guided_decoding_backend", "best_of", "use_beam_search",
+                      "length_penalty", "truncate_prompt_tokens", "metadata", "store", "service_tier",
+                      "modalities", "audio", "prediction", "reasoning_effort", "web_search_options")
+
+
+class _SamplingRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by both endpoints. None (absent or null) means the default: SamplingParams' own."""
 
     model: str | None = None  # optional (the served model); any other name is rejected
@@ -68,7 +92,42 @@ class _SamplingRequest(Struct, kw_only=True):
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
-    user: str | None = None  # accepted and ignored
+    user: str | None = None  # an end-user id for abuse tracking (OpenAI): nothing to do with the output
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None  # vLLM's: json / json_object / regex / choice / grammar
+    # declared only to be refused by name (UNSUPPORTED_FIELDS)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    logit_bias: Any = None
+    chat_template_kwargs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    prompt_logprobs: Any = None
+    include_stop_str_in_output: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    best_of: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    truncate_prompt_tokens: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+    def unsupported_field(self) -> str | None:
+        """The first declared-but-unsupported field the request sets (non-null), if any."""
+        return next((f for f in UNSUPPORTED_FIELDS if getattr(self, f) is not None), None)
 
     @property
     def include_usage(self) -> bool:
@@ -93,6 +152,7 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
 
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
+_UNKNOWN = re.compile(r"unknown field `(?P<field>[^`]+)`")
 
 
 def decode_request(body: bytes, type: type[S]) -> S:
@@ -109,6 +169,11 @@ def decode_request(body: bytes, type: type[S]) -> S:
         missing = _MISSING.search(msg)
         if missing:
             path = f"{path}.{missing.group('field')}" if path else missing.group("field")
+        unknown = _UNKNOWN.search(msg)
+        if unknown:
+            path = f"{path}.{unknown.group('field')}" if path else unknown.group("field")
+            raise ProtocolError(f"{path}: unknown field (this server refuses fields it does not know rather "
+                                f"than ignore them)", path)
         raise ProtocolError(f"{path}: {msg}" if path else f"request body: {msg}", path or None) from None
     except msgspec.DecodeError as e:
         raise ProtocolError(f"malformed JSON body: {e}") from None
