@@ -216,9 +216,12 @@ def test_server_bad_structured_outputs_are_400_naming_the_field(server, body, pa
     assert status == 200
 
 
-def test_constrained_greedy_rows_do_not_draft(tiny_llama):
+def test_constrained_greedy_rows_do_not_draft(tiny_llama, monkeypatch):
     """Speculative decoding is off for constrained rows (their drafts would have to be checked
     against the grammar); a greedy unconstrained neighbour still drafts."""
+    from prefixkv.spec_decode import NgramIndex
+
+    monkeypatch.setattr(NgramIndex, "propose", lambda self, tokens, k: [7] * k)  # always a draft
     prompt = [5, 6, 7, 8] * 12
     llm = LLM(model=str(tiny_llama), dtype="float32", num_kv_blocks=128, num_speculative_tokens=3)
     out = llm.generate([prompt], _greedy(CODE))[0].outputs[0]
