@@ -83,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         fill_bitmask(matchers, vocab)
         mask_ms.append((time.perf_counter() - t0) * 1e3)
-    doc = dict(command="python -m bench.structured " + " ".join(argv or []), output_tokens=total, lengths=lengths,
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    doc = dict(command=" ".join(["python -m bench.structured", *args]), output_tokens=total, lengths=lengths,
                seconds=times, median_s=med, constrained_overhead=round(overhead, 4),
                out_tok_s={k: round(total / v, 1) for k, v in med.items()},
                mask_64_rows_ms_median=round(statistics.median(mask_ms), 3), mask_64_rows_ms_min=round(min(mask_ms), 3))

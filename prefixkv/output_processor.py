@@ -125,6 +125,8 @@ class OutputProcessor:
                 del seq.token_ids[seq.num_prompt_tokens + st.num_processed:]
                 break
         if seq.logprobs and len(st.logprobs) < len(seq.logprobs):
+            # (not past the last kept token: a stop inside an accepted draft drops the tokens after it)
+            del seq.logprobs[seq.num_output_tokens:]
             for chosen, top in seq.logprobs[len(st.logprobs):]:
                 st.logprobs.append(Logprob(seq.token_ids[seq.num_prompt_tokens + len(st.logprobs)], chosen, top))
         return finish

@@ -74,6 +74,8 @@ def emulator() -> KernelEmulator:
         _mixed_forward(BF16)
         _mixed_forward(F32)
         _decode((F32, 64, 16, 2, 2, False, [5]))  # the tiny engine model below
+        for dtype in (BF16, F32):
+            _per_token(dtype, *_INVARIANT_LAYOUT, [(0, 1)], [(2, (9, 1))])
         _prefill((F32, 64, 16, 2, 2, "simt", [(5, 5)]))
     return KernelEmulator.for_names(names)
 
@@ -292,3 +294,71 @@ def test_emulator_catches_synchronization_bugs(file_name, old, new, expect):
         assert re.search(expect, str(e)), str(e)
         return
     assert expect == "NaN" and out.isnan().any(), "the mutated kernel passed unnoticed"
+
+
+# ---- batch-invariant attention (issue 14) -------------------------------------------------------
+_INVARIANT_LAYOUT = (64, 16, 1, 3)  # head_dim, block_size, num_kv_heads, queries_per_kv
+_INVARIANT_CONTEXTS = [45, 530, 9]  # the middle one spans two 512-token split-K partitions
+
+
+def _per_token(dtype, head_dim, block_size, num_kv_heads, queries_per_kv, rows, chunks, max_seq_len=None, seed=0):
+    """Invariant attention of query positions of three fixed contexts (one cache, one q per
+    position): ``rows`` [(seq, position)] run as decode rows, then ``chunks`` [(seq, (end, n))]
+    as prefill chunks of the query tokens end - n .. end - 1, all in one batch. Returns
+    ({(seq, position): output [H, D]}, the batch holding the contexts)."""
+    from prefixkv.attention import cuda as kernels
+    from prefixkv.attention.base import AttentionMetadata
+
+    full = make_batch(dtype, head_dim, block_size, num_kv_heads, queries_per_kv,
+                      [(L, L) for L in _INVARIANT_CONTEXTS], seed)
+    starts = full["query_start_loc"].tolist()
+    q_of = lambda s, p: full["q"][starts[s] + p]  # noqa: E731  the query of position p of context s
+    specs = [(p + 1, 1, s) for s, p in rows] + [(end, n, s) for s, (end, n) in chunks]
+    q = torch.stack([q_of(s, p) for L, n, s in specs for p in range(L - n, L)])
+    qsl = [0]
+    for _, n, _ in specs:
+        qsl.append(qsl[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(len(q), dtype=torch.int64), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor([L for L, _, _ in specs], dtype=torch.int32),
+        block_tables=full["block_tables"][[s for _, _, s in specs]].contiguous(), num_decode_seqs=len(rows),
+        max_seq_len=max_seq_len or max(L for L, _, _ in specs), max_query_len=max(n for _, n, _ in specs),
+        query_start_loc_cpu=qsl)
+    out = kernels.paged_attention_per_token(q, full["cache"], meta, 1 / math.sqrt(head_dim))
+    got = {}
+    t = 0
+    for L, n, s in specs:
+        for p in range(L - n, L):
+            got[(s, p)] = out[t]
+            t += 1
+    return got, full
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_invariant_attention_is_bitwise_the_same_in_any_batch_chunking_and_grid(emulator, dtype):
+    """CudaAttentionBackend(batch_invariant=True): a query position's output is bitwise equal
+    whether it runs as a decode row, inside a whole prompt, inside a chunk of another size, in a
+    batch with other sequences or alone, and with the split-K grid sized for 4096 tokens; and
+    close to the float64 reference."""
+    layout = _INVARIANT_LAYOUT
+    probes = [(0, 44), (0, 20), (1, 529), (1, 511), (1, 512), (1, 500), (2, 8), (2, 0)]
+    with emulated(emulator, num_sms=132):  # an H100's count: the automatic split-K choice would differ here
+        # 1. everything as prefill chunks in one batch (seq 1 only from position 490)
+        batch, full = _per_token(dtype, *layout, [], [(0, (45, 45)), (1, (530, 40)), (2, (9, 9))])
+        # 2. decode rows of the probes, all in one batch
+        decodes, _ = _per_token(dtype, *layout, probes, [])
+        # 3. each sequence alone, in other chunks; seq 1's grid sized for 4096 tokens
+        alone = {}
+        for s, pieces in ((0, [(21, 21), (45, 24)]), (1, [(513, 23), (530, 17)]), (2, [(1, 1), (9, 8)])):
+            for end, n in pieces:
+                got, _ = _per_token(dtype, *layout, [], [(s, (end, n))], max_seq_len=4096 if s == 1 else None)
+                alone.update(got)
+    for key in probes:
+        assert torch.equal(batch[key].view(torch.uint8), decodes[key].view(torch.uint8)), key
+        assert torch.equal(batch[key].view(torch.uint8), alone[key].view(torch.uint8)), key
+    # and right: against the float64 reference for every position of the one-batch run
+    starts = full["query_start_loc"].tolist()
+    want = reference_attention(full["q"], full["cache"], full["block_tables"], full["seq_lens"],
+                               full["query_start_loc"], 1 / math.sqrt(layout[0]))
+    for (s, p), o in batch.items():
+        torch.testing.assert_close(o.double(), want[starts[s] + p], atol=TOL[dtype], rtol=TOL[dtype])

@@ -47,6 +47,8 @@ def test_prepacked_linear_matches_f_linear(kind, n_in, n_out, bias):
           f"vs float64 {err:.3e} (F.linear's {ref_err:.3e})")
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert err <= 4 * ref_err + 1e-6
+    if kind == "c":  # the two-level sum: within 1.5x of MKL's error (one chain over K was 3-5x)
+        assert err <= 1.5 * ref_err + 1e-7, (err, ref_err)
 
 
 @needs_c_gemm

@@ -5,6 +5,7 @@ whatever the drafts, the chunk budget, the block size, the prefix cache and pree
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -190,6 +191,17 @@ def test_stops_inside_an_accepted_draft(tiny_llama, monkeypatch):
             assert g.outputs[0].text == w.outputs[0].text
             assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
             assert g.outputs[0].stop_reason == w.outputs[0].stop_reason
+        assert llm.engine.stats()["spec_accepted_tokens"] > 0
+        # with logprobs: one entry per kept token, none for the dropped ones
+        params = replace(params, logprobs=1)
+        want = plain.generate(prompts, params)
+        oracle = OracleDrafts(prompts, refs, p_wrong=0.0)
+        llm, got = run(tiny_llama, prompts, k=6, params=params, oracle=oracle, monkeypatch=monkeypatch)
+        for w, g in zip(want, got):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            assert [lp.token_id for lp in g.outputs[0].logprobs] == g.outputs[0].token_ids
+            for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-12)
         assert llm.engine.stats()["spec_accepted_tokens"] > 0
 
 

@@ -462,9 +462,19 @@ class CudaAttentionBackend(AttentionBackend):
 
     name = "cuda"
 
-    def __init__(self, prefill_impl: str = "auto", split_k: bool | None = None) -> None:
+    def __init__(self, prefill_impl: str = "auto", split_k: bool | None = None,
+                 batch_invariant: bool = False) -> None:
         self.prefill_impl = prefill_impl
         self.split_k = split_k
+        # Invariant attention (issue 14): every query token, decode or prefill, runs the split-K
+        # decode kernel with its own context length. Split-K is always on, by a fixed partition of
+        # DECODE_PARTITION_SIZE tokens (never chosen by batch size or SM count); in a partition the
+        # warps take 32-token chunks in a fixed order and merge in a fixed order, and the reduce
+        # kernel merges a sequence's own partitions in order. A query's output is then bitwise the
+        # same whatever the batch, the chunking of its prompt or the grid size (tested in the
+        # emulator). The GEMMs (cuBLAS) are not invariant, so the engine does not offer the mode
+        # on CUDA yet; this is its attention half.
+        self.batch_invariant = batch_invariant
 
     def forward(self, q, k, v, kv_cache_layer, meta: AttentionMetadata, scale: float):
         write_kv(k, v, kv_cache_layer, meta.slot_mapping)
@@ -474,6 +484,8 @@ class CudaAttentionBackend(AttentionBackend):
         if "cuda_meta_checked" not in meta.scratch:  # the same for every layer of the step: check once
             _check_meta(meta, q.shape[0], q.device)
             meta.scratch["cuda_meta_checked"] = True
+        if self.batch_invariant:
+            return self._forward_per_token(q, kv_cache_layer, meta, scale)
         num_seqs = meta.num_seqs
         num_decodes = meta.num_decode_seqs
         out = _out_like(q, None, kv_cache_layer)
@@ -485,5 +497,36 @@ class CudaAttentionBackend(AttentionBackend):
                      num_decodes, num_seqs, scale, meta.max_query_len, self.prefill_impl)
         return out
 
+    def _forward_per_token(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float):
+        return paged_attention_per_token(q, kv_cache_layer, meta, scale)
+
     def copy_blocks(self, kv_cache: torch.Tensor, src_dst: torch.Tensor) -> None:
         copy_blocks(kv_cache, src_dst)
+
+
+def paged_attention_per_token(q: torch.Tensor, kv_cache_layer: torch.Tensor, meta: AttentionMetadata,
+                              scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The batch-invariant attention (CudaAttentionBackend(batch_invariant=True)): every query
+    token of ``meta`` (decodes and prefill chunks alike) through the split-K decode kernel with its
+    own context length. The K/V of the step must already be in the cache."""
+    if "token_rows" not in meta.scratch:  # per step: each query token's table row and length
+        meta.scratch["token_rows"] = token_rows(meta)
+    tables, lens = meta.scratch["token_rows"]
+    out = _out_like(q, out, kv_cache_layer)
+    if lens.shape[0]:
+        _decode(out, q, kv_cache_layer, tables, lens, lens.shape[0], scale, meta.max_seq_len, split_k=True)
+    return out
+
+
+def token_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query token as a decode row: ([num_tokens, max_blocks] int32 block-table rows of its
+    sequence, [num_tokens] int32 context lengths = its position + 1)."""
+    qsl = meta.query_start_loc.to(torch.int64)
+    qlens = qsl[1:] - qsl[:-1]
+    dev = qsl.device
+    num_tokens = int(meta.query_start_loc_cpu[-1]) if meta.query_start_loc_cpu else int(qsl[-1])
+    seq = torch.repeat_interleave(torch.arange(meta.num_seqs, device=dev), qlens, output_size=num_tokens)
+    offset = torch.arange(num_tokens, device=dev) - torch.repeat_interleave(qsl[:-1], qlens, output_size=num_tokens)
+    ctx = meta.seq_lens.to(torch.int64) - qlens
+    lens = torch.repeat_interleave(ctx, qlens, output_size=num_tokens) + offset + 1
+    return meta.block_tables.index_select(0, seq).contiguous(), lens.to(torch.int32).contiguous()

@@ -3,7 +3,8 @@
 CPU float32 backends (``EngineConfig.cpu_linear``; ``resolve_cpu_linear`` picks for "auto"):
 
 - "c": the engine's own GEMM (``gemm_f32`` in prefixkv/csrc/cpu_ops.c, AVX-512): weights packed into
-  48-wide panels, 8 x 48 register tiles, every output one FMA chain over k in order. On SmolLM2's
+  48-wide panels, 8 x 48 register tiles, every output a sum of 64-wide FMA chains over k in order
+  (float32 error about MKL's). On SmolLM2's
   projections (bench/RESULTS.md, "CPU GEMM"), a 16-row decode step's GEMMs take ~1.3x less time
   than oneDNN's, and about the same from 2,048 rows. Its rows are bitwise independent of the
   batch they run in, for every M including 1 (tests/test_linear.py).
