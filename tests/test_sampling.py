@@ -90,6 +90,17 @@ def test_sampling_follows_the_distribution():
     assert abs(freq[0] - 0.7) < 0.03 and abs(freq[1] - 0.2) < 0.03 and abs(freq[2] - 0.1) < 0.03
 
 
+def test_sampling_never_draws_a_token_of_probability_zero():
+    """Inverse-CDF sampling over a vocabulary where only a few (scattered, first and last
+    included) tokens are possible: every draw is one of them, whatever the uniform."""
+    logits = torch.full((1, 50), float("-inf"), dtype=torch.float64)
+    allowed = [0, 17, 18, 49]
+    logits[0, allowed] = torch.tensor([0.1, -3.0, 2.0, 0.5], dtype=torch.float64)
+    n = 2000
+    toks = sample(logits.repeat(n, 1), _batch(n, 50, seeds=torch.arange(n))).token_ids
+    assert set(toks) == set(allowed)
+
+
 @pytest.mark.parametrize("field,value", [
     ("n", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_k", -2), ("min_p", 1.5), ("seed", "x"),
     ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0), ("stop", [""]),

@@ -4,10 +4,12 @@ Order: penalties (repetition as in transformers; presence/frequency as in OpenAI
 tokens) -> min_tokens (eos and stop ids masked) -> temperature -> top-k -> top-p -> min-p ->
 sample. Rows with ``temperature < 1e-5`` (0 included) take the exact argmax of the (penalized) logits.
 
-Randomness is counter-based: the uniform noise for row r, vocab entry v is a hash of
-(row seed, output position, v), so a seeded request draws the same tokens whatever else is in
-the batch, however its prompt was chunked, and after preemption. Sampling is the exponential
-race (argmax of p / Exp(1)), which equals drawing from p.
+Randomness is counter-based: a row's uniform u is a hash of (row seed, output position), so a
+seeded request draws the same tokens whatever else is in the batch, however its prompt was
+chunked, and after preemption. Sampling inverts the row's cumulative distribution (float64, the
+vocabulary in index order): the first token whose cumulative probability exceeds u times the
+total, which draws from p with one uniform per row (a uniform per vocabulary entry, as the
+exponential race needs, cost ~50 ms a step at 32 rows x 49,152 entries on 2 cores).
 
 Structured outputs: after min_tokens, the constrained rows' disallowed tokens are set to -inf.
 
@@ -47,11 +49,9 @@ def mix_seed(seed: int, sample_index: int) -> int:
     return _fmix32_int(x ^ ((sample_index * 0x9E3779B9) & _M32))
 
 
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[S, V] float64 uniforms in (0, 1), a pure function of (seed, position, vocab index)."""
-    v = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)[None, :]
-    h = _fmix32((seeds[:, None] ^ ((positions[:, None] * 0x27D4EB2F) & _M32)) & _M32)
-    h = _fmix32(h ^ ((v * 0x165667B1) & _M32))
+def row_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[S] float64 uniforms in (0, 1), a pure function of (seed, position)."""
+    h = _fmix32((seeds ^ ((positions * 0x27D4EB2F) & _M32)) & _M32)
     h2 = _fmix32(h ^ 0x5BD1E995)
     bits = ((h >> 8) << 24) | (h2 >> 8)  # 48 random bits
     return (bits.double() + 0.5) / float(1 << 48)
@@ -148,9 +148,10 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         temp = torch.where(greedy, torch.ones_like(b.temperature), b.temperature)[:, None].to(logits.dtype)
         scaled = logits / temp
         scaled = scaled.masked_fill(top_k_top_p_min_p_mask(scaled, b), float("-inf"))
-        probs = torch.softmax(scaled.double(), dim=-1)
-        race = probs / -torch.log(uniform_noise(b.seeds, b.positions, logits.shape[-1]))
-        tokens = torch.where(greedy, greedy_tokens, race.argmax(dim=-1))
+        cdf = torch.cumsum(torch.softmax(scaled.double(), dim=-1), dim=-1)
+        target = row_uniform(b.seeds, b.positions) * cdf[:, -1]  # < the total: a token of p > 0
+        drawn = torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)
+        tokens = torch.where(greedy, greedy_tokens, drawn)
     if b.max_logprobs >= 0:
         out_lp = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
         if b.max_logprobs > 0:
