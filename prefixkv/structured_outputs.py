@@ -179,7 +179,7 @@ def fill_bitmask(matchers: list, vocab_size: int):
     bits = np.zeros((len(matchers), words), dtype=np.int32)
     for i, m in enumerate(matchers):
         m.unsafe_compute_mask_ptr(bits[i].ctypes.data, words * 4)
-    return np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size].astype(bool)
+    return np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size].view(bool)
 
 
 class StructuredOutputError(RuntimeError):

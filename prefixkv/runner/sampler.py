@@ -139,7 +139,10 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         logits[row, ids] = float("-inf")
     if b.allowed is not None:  # structured outputs: only what the grammar allows next
         rows = b.constrained_rows
-        logits[rows] = logits[rows].masked_fill(~b.allowed, float("-inf"))
+        if rows.shape[0] == logits.shape[0]:  # every row constrained: in place
+            logits.masked_fill_(~b.allowed, float("-inf"))
+        else:
+            logits[rows] = logits[rows].masked_fill(~b.allowed, float("-inf"))
     greedy_tokens = logits.argmax(dim=-1)
     if b.all_greedy:
         tokens = greedy_tokens
