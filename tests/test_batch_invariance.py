@@ -145,3 +145,15 @@ def test_on_by_default_where_possible(tiny_llama):
     for kw in (dict(dtype="float64"), dict(dtype="float32", cpu_linear="onednn"),
                dict(dtype="float32", attention_backend="torch"), dict(dtype="float32", batch_invariant=False)):
         assert LLM(model=str(tiny_llama), num_kv_blocks=64, **kw).engine.batch_invariant is False, kw
+
+
+def test_cli_flags():
+    import argparse
+
+    from prefixkv.engine_args import add_engine_args, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config_from_args(p.parse_args([])).batch_invariant is None
+    assert engine_config_from_args(p.parse_args(["--batch-invariant"])).batch_invariant is True
+    assert engine_config_from_args(p.parse_args(["--no-batch-invariant"])).batch_invariant is False
