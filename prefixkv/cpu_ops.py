@@ -123,8 +123,8 @@ def gemm_pack(weight: torch.Tensor) -> torch.Tensor:
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] float32 (rows contiguous, any row stride) @ W.T (+ bias) -> [M, n], W being the
-    [n, K] weight ``packed`` came from. Each output is one float32 FMA chain over k in order, then
-    + bias: bitwise independent of M and of the row's place in x."""
+    [n, K] weight ``packed`` came from. Each output is a sum, in order, of float32 FMA chains over
+    64 values of k each, then + bias: bitwise independent of M and of the row's place in x."""
     m, k = x.shape
     assert x.dtype == torch.float32 and x.stride(1) == 1 and packed.shape[1] == k, (x.shape, x.stride(), packed.shape)
     assert packed.shape[0] * packed.shape[2] >= n > packed.shape[0] * packed.shape[2] - packed.shape[2], (n, packed.shape)

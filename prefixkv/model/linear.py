@@ -4,9 +4,8 @@ CPU float32 backends (``EngineConfig.cpu_linear``; ``resolve_cpu_linear`` picks 
 
 - "c": the engine's own GEMM (``gemm_f32`` in prefixkv/csrc/cpu_ops.c, AVX-512): weights packed into
   48-wide panels, 8 x 48 register tiles, every output a sum of 64-wide FMA chains over k in order
-  (float32 error about MKL's). On SmolLM2's
-  projections (bench/RESULTS.md, "CPU GEMM"), a 16-row decode step's GEMMs take ~1.3x less time
-  than oneDNN's, and about the same from 2,048 rows. Its rows are bitwise independent of the
+  (float32 error below MKL's). On SmolLM2's projections (bench/RESULTS.md, "The C GEMM"), a
+  16-row decode step's GEMMs take ~1.2x less time than oneDNN's, and about the same from 2,048 rows. Its rows are bitwise independent of the
   batch they run in, for every M including 1 (tests/test_linear.py).
 - "onednn": see below; where the C kernel is not built (no AVX-512 or no compiler).
 - "torch": ``F.linear`` (MKL), the plain path.
