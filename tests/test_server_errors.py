@@ -257,16 +257,17 @@ def timeout_server(tiny_llama):
 def test_request_timeout_aborts(timeout_server):
     server = timeout_server
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    room = server.engine.engine.info.max_model_len - 16  # to (nearly) the end of the context
     t0 = time.monotonic()
     with pytest.raises(openai.APIStatusError) as exc:
-        client.completions.create(model=MODEL, prompt="tick", max_tokens=100_000, temperature=0,
+        client.completions.create(model=MODEL, prompt="tick", max_tokens=room, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert exc.value.status_code == 504
     assert exc.value.body["type"] == "server_error" and exc.value.body["code"] == "request_timeout"
     assert TIMEOUT_S - 0.1 < time.monotonic() - t0 < TIMEOUT_S + 5
     wait_idle(server, timeout=5)
     # streaming: the stream ends with an error event instead of hanging
-    stream = client.completions.create(model=MODEL, prompt="tock", max_tokens=100_000, temperature=0,
+    stream = client.completions.create(model=MODEL, prompt="tock", max_tokens=room, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})
     with pytest.raises(openai.APIError, match="timeout"):
         for _ in stream:
@@ -327,3 +328,15 @@ def test_503_when_waiting_queue_is_full(small_server):
     wait_idle(srv)
     r = client.completions.create(model=MODEL, prompt="after", max_tokens=2, **greedy)
     assert r.usage.completion_tokens == 2
+
+
+def test_max_tokens_beyond_the_context_is_refused_like_vllm(server):
+    limit = server.engine.engine.info.max_model_len
+    status, body, _ = call(server, "POST", COMPL, compl(prompt=[5, 6, 7], max_tokens=limit), AUTH)
+    assert status == 400 and body["error"]["param"] == "max_tokens", body
+    assert body["error"]["message"] == (f"max_tokens: {limit} is too large: this model's maximum context length is "
+                                        f"{limit} tokens and the request has 3 input tokens ({limit} > {limit} - 3)")
+    status, body, _ = call(server, "POST", CHAT, chat(max_completion_tokens=10**9), AUTH)
+    assert status == 400 and body["error"]["param"] == "max_completion_tokens", body
+    status, body, _ = call(server, "POST", COMPL, compl(prompt=[5, 6, 7], max_tokens=limit - 3), AUTH)
+    assert status == 200, body

@@ -510,6 +510,19 @@ class _Server:
             self.engine.engine.grammars.compile(params.structured_outputs)
         return [self.tokenizer.encode(p) if isinstance(p, str) and p else p for p in prompts]
 
+    def _check_room(self, ids: list, params: SamplingParams, aliases: dict[str, str]) -> None:
+        """vLLM's 400 for a ``max_tokens`` that the context cannot hold after the prompt (rather
+        than generating until the context is full)."""
+        limit = self.engine.engine.info.max_model_len
+        if params.max_tokens is None:
+            return
+        for p in ids:
+            if isinstance(p, list) and len(p) < limit and len(p) + params.max_tokens > limit:
+                name = aliases.get("max_tokens", "max_tokens")
+                raise ApiError(400, f"{name}: {params.max_tokens} is too large: this model's maximum context length "
+                                    f"is {limit} tokens and the request has {len(p)} input tokens "
+                                    f"({params.max_tokens} > {limit} - {len(p)})", param=name)
+
     @staticmethod
     def _structured_outputs(req: Any, aliases: dict[str, str]) -> dict | None:
         """``response_format`` (OpenAI) or ``structured_outputs`` (vLLM) as StructuredOutputsParams'
@@ -543,6 +556,7 @@ class _Server:
             try:
                 async with _timeout_at(deadline):
                     ids = await self._off_loop(lambda: self._prepare_prompts(prompts, params))
+                    self._check_room(ids, params, aliases)
                     rids = [fmt.id if len(prompts) == 1 else f"{fmt.id}-{i}" for i in range(len(prompts))]
                     streams.extend(await self.engine.add_requests(list(zip(rids, ids)), params))
             except OverflowError as e:
