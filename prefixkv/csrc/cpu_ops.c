@@ -536,7 +536,8 @@ void silu_mul_f32(const float *gate_up, int64_t ld_in, float *out, int64_t ld_ou
  * Every output element is summed in two levels: for each block of GEMM_KB values of k in order, a
  * fresh FMA chain fma(x[m, k], W[n, k], acc) from 0; the block sums added in order to a running
  * total; then + bias[n]. (One chain over all of K, at the same speed, has a float32 error 3-5x
- * larger, above MKL's and oneDNN's; tests/test_linear.py prints the errors.) Nothing else enters it: a row's outputs are bitwise the same whatever M, the row's
+ * larger, above MKL's and oneDNN's; tests/test_linear.py prints the errors.) Nothing else enters it:
+ * a row's outputs are bitwise the same whatever M, the row's
  * position, the tile it falls in or the number of threads (tested).
  * ---------------------------------------------------------------------------------------------- */
 #define GEMM_NR 48
