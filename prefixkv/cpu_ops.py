@@ -109,7 +109,7 @@ def gemm_available() -> bool:
 
 
 def gemm_pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] float32 (CPU, rows contiguous) -> its packed copy for ``gemm``: panels of
+    """weight [N, K] float32 (CPU, rows contiguous) -> its packed copy for ``gemm_caller``: panels of
     ``gemm_panel_width()`` output features, [ceil(N / width), K, width], zero-padded."""
     assert weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2, weight.shape
     assert weight.stride(1) == 1, weight.stride()
@@ -121,20 +121,12 @@ def gemm_pack(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] float32 (rows contiguous, any row stride) @ W.T (+ bias) -> [M, n], W being the
-    [n, K] weight ``packed`` came from. Each output is a sum, in order, of float32 FMA chains over
-    64 values of k each, then + bias: bitwise independent of M and of the row's place in x."""
-    m, k = x.shape
-    assert x.dtype == torch.float32 and x.stride(1) == 1 and packed.shape[1] == k, (x.shape, x.stride(), packed.shape)
-    assert packed.shape[0] * packed.shape[2] >= n > packed.shape[0] * packed.shape[2] - packed.shape[2], (n, packed.shape)
-    assert bias is None or (bias.shape == (n,) and bias.is_contiguous() and bias.dtype == torch.float32)
-    return gemm_caller(packed, n, bias)(x)
-
-
 def gemm_caller(packed: torch.Tensor, n: int, bias: torch.Tensor | None = None):
-    """``gemm`` with its weight bound: checked once here, so that a call (121 a decode step on
-    SmolLM2) costs one allocation and one ctypes call. The returned function holds the tensors."""
+    """The GEMM with its packed weight bound: ``call(x)`` = x [M, K] float32 (rows contiguous, any row
+    stride) @ W.T (+ bias) -> [M, n], W being the [n, K] weight ``packed`` came from. Each output is a
+    sum, in order, of float32 FMA chains over 64 values of k each, then + bias: bitwise independent of
+    M and of the row's place in x. The weight is checked once here, so that a call (121 a decode step
+    on SmolLM2) costs one allocation and one ctypes call. The returned function holds the tensors."""
     k = packed.shape[1]
     assert packed.dtype == torch.float32 and packed.is_contiguous() and packed.dim() == 3, packed.shape
     assert packed.shape[0] * packed.shape[2] >= n > packed.shape[0] * packed.shape[2] - packed.shape[2], (n, packed.shape)

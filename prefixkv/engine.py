@@ -277,14 +277,13 @@ class LLMEngine:
         return outputs
 
     def _record_logprobs(self, req: Request, lps, verified: bool = False) -> None:
-        """One entry per sample (a fork step: the n children), or with ``verified`` one per kept
-        draft token of ``req``, as many as the step appended (an eos among them ends it)."""
+        """One entry per sample (a fork step: the n children), or with ``verified`` one per token
+        ``req`` kept from its draft (the output processor drops those after a stop)."""
         group = self._groups.get(req.request_id)
         if group is None:
             return
         if verified:
-            for entry in lps[:max(0, req.num_output_tokens - len(req.logprobs))]:
-                req.logprobs.append(entry)
+            req.logprobs.extend(lps)
             return
         seq_ids = [req.seq_id] if len(lps) == 1 else [f"{req.request_id}#{k}" for k in range(len(lps))]
         for seq_id, (chosen, top) in zip(seq_ids, lps):

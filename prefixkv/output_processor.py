@@ -123,10 +123,9 @@ class OutputProcessor:
             finish = self._process_token(group, seq, st, seq.num_prompt_tokens + st.num_processed - 1)
             if finish is not None:
                 del seq.token_ids[seq.num_prompt_tokens + st.num_processed:]
+                del seq.logprobs[st.num_processed:]  # (a stop inside an accepted draft)
                 break
         if seq.logprobs and len(st.logprobs) < len(seq.logprobs):
-            # (not past the last kept token: a stop inside an accepted draft drops the tokens after it)
-            del seq.logprobs[seq.num_output_tokens:]
             for chosen, top in seq.logprobs[len(st.logprobs):]:
                 st.logprobs.append(Logprob(seq.token_ids[seq.num_prompt_tokens + len(st.logprobs)], chosen, top))
         return finish

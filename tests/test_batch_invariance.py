@@ -7,12 +7,11 @@ in tests/test_smollm2.py."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from prefixkv import LLM, SamplingParams
 from prefixkv.cpu_ops import gemm_available
+from test_lossless import random_prompts
 
 MAX_TOKENS = 12
 # the mode needs the C GEMM (an AVX-512 build of the C kernels); elsewhere it is refused (tested below)
@@ -20,12 +19,7 @@ needs_the_mode = pytest.mark.skipif(not gemm_available(), reason="C kernels with
 
 
 def make_prompts(vocab: int, n: int = 10, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, vocab) for _ in range(41)]  # more than two 16-token blocks
-    prompts = []
-    for i in range(n):
-        own = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 50))]
-        prompts.append(shared + own if i % 2 == 0 else own)
+    prompts = random_prompts(vocab, n, seed, shared_len=41, max_own=50)  # 41: more than two 16-token blocks
     prompts[3] = prompts[2][:30]  # a prompt that is a prefix of another
     prompts[5] = prompts[5][:4] * 6  # repetitive: n-gram drafts get proposed and accepted
     return prompts
@@ -141,8 +135,6 @@ def test_batch_invariant_must_be_a_bool_or_none():
 def test_on_by_default_where_possible(tiny_llama):
     """Unset (None), the mode is on wherever the engine can make it so (CPU float32 with the C
     kernels: it costs <= 3%, bench/RESULTS.md) and off elsewhere, without an error."""
-    from prefixkv.cpu_ops import gemm_available
-
     on = LLM(model=str(tiny_llama), dtype="float32", num_kv_blocks=64)
     assert on.engine.batch_invariant is gemm_available()
     assert on.engine.runner.backend.batch_invariant is gemm_available()

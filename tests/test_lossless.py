@@ -14,13 +14,20 @@ MAX_TOKENS = 10
 CHUNKS = (7, 32, 512)
 
 
-def make_prompts(vocab: int, n: int = 17, seed: int = 0) -> list[list[int]]:
+def random_prompts(vocab: int, n: int, seed: int, shared_len: int, max_own: int) -> list[list[int]]:
+    """n prompts; the even ones start with the same ``shared_len`` tokens, each has 1 .. max_own - 1
+    tokens of its own."""
     rng = random.Random(seed)
-    shared = [rng.randrange(3, vocab) for _ in range(37)]  # longer than one 16-token block
+    shared = [rng.randrange(3, vocab) for _ in range(shared_len)]
     prompts = []
     for i in range(n):
-        own = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 60))]
+        own = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, max_own))]
         prompts.append(shared + own if i % 2 == 0 else own)
+    return prompts
+
+
+def make_prompts(vocab: int, n: int = 17, seed: int = 0) -> list[list[int]]:
+    prompts = random_prompts(vocab, n, seed, shared_len=37, max_own=60)  # 37: more than one 16-token block
     prompts[1] = prompts[0][:20]  # a prompt that is a prefix of another
     return prompts
 

@@ -59,6 +59,26 @@ class AttentionMetadata:
         return int(self.seq_lens.shape[0])
 
 
+def token_rows(meta: AttentionMetadata, first_seq: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query tokens of sequences ``first_seq ..`` as decode rows of their own (the batch-invariant
+    attention of the CPU and CUDA backends): ([tokens, max_blocks] int32, the block-table row of each
+    token's sequence; [tokens] int32, each token's context length = its position + 1). Built once
+    per step (cached in ``meta.scratch``)."""
+    key = ("token_rows", first_seq)
+    if key not in meta.scratch:
+        qsl = meta.query_start_loc.to(torch.int64)
+        qlens = qsl[first_seq + 1:] - qsl[first_seq:-1]
+        num_tokens = (meta.query_start_loc_cpu[-1] - meta.query_start_loc_cpu[first_seq] if meta.query_start_loc_cpu
+                      else int(qsl[-1] - qsl[first_seq]))
+        dev = qsl.device
+        seq = torch.repeat_interleave(torch.arange(first_seq, meta.num_seqs, device=dev), qlens, output_size=num_tokens)
+        # position of each token in its sequence: tokens before this step's rows + its index among them
+        ctx = meta.seq_lens[first_seq:].to(torch.int64) - qlens - (qsl[first_seq:-1] - qsl[first_seq])
+        lens = torch.repeat_interleave(ctx, qlens, output_size=num_tokens) + torch.arange(num_tokens, device=dev) + 1
+        meta.scratch[key] = (meta.block_tables.index_select(0, seq).contiguous(), lens.to(torch.int32).contiguous())
+    return meta.scratch[key]
+
+
 class AttentionBackend:
     """Paged attention over the KV layout above.
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from prefixkv import cpu_ops
-from prefixkv.attention.base import AttentionMetadata
+from prefixkv.attention.base import AttentionMetadata, token_rows
 from prefixkv.attention.torch_ref import TorchAttentionBackend
 
 
@@ -64,19 +64,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             super()._prefill_rows(q, kv_cache_layer, meta, scale, out)
 
     def _prefill_rows_as_decodes(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out) -> None:
-        """Every prefill query token as a decode row of its own: its sequence's block table and a
-        context length of its position + 1 (per-token tables built once per step)."""
+        """Every prefill query token as a decode row of its own (``token_rows``)."""
         nd = meta.num_decode_seqs
-        if "token_tables" not in meta.scratch:
-            qsl = meta.query_start_loc.to(torch.int64)
-            qlens = qsl[nd + 1:] - qsl[nd:-1]
-            first = qsl[nd:-1] - qsl[nd]  # each prefill sequence's first row, from 0
-            seq = torch.repeat_interleave(torch.arange(nd, meta.num_seqs), qlens)
-            offset = torch.arange(int(qlens.sum())) - torch.repeat_interleave(first, qlens)
-            ctx = meta.seq_lens[nd:].to(torch.int64) - qlens  # tokens before this step's rows
-            lens = torch.repeat_interleave(ctx, qlens) + offset + 1
-            meta.scratch["token_tables"] = (meta.block_tables.index_select(0, seq).contiguous(),
-                                            lens.to(torch.int32).contiguous())
-        tables, lens = meta.scratch["token_tables"]
+        tables, lens = token_rows(meta, nd)
         a = meta.query_start_loc_cpu[nd]
         cpu_ops.paged_decode_attention(q[a:], kv_cache_layer, tables, lens, scale, out[a:])

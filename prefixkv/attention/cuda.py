@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from prefixkv.attention.base import AttentionBackend, AttentionMetadata
+from prefixkv.attention.base import AttentionBackend, AttentionMetadata, token_rows
 
 CUDA_SOURCE_DIR = Path(__file__).resolve().parents[1] / "cuda"  # package data (prefixkv/cuda)
 
@@ -509,24 +509,8 @@ def paged_attention_per_token(q: torch.Tensor, kv_cache_layer: torch.Tensor, met
     """The batch-invariant attention (CudaAttentionBackend(batch_invariant=True)): every query
     token of ``meta`` (decodes and prefill chunks alike) through the split-K decode kernel with its
     own context length. The K/V of the step must already be in the cache."""
-    if "token_rows" not in meta.scratch:  # per step: each query token's table row and length
-        meta.scratch["token_rows"] = token_rows(meta)
-    tables, lens = meta.scratch["token_rows"]
+    tables, lens = token_rows(meta)
     out = _out_like(q, out, kv_cache_layer)
     if lens.shape[0]:
         _decode(out, q, kv_cache_layer, tables, lens, lens.shape[0], scale, meta.max_seq_len, split_k=True)
     return out
-
-
-def token_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every query token as a decode row: ([num_tokens, max_blocks] int32 block-table rows of its
-    sequence, [num_tokens] int32 context lengths = its position + 1)."""
-    qsl = meta.query_start_loc.to(torch.int64)
-    qlens = qsl[1:] - qsl[:-1]
-    dev = qsl.device
-    num_tokens = int(meta.query_start_loc_cpu[-1]) if meta.query_start_loc_cpu else int(qsl[-1])
-    seq = torch.repeat_interleave(torch.arange(meta.num_seqs, device=dev), qlens, output_size=num_tokens)
-    offset = torch.arange(num_tokens, device=dev) - torch.repeat_interleave(qsl[:-1], qlens, output_size=num_tokens)
-    ctx = meta.seq_lens.to(torch.int64) - qlens
-    lens = torch.repeat_interleave(ctx, qlens, output_size=num_tokens) + offset + 1
-    return meta.block_tables.index_select(0, seq).contiguous(), lens.to(torch.int32).contiguous()

@@ -71,7 +71,12 @@ UNSUPPORTED_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions"
                       "modalities", "audio", "prediction", "reasoning_effort", "web_search_options")
 
 
-class _SamplingRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+# declared (as Any, default None) only to be refused by name
+_Unsupported = msgspec.defstruct("_Unsupported", [(f, Any, None) for f in UNSUPPORTED_FIELDS], kw_only=True,
+                                 forbid_unknown_fields=True)
+
+
+class _SamplingRequest(_Unsupported, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by both endpoints. None (absent or null) means the default: SamplingParams' own."""
 
     model: str | None = None  # optional (the served model); any other name is rejected
@@ -95,35 +100,6 @@ class _SamplingRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     user: str | None = None  # an end-user id for abuse tracking (OpenAI): nothing to do with the output
     response_format: ResponseFormat | None = None
     structured_outputs: dict | None = None  # vLLM's: json / json_object / regex / choice / grammar
-    # declared only to be refused by name (UNSUPPORTED_FIELDS)
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
-    functions: Any = None
-    function_call: Any = None
-    logit_bias: Any = None
-    chat_template_kwargs: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
-    prompt_logprobs: Any = None
-    include_stop_str_in_output: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
-    best_of: Any = None
-    use_beam_search: Any = None
-    length_penalty: Any = None
-    truncate_prompt_tokens: Any = None
-    metadata: Any = None
-    store: Any = None
-    service_tier: Any = None
-    modalities: Any = None
-    audio: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    web_search_options: Any = None
 
     def unsupported_field(self) -> str | None:
         """The first declared-but-unsupported field the request sets (non-null), if any."""
