@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -49,6 +50,7 @@ def scheduler_overhead(num_running: int, steps: int, prompt_tokens: int, block_s
     import torch
 
     from prefixkv.config import CacheConfig, SchedulerConfig
+    from prefixkv.runner.block_table import BlockTables
     from prefixkv.runner.model_runner import ModelRunner
     from prefixkv.scheduler import Scheduler
 
@@ -58,14 +60,16 @@ def scheduler_overhead(num_running: int, steps: int, prompt_tokens: int, block_s
                                   enable_prefix_caching=prefix_caching), num_blocks)
     for r in _requests(num_running, prompt_tokens):
         sched.add_request(r)
+    runner = SimpleNamespace(block_size=block_size, device=torch.device("cpu"), vocab_size=49152,
+                             eos_token_ids=[2], max_model_len=1 << 30,
+                             block_tables=BlockTables(-(-(prompt_tokens + steps + 8) // block_size)))
     while True:  # prefill everything, untimed
         out = sched.schedule()
         all_decode = out.num_decodes == num_running  # (a property of the live requests: read before update)
+        ModelRunner.prepare(runner, out)  # (the runner's block tables follow every step)
         sched.update(out, _fake_sampled(out))
         if all_decode:
             break
-    runner = SimpleNamespace(block_size=block_size, device=torch.device("cpu"), vocab_size=49152,
-                             eos_token_ids=[2])
     t_sched = t_update = t_prepare = t_sbatch = 0.0
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -200,7 +204,7 @@ def simulate_paged(trace, budget_tokens: int, block_size: int, max_num_seqs: int
         held = slots = 0
         for s in out.scheduled:
             held += s.num_computed_tokens + s.num_scheduled_tokens
-            slots += len(out.block_tables[s.req.seq_id]) * block_size
+            slots += len(sched.kv.block_tables[s.req.seq_id]) * block_size
         running.append(len(sched.running))
         if slots:
             util.append(held / slots)
@@ -502,14 +506,17 @@ def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: in
     of ``context_tokens`` each (their blocks in the radix index), ``num_cached_blocks`` more cached
     (evictable) blocks, no free block (each completed decode block evicts one), and
     ``num_waiting`` long prompts that cannot be admitted (admission pressure). Times
-    ``LLMEngine.step`` with a fake runner (scheduler, KV bookkeeping, update, output processing)
-    and, apart, the real ``ModelRunner.prepare`` on the same step (host tensors of the batch)."""
+    ``LLMEngine.step`` with a runner whose forward pass and sampler are fake (scheduler, KV
+    bookkeeping, the real ``ModelRunner.prepare`` of the batch's host tensors, update, output
+    processing), and ``prepare`` alone inside it. The first step (it hands the runner every
+    table whole) is not counted."""
     import torch
 
     from prefixkv.config import CacheConfig, SchedulerConfig
     from prefixkv.engine import LLMEngine
     from prefixkv.output_processor import OutputProcessor, RequestState
     from prefixkv.request import Request, RequestStatus
+    from prefixkv.runner.block_table import BlockTables
     from prefixkv.runner.model_runner import ModelOutput, ModelRunner
     from prefixkv.sampling_params import SamplingParams
     from prefixkv.scheduler import Scheduler
@@ -560,7 +567,7 @@ def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: in
     eng = LLMEngine.__new__(LLMEngine)
     eng.config = SimpleNamespace(scheduler=sched.config)
     eng.scheduler = sched
-    eng._groups = {**groups, **{r.request_id: RequestState(r.request_id, None, r.token_ids, r.sampling_params,
+    eng._groups = {**groups, **{r.request_id: RequestState(r.request_id, None, r.prompt_token_ids, r.sampling_params,
                                                            seqs={0: r}) for r in sched.waiting}}
     eng.output = OutputProcessor(_FakeTokenizer(), [], 1 << 30)
     eng.check_integrity_each_step = False
@@ -568,9 +575,17 @@ def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: in
     eng.dead = None
     for g in eng._groups.values():  # detokenize=False requests: no text work
         g.params.detokenize = False
-    eng.runner = SimpleNamespace(execute=lambda out: ModelOutput(_fake_sampled(out), [None] * len(out.scheduled)))
-    prep_runner = SimpleNamespace(block_size=bs, device=torch.device("cpu"), vocab_size=50000, eos_token_ids=[2],
-                                  max_model_len=1 << 30)
+    prep_runner = SimpleNamespace(block_size=bs, device=torch.device("cpu"), max_model_len=1 << 30,
+                                  block_tables=BlockTables(blocks_per_req, num_running))
+    prep = []
+
+    def execute(out):
+        t = time.perf_counter()
+        ModelRunner.prepare(prep_runner, out)
+        prep.append(time.perf_counter() - t)
+        return ModelOutput(_fake_sampled(out), [None] * len(out.scheduled))
+
+    eng.runner = SimpleNamespace(execute=execute)
     evict_calls = []
     real_evict = kv.radix.evict
 
@@ -579,25 +594,38 @@ def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: in
         return real_evict(n)
 
     kv.radix.evict = counting_evict
-    host, prep = [], []
-    v0 = kv.radix.num_visits
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        outs = eng.step()
-        host.append(time.perf_counter() - t0)
-        assert len(outs) == num_running, len(outs)
-        out = sched.schedule()  # the next step's batch, for prepare alone (then undone by update)
-        t1 = time.perf_counter()
-        ModelRunner.prepare(prep_runner, out)
-        prep.append(time.perf_counter() - t1)
-        for req in sched.update(out, _fake_sampled(out)):
-            eng._groups[req.request_id].seqs[0] = req
+    eng.step()  # hands the runner every table whole (not counted)
+    del prep[:], evict_calls[:]
+    host = []
+    v0, w0 = kv.radix.num_visits, prep_runner.block_tables.num_entries_written
+    full_gcs = []  # ms of each full (oldest-generation) collection during the counted steps
+    gc_start = [0.0]
+
+    def on_gc(phase, info):
+        if info["generation"] == 2:
+            if phase == "start":
+                gc_start[0] = time.perf_counter()
+            else:
+                full_gcs.append((time.perf_counter() - gc_start[0]) * 1e3)
+
+    gc.callbacks.append(on_gc)
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            outs = eng.step()
+            host.append(time.perf_counter() - t0)
+            assert len(outs) == num_running, len(outs)
+    finally:
+        gc.callbacks.remove(on_gc)
     assert sched.num_waiting == num_waiting  # admission never succeeded: every step had pressure
     return dict(num_running=num_running, num_cached_blocks=num_cached_blocks, num_pool_blocks=num_blocks,
                 context_tokens=context_tokens, num_waiting=num_waiting, waiting_tokens=waiting_tokens,
                 setup_s=round(setup_s, 1), host_step_ms_median=round(statistics.median(host) * 1e3, 3),
-                host_step_ms_max=round(max(host) * 1e3, 3), prepare_ms_median=round(statistics.median(prep) * 1e3, 3),
-                evictions=sum(evict_calls), radix_visits_per_step=round((kv.radix.num_visits - v0) / (2 * steps), 1))
+                host_step_ms_max=round(max(host) * 1e3, 3), host_step_ms_mean=round(statistics.fmean(host) * 1e3, 3),
+                full_gc_count=len(full_gcs), full_gc_ms=[round(x, 1) for x in full_gcs],
+                prepare_ms_median=round(statistics.median(prep) * 1e3, 3),
+                evictions=sum(evict_calls), radix_visits_per_step=round((kv.radix.num_visits - v0) / steps, 1),
+                table_entries_written_per_step=round((prep_runner.block_tables.num_entries_written - w0) / steps, 1))
 
 
 class _FakeTokenizer:
@@ -614,8 +642,10 @@ def cmd_scale(args: argparse.Namespace, command: str) -> int:
             r = scale_step_cost(n, c, args.context_tokens, args.steps, args.block_size)
             rows.append(r)
             print(f"{n:>5} running, {c:>8} cached blocks, {args.context_tokens} ctx: host step "
-                  f"{r['host_step_ms_median']:.3f} ms (max {r['host_step_ms_max']:.3f}), runner.prepare "
+                  f"{r['host_step_ms_median']:.3f} ms (mean {r['host_step_ms_mean']:.3f}, max {r['host_step_ms_max']:.3f}; "
+                  f"full GCs {r['full_gc_ms']} ms), of which runner.prepare "
                   f"{r['prepare_ms_median']:.3f} ms, {r['evictions']} blocks evicted, "
+                  f"{r['table_entries_written_per_step']} block-table entries written/step, "
                   f"{r['radix_visits_per_step']} radix visits/step (setup {r['setup_s']} s)", flush=True)
     doc = dict(workload="scale", command=command, machine=machine_info(args.threads), results=rows)
     path = write_result(doc, args.out, args.stem or f"scale-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -91,10 +91,11 @@ class RequestState:
     params: SamplingParams
     seqs: dict[int, Request] = field(default_factory=dict)  # sample_index -> sequence
     states: dict[int, SeqOutputState] = field(default_factory=dict)
+    num_finished: int = 0  # samples with a finish_reason (set by OutputProcessor.finish only)
 
     @property
     def finished(self) -> bool:
-        return len(self.states) == self.params.n and all(s.finish_reason for s in self.states.values())
+        return self.num_finished == self.params.n
 
 
 class OutputProcessor:
@@ -162,46 +163,52 @@ class OutputProcessor:
 
     def finish(self, group: RequestState, seq: Request, status: RequestStatus, reason: int | str | None) -> None:
         st = self.state(group, seq)
+        if st.finish_reason is not None:
+            return
         if group.params.detokenize and not isinstance(reason, str):
             st.text.append(st.detok.flush())  # a stop string already cut the text
         st.finish_reason, st.stop_reason = status.value, reason
+        group.num_finished += 1
 
     def make_output(self, group: RequestState) -> RequestOutput:
-        kind = group.params.output_kind
+        p = group.params
+        cumulative = p.output_kind == "cumulative"
+        stops = p.stop
+        states = group.states
         outs = []
-        for idx in sorted(group.states):
-            st = group.states[idx]
+        for idx in (states if len(states) == 1 else sorted(states)):
+            st = states[idx]
             seq = group.seqs[idx]
+            finished = st.finish_reason is not None
             text = st.text
             sendable = text.length
-            if not st.finish_reason and group.params.stop:
-                sendable -= holdback(text.tail_from(text.length - max(map(len, group.params.stop)) + 1),
-                                     group.params.stop)
-            sendable = max(sendable, st.num_sent_chars)
-            delta = text.tail_from(st.num_sent_chars)[:sendable - st.num_sent_chars]
-            st.num_sent_chars = sendable
+            if sendable == st.num_sent_chars:  # no new text (or detokenize=False)
+                delta = ""
+            else:
+                if not finished and stops:
+                    sendable -= holdback(text.tail_from(text.length - max(map(len, stops)) + 1), stops)
+                sendable = max(sendable, st.num_sent_chars)
+                delta = text.tail_from(st.num_sent_chars)[:sendable - st.num_sent_chars]
+                st.num_sent_chars = sendable
             start = seq.num_prompt_tokens + st.num_sent_tokens
-            delta_ids = seq.token_ids[start:]
+            delta_ids = seq.token_ids[start:].tolist()
             st.num_sent_tokens += len(delta_ids)
-            lps = st.logprobs if group.params.logprobs is not None else None
-            delta_lps = None
-            if lps is not None:
+            lps = delta_lps = None
+            if p.logprobs is not None:
+                lps = st.logprobs
                 delta_lps = lps[st.num_sent_logprobs:]
                 st.num_sent_logprobs = len(lps)
-            if kind == "cumulative" or st.finish_reason:
+            if cumulative or finished:
                 ids = seq.output_token_ids  # a fresh slice
                 full = text.value()
-                out_text = full if st.finish_reason else full[:sendable]
+                out_text = full if finished else full[:sendable]
                 out_lps = None if lps is None else list(lps)
             else:  # delta: only what is new
                 ids, out_text, out_lps = delta_ids, delta, delta_lps
-            outs.append(CompletionOutput(
-                index=idx, token_ids=ids, text=out_text, finish_reason=st.finish_reason,
-                stop_reason=st.stop_reason, logprobs=out_lps, delta_text=delta, delta_token_ids=delta_ids,
-                delta_logprobs=delta_lps))
-        first = group.seqs[0]
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, group.finished,
-                             num_cached_tokens=first.num_cached_tokens)
+            outs.append(CompletionOutput(idx, ids, out_text, st.finish_reason, st.stop_reason, out_lps, delta,
+                                         delta_ids, delta_lps))
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
+                             group.num_finished == p.n, group.seqs[0].num_cached_tokens)
 
 
 def find_stop(text: TextBuffer, stops: list[str], prev_len: int) -> tuple[int, str] | None:

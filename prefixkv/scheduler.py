@@ -28,9 +28,9 @@ from prefixkv.spec_decode import NgramIndex
 _ORDER_WINDOW = 128
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
-    req: Request
+    req: Request  # its sampling parameters and state, read by the sampler (the step's inputs are below)
     # query tokens this step: positions [num_computed_tokens, num_computed_tokens + num_scheduled_tokens)
     num_scheduled_tokens: int
     num_computed_tokens: int  # the request's num_computed_tokens when scheduled
@@ -40,9 +40,14 @@ class ScheduledRequest:
     # Speculative draft tokens (decodes only): the query is [last token] + draft, every position
     # is verified, and num_scheduled_tokens == 1 + len(draft).
     draft: list[int] = field(default_factory=list)
+    # Copied when the step is scheduled (later changes to the request do not reach them):
+    token_ids: list[int] = field(default_factory=list)  # the query tokens
+    # the block table's change since the request was last scheduled: (first changed index, the
+    # ids from there to its end), None if unchanged (the runner keeps every live table)
+    block_delta: tuple[int, list[int]] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # decodes first, then prefill chunks
     num_decodes: int  # the first num_decodes entries are decodes (one token at the last position)
@@ -51,7 +56,9 @@ class SchedulerOutput:
     # finished ("length") because the whole KV cache cannot hold them
     out_of_memory: list[Request]
     num_batched_tokens: int
-    block_tables: dict[str, list[int]] = field(default_factory=dict)
+    # tables dropped since the last step (finished, aborted, preempted): the runner forgets them
+    # before it applies this step's block_delta entries
+    released_seq_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -119,34 +126,42 @@ class Scheduler:
         preempted: list[Request] = []
         out_of_memory: list[Request] = []
 
+        kv, running = self.kv, self.running
+        chunked = self.config.enable_chunked_prefill
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = req.num_tokens - req.num_computed_tokens
-            if num_new > budget and not self.config.enable_chunked_prefill and (decodes or prefills):
-                i += 1
-                continue
-            num_new = min(num_new, budget)
-            while True:
-                ops = self.kv.allocate_slots(req.seq_id, req.num_computed_tokens, num_new)
-                if ops is not None:
-                    break
-                if len(self.running) == 1:
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_tokens, computed = len(req.token_ids), req.num_computed_tokens
+            num_new = num_tokens - computed
+            if num_new > budget:
+                if not chunked and (decodes or prefills):
+                    i += 1
+                    continue
+                num_new = budget
+            ops = kv.allocate_slots(req.seq_id, computed, num_new)
+            while ops is None:
+                if len(running) == 1:
                     # alone and still out of blocks: the whole cache cannot hold it; stop it
                     self.finish_request(req, RequestStatus.FINISHED_LENGTH)
                     out_of_memory.append(req)
                     break
-                victim = self.running[-1]
+                victim = running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
+                ops = kv.allocate_slots(req.seq_id, computed, num_new)
             if ops is None:
                 break  # req itself was preempted or stopped: nobody younger is left
-            copy_ops.extend(ops)
-            self.kv.cache_blocks(req.seq_id, req.token_ids, req.num_computed_tokens + num_new)
-            sched = self._scheduled(req, num_new)
-            (decodes if sched.num_computed_tokens == req.num_tokens - 1 and num_new == 1 else prefills).append(sched)
+            if ops:
+                copy_ops.extend(ops)
+            end = computed + num_new
+            kv.cache_blocks(req.seq_id, req.token_ids, end)
+            samples = 0
+            if end >= num_tokens:
+                samples = req.sampling_params.n if req.needs_fork else 1
+            sched = ScheduledRequest(req, num_new, computed, samples)
+            (decodes if num_new == 1 and end == num_tokens else prefills).append(sched)
             budget -= num_new
             i += 1
 
@@ -156,6 +171,12 @@ class Scheduler:
             budget = self._add_drafts(budget, decodes, prefills)
 
         scheduled = decodes + prefills
+        take_delta = self.kv.take_table_delta
+        for s in scheduled:
+            req = s.req
+            c = s.num_computed_tokens
+            s.token_ids = [req.token_ids[c], *s.draft] if s.draft else req.token_ids[c:c + s.num_scheduled_tokens].tolist()
+            s.block_delta = take_delta(req.seq_id)
         return SchedulerOutput(
             scheduled=scheduled,
             num_decodes=len(decodes),
@@ -163,7 +184,8 @@ class Scheduler:
             preempted=preempted,
             out_of_memory=out_of_memory,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
-            block_tables={s.req.seq_id: self.kv.block_tables[s.req.seq_id] for s in scheduled},
+            # kept for a step that reaches the runner
+            released_seq_ids=self.kv.take_released() if scheduled else [],
         )
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
@@ -251,8 +273,10 @@ class Scheduler:
         return cands
 
     def _admit(self, budget: int, prefills: list[ScheduledRequest]) -> int:
+        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            return budget  # (seats >= running sequences)
         seats = self.num_seats
-        if not self.waiting or budget <= 0 or seats >= self.config.max_num_seqs:
+        if seats >= self.config.max_num_seqs:
             return budget
         if self.running and self.kv.num_reclaimable_blocks <= self.watermark_blocks:
             return budget  # not one block to be had: nobody can be admitted, match nobody

@@ -70,6 +70,7 @@ def test_random_traffic(tiny_llama, corpus, block_size, kv_tokens, chunk, prefix
 def _oracle(prompts, refs):
     """Speculative drafts cut from the reference outputs, every third position made wrong."""
     def propose(_index, tokens, k):
+        tokens = list(tokens)
         for p, ref in zip(prompts, refs):
             n = len(p)
             if tokens[:n] == p and tokens[n:] == ref[:len(tokens) - n]:

@@ -139,15 +139,23 @@ def test_scheduler_chunks_prefill_and_mixes_decodes():
     s.add_request(a)
     out = s.schedule()
     assert [(x.req.seq_id, x.num_computed_tokens, x.num_scheduled_tokens, x.num_samples) for x in out.scheduled] == [("r0#0", 0, 8, 0)]
+    # the step's inputs as copies: its query tokens, its whole new table
+    assert [(x.token_ids, x.block_delta) for x in out.scheduled] == [(list(range(1, 9)), (0, [0, 1]))]
     s.update(out, [[]])
     s.add_request(b)
     out = s.schedule()  # a's last 2 prompt tokens, then b's whole prompt
     assert [(x.req.seq_id, x.num_computed_tokens, x.num_scheduled_tokens, x.num_samples) for x in out.scheduled] == [
         ("r0#0", 8, 2, 1), ("r1#0", 0, 3, 1)]
+    # only what changed: a's third block, b's whole table
+    assert [(x.token_ids, x.block_delta) for x in out.scheduled] == [([9, 10], (2, [2])), ([50, 51, 52], (0, [3]))]
     s.update(out, [[7], [9]])
-    out = s.schedule()  # both decode
+    out = s.schedule()  # both decode, each into room left in its last block: no table changed
     assert out.num_decodes == 2 and out.num_batched_tokens == 2
-    assert out.block_tables == {"r0#0": [0, 1, 2], "r1#0": [3]}
+    assert [(x.token_ids, x.block_delta) for x in out.scheduled] == [([7], None), ([9], None)]
+    assert s.kv.block_tables == {"r0#0": [0, 1, 2], "r1#0": [3]}
+    s.update(out, [[8], [11]])
+    out = s.schedule()  # b's decode starts its second block
+    assert [(x.token_ids, x.block_delta) for x in out.scheduled] == [([8], None), ([11], (1, [4]))]
     s.check_integrity()
 
 
@@ -163,7 +171,7 @@ def test_scheduler_preempts_youngest_and_requeues_it_first():
     out = s.schedule()  # a needs a third block: none free, so b (youngest) is preempted
     assert out.preempted == [b] and [x.req for x in out.scheduled] == [a]
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and s.waiting[0] is b
-    assert b.token_ids[-2:] == [200, 201]  # its outputs are kept and will be recomputed
+    assert b.token_ids[-2:].tolist() == [200, 201]  # its outputs are kept and will be recomputed
     s.check_integrity()
 
 

@@ -80,6 +80,7 @@ class OracleDrafts:
 
     def propose(self, _index, tokens, k):
         self.calls += 1
+        tokens = list(tokens)
         for prompt, ref in self.seqs:
             n = len(prompt)
             if len(tokens) >= n and tokens[:n] == prompt and tokens[n:] == ref[:len(tokens) - n]:

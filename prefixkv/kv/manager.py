@@ -10,6 +10,11 @@ Copy-on-write: a block with ref_cnt > 1 is never written. Only a partial block c
 into (full blocks are complete), and only forks (n > 1) share a partial block; before a request
 writes into a shared partial block it gets a fresh copy and a ``CopyOp(src, dst)`` is emitted for
 the runner to apply before the forward pass.
+
+The runner keeps its own copy of every live table (a persistent array, as vLLM's
+``BlockTable``); ``take_table_delta`` tells it what changed since the request was last
+scheduled (first changed index, the ids from there), and ``take_released`` which tables
+were dropped, so a step hands over the new blocks only, never whole tables.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ class KVCacheManager:
         # (RadixIndex.num_cached_blocks counts the tree's blocks; BlockPool.num_evictable those
         # only the tree holds.)
         self.num_indexed_blocks: dict[str, int] = {}
+        # seq_id -> first table index changed since take_table_delta last reported it
+        self._dirty: dict[str, int] = {}
+        self._released: list[str] = []  # tables dropped since take_released
         # Prefix-cache statistics (tokens).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -91,11 +99,15 @@ class KVCacheManager:
                 self.pool.incref(b)
             self.block_tables[seq_id] = list(prefix.block_ids)
             self.num_indexed_blocks[seq_id] = len(prefix.block_ids)
+            self._dirty[seq_id] = 0
         table = self.block_tables[seq_id]
+        if (not new_table and num_computed + num_new_tokens <= len(table) * bs
+                and (not num_computed % bs or self.pool.ref_cnt[table[num_computed // bs]] == 1)):
+            return []  # the common decode step: room in its own last block
         need = self.blocks_needed(seq_id, num_computed, num_new_tokens)
         if need + reserve > self.num_reclaimable_blocks:
             if new_table:
-                self._release(seq_id)
+                self._release(seq_id, report=False)  # nobody saw this table
             return None
         if need > self.pool.num_free:
             self.radix.evict(need - self.pool.num_free)
@@ -108,9 +120,30 @@ class KVCacheManager:
                 self.pool.decref(src)
                 table[i] = dst
                 ops.append(CopyOp(src, dst))
-        while len(table) * bs < num_computed + num_new_tokens:
-            table.append(self.pool.allocate())
+                self._mark(seq_id, i)
+        if len(table) * bs < num_computed + num_new_tokens:
+            self._mark(seq_id, len(table))
+            while len(table) * bs < num_computed + num_new_tokens:
+                table.append(self.pool.allocate())
         return ops
+
+    def _mark(self, seq_id: str, index: int) -> None:
+        d = self._dirty.get(seq_id)
+        if d is None or index < d:
+            self._dirty[seq_id] = index
+
+    def take_table_delta(self, seq_id: str) -> tuple[int, list[int]] | None:
+        """What changed in ``seq_id``'s table since the last call: (first changed index, the block
+        ids from there to the end: the table's new length is their sum), or None if nothing did."""
+        d = self._dirty.pop(seq_id, None)
+        if d is None:
+            return None
+        return d, self.block_tables[seq_id][d:]
+
+    def take_released(self) -> list[str]:
+        """The seq_ids whose tables were dropped since the last call."""
+        out, self._released = self._released, []
+        return out
 
     def cache_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Insert the newly completed full blocks of a request into the tree."""
@@ -136,6 +169,8 @@ class KVCacheManager:
         need = -(-num_tokens // self.block_size) - len(table)
         if need + reserve > self.pool.num_free:
             return False
+        if need > 0:
+            self._mark(seq_id, len(table))
         for _ in range(need):
             table.append(self.pool.allocate())
         return True
@@ -145,6 +180,8 @@ class KVCacheManager:
         they hold nothing verified, so they are in no tree and shared with nobody."""
         table = self.block_tables[seq_id]
         keep = -(-num_tokens // self.block_size)
+        if len(table) > keep:
+            self._mark(seq_id, keep)
         while len(table) > keep:
             b = table.pop()
             assert self.pool.ref_cnt[b] == 1 and not self.pool.cached[b], (seq_id, b)
@@ -157,6 +194,7 @@ class KVCacheManager:
             self.pool.incref(b)
         self.block_tables[child_id] = list(table)
         self.num_indexed_blocks[child_id] = self.num_indexed_blocks[parent_id]
+        self._dirty[child_id] = 0
 
     def free(self, seq_id: str) -> None:
         """Drop a request's table. Its cached blocks stay in the tree (evictable); the rest go back
@@ -164,9 +202,12 @@ class KVCacheManager:
         if seq_id in self.block_tables:
             self._release(seq_id)
 
-    def _release(self, seq_id: str) -> None:
+    def _release(self, seq_id: str, report: bool = True) -> None:
         table = self.block_tables.pop(seq_id)
         self.num_indexed_blocks.pop(seq_id)
+        self._dirty.pop(seq_id, None)
+        if report:
+            self._released.append(seq_id)
         for b in reversed(table):
             self.pool.decref(b)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from array import array
 from typing import NamedTuple, Sequence
 
 from prefixkv.kv.block_pool import BlockPool
@@ -28,9 +29,11 @@ class MatchResult(NamedTuple):
 class RadixNode:
     __slots__ = ("tokens", "block_ids", "children", "parent", "last_access", "key")
 
-    def __init__(self, tokens: list[int], block_ids: list[int], parent: "RadixNode | None",
+    def __init__(self, tokens: array, block_ids: list[int], parent: "RadixNode | None",
                  key: tuple[int, ...] = ()) -> None:
-        self.tokens = tokens  # a list: a growing leaf extends it and eviction trims it in place
+        # an int64 array (the garbage collector does not walk it): a growing leaf extends it and
+        # eviction trims it in place
+        self.tokens = tokens
         self.block_ids = block_ids
         self.children: dict[tuple[int, ...], RadixNode] = {}
         self.parent = parent  # None for the root and for a node removed from the tree
@@ -52,7 +55,7 @@ class RadixIndex:
     def __init__(self, pool: BlockPool, block_size: int) -> None:
         self.pool = pool
         self.block_size = block_size
-        self.root = RadixNode([], [], None)
+        self.root = RadixNode(array("q"), [], None)
         self._clock = itertools.count(1)
         self._seq = itertools.count()
         self.num_cached_blocks = 0
@@ -89,7 +92,7 @@ class RadixIndex:
             m = 1
             n_child = len(child.block_ids)
             while m < n_child and pos + (m + 1) * bs <= end and \
-                    child.tokens[m * bs:(m + 1) * bs] == list(tokens[pos + m * bs:pos + (m + 1) * bs]):
+                    tuple(child.tokens[m * bs:(m + 1) * bs]) == tuple(tokens[pos + m * bs:pos + (m + 1) * bs]):
                 m += 1
             yield child, m, pos
             if m < n_child:
@@ -161,7 +164,7 @@ class RadixIndex:
             leaf = node
         else:
             key = self._key(tokens, pos)
-            leaf = RadixNode(list(tokens[pos:end]), new_blocks, node, key)
+            leaf = RadixNode(array("q", tokens[pos:end]), new_blocks, node, key)
             node.children[key] = leaf
             self.num_nodes += 1
         for b in new_blocks:

@@ -9,11 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from prefixkv.attention import AttentionBackend, AttentionMetadata, kv_cache_shape
 from prefixkv.model.llama import LlamaModel
 from prefixkv.request import Request
+from prefixkv.runner.block_table import BlockTables
 from prefixkv.runner.sampler import SamplingBatch, SamplerOutput, mix_seed, sample
 
 if TYPE_CHECKING:
@@ -56,6 +58,7 @@ class ModelRunner:
             kv_cache_shape(s.num_layers, num_blocks, s.num_kv_heads, block_size, s.head_dim),
             dtype=dtype, device=self.device)
         self.graphs: CudaGraphRunner | None = None
+        self.block_tables = BlockTables(-(-max_model_len // block_size))
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
         """Capture decode graphs for every batch bucket; returns the capture time in seconds."""
@@ -73,52 +76,61 @@ class ModelRunner:
     # ------------------------------------------------------------------ inputs
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Step inputs; the returned logits rows hold one row per sampling sequence (a fork step's
-        n samples share it)."""
-        bs = self.block_size
+        n samples share it). Host work follows this step's tokens and new blocks: the block
+        tables are the runner's persistent copies (``BlockTables``), updated by the step's deltas."""
+        tables = self.block_tables
+        tables.release(out.released_seq_ids)
+        rows: list[int] = []
+        computed: list[int] = []
+        counts: list[int] = []
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        seq_lens: list[int] = []
         logits_rows: list[int] = []
-        tables = []
+        end = 0
+        known = tables.rows
         for s in out.scheduled:
-            req = s.req
-            table = out.block_tables[req.seq_id]
-            end = s.num_computed_tokens + s.num_scheduled_tokens
-            if s.draft:  # the last sampled token, then the draft: every position is verified
-                input_ids.append(req.token_ids[s.num_computed_tokens])
-                input_ids.extend(s.draft)
-            else:
-                input_ids.extend(req.token_ids[s.num_computed_tokens:end])
-            positions.extend(range(s.num_computed_tokens, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(s.num_computed_tokens, end))
-            starts.append(starts[-1] + s.num_scheduled_tokens)
-            seq_lens.append(end)
-            tables.append(table)
-            if s.draft:
-                logits_rows.extend(range(starts[-2], starts[-1]))
+            row = known.get(s.req.seq_id) if s.block_delta is None else None
+            rows.append(tables.apply(s.req.seq_id, s.block_delta) if row is None else row)
+            computed.append(s.num_computed_tokens)
+            counts.append(s.num_scheduled_tokens)
+            input_ids.extend(s.token_ids)
+            start, end = end, end + s.num_scheduled_tokens
+            if s.draft:  # every verified position samples
+                logits_rows.extend(range(start, end))
             elif s.num_samples:
-                logits_rows.append(starts[-1] - 1)
-        max_blocks = max(len(t) for t in tables)
-        bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+                logits_rows.append(end - 1)
+        bs = self.block_size
+        rows_np = np.asarray(rows, dtype=np.int64)
+        computed_np = np.asarray(computed, dtype=np.int64)
+        counts_np = np.asarray(counts, dtype=np.int64)
+        seq_lens = computed_np + counts_np
+        starts = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts_np, out=starts[1:])
+        if end == len(rows):  # one token per sequence (decodes)
+            tok_rows, positions = rows_np, computed_np
+        else:
+            tok_rows = np.repeat(rows_np, counts_np)
+            positions = np.repeat(computed_np - starts[:-1], counts_np) + np.arange(end, dtype=np.int64)
+        slots = tables.table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        max_blocks = int(tables.num_blocks[rows_np].max())
         dev = self.device
+        seq_lens_cpu = seq_lens.tolist()
+        starts_cpu = starts.tolist()
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=bt.to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(starts.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(tables.gather(rows, max_blocks)).to(dev),
             num_decode_seqs=out.num_decodes,
             # an upper bound: on the GPU the decode kernel's split-K choice then matches the
             # captured graphs' (sized for max_model_len), so a batch's arithmetic does not depend
             # on whether it fits a graph bucket
-            max_seq_len=self.max_model_len if self.device.type == "cuda" else max(seq_lens),
-            max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
-            seq_lens_cpu=seq_lens,
-            query_start_loc_cpu=starts,
+            max_seq_len=self.max_model_len if self.device.type == "cuda" else max(seq_lens_cpu),
+            max_query_len=int(counts_np.max()),
+            seq_lens_cpu=seq_lens_cpu,
+            query_start_loc_cpu=starts_cpu,
         )
         return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev), meta,
+                torch.from_numpy(positions).to(dev), meta,
                 torch.tensor(logits_rows, dtype=torch.int64, device=dev))
 
     def sampling_batch(self, rows: list[tuple[Request, int]]) -> SamplingBatch:
@@ -149,7 +161,7 @@ class ModelRunner:
             for i, (r, _) in enumerate(rows):
                 out_ids = torch.tensor(r.output_token_ids, dtype=torch.int64, device=dev)
                 counts[i].scatter_add_(0, out_ids, torch.ones_like(out_ids))
-                seen[i, torch.tensor(r.token_ids, dtype=torch.int64, device=dev)] = True
+                seen[i, torch.frombuffer(r.token_ids, dtype=torch.int64).to(dev)] = True
             b.output_counts, b.seen_mask = counts, seen
         banned = []
         for i, (r, _) in enumerate(rows):
