@@ -16,6 +16,7 @@ import json
 import random
 import statistics
 import time
+from array import array
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -551,7 +552,7 @@ def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: in
         req.status = RequestStatus.RUNNING
         sched.running.append(req)
         sched.requests[req.seq_id] = req
-        g = RequestState(req.request_id, None, toks, params)
+        g = RequestState(req.request_id, None, array("q", toks), params)
         g.seqs[0] = req
         groups[req.request_id] = g
     while kv.pool.num_free:  # no free block: decode growth must evict cached prefixes

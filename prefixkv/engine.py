@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import itertools
 import random
+from array import array
 from typing import Any, Sequence
 
 import torch
@@ -157,7 +158,7 @@ class LLMEngine:
         req = Request(request_id, ids, params, next(self._arrivals), seed)
         if params.structured_outputs is not None:
             req.matcher = self.grammars.matcher(params.structured_outputs)
-        group = RequestState(request_id, text, ids, params)
+        group = RequestState(request_id, text, array("q", ids), params)
         group.seqs[0] = req
         self.scheduler.add_request(req)
         self._groups[request_id] = group

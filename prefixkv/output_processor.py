@@ -12,6 +12,7 @@ whole text and token list every step, as their caller asked.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prefixkv.outputs import CompletionOutput, Logprob, RequestOutput
@@ -87,7 +88,7 @@ class RequestState:
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]  # an int64 array (not walked by the garbage collector)
     params: SamplingParams
     seqs: dict[int, Request] = field(default_factory=dict)  # sample_index -> sequence
     states: dict[int, SeqOutputState] = field(default_factory=dict)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -40,7 +41,9 @@ class RequestOutput:
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    # the prompt's ids as the engine holds them (an int64 array, which the garbage collector does
+    # not walk); ``prompt_token_ids`` is the list, made on first read
+    _prompt_ids: Sequence[int] = field(repr=False)
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
@@ -48,8 +51,14 @@ class RequestOutput:
     error: str | None = None
 
     @property
+    def prompt_token_ids(self) -> list[int]:
+        if not isinstance(self._prompt_ids, list):
+            self._prompt_ids = list(self._prompt_ids)
+        return self._prompt_ids
+
+    @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return len(self._prompt_ids)
 
     @property
     def token_ids(self) -> list[int]:
@@ -93,5 +102,5 @@ def merge_outputs(old: RequestOutput, new: RequestOutput, delta: bool) -> Reques
                 delta_text=p.delta_text + co.delta_text, delta_token_ids=p.delta_token_ids + co.delta_token_ids,
                 delta_logprobs=_cat(p.delta_logprobs, co.delta_logprobs))
         outs.append(co)
-    return RequestOutput(new.request_id, new.prompt, new.prompt_token_ids, outs, new.finished,
+    return RequestOutput(new.request_id, new.prompt, new._prompt_ids, outs, new.finished,
                          num_cached_tokens=new.num_cached_tokens)

@@ -17,10 +17,10 @@ from prefixkv.scheduler import Scheduler
 def test_block_pool_states():
     pool = BlockPool(4)
     a, b = pool.allocate(), pool.allocate()
-    assert (a, b) == (0, 1) and pool.ref_cnt == [1, 1, 0, 0]
+    assert (a, b) == (0, 1) and pool.ref_cnt.tolist() == [1, 1, 0, 0]
     pool.incref(a)
     pool.pin(b)  # the radix index takes b
-    assert pool.ref_cnt == [2, 2, 0, 0] and pool.num_evictable == 0
+    assert pool.ref_cnt.tolist() == [2, 2, 0, 0] and pool.num_evictable == 0
     pool.decref(b)
     assert pool.num_evictable == 1 and pool.num_in_use == 1 and pool.num_free == 2
     pool.decref(a), pool.decref(a)
@@ -41,7 +41,7 @@ def test_radix_match_insert_split_and_lru_eviction():
     tree = RadixIndex(pool, block_size=2)
     a = _hold(pool, 3)  # [0, 1, 2]
     assert tree.insert([1, 2, 3, 4, 5, 6], a) == 3
-    assert pool.ref_cnt[:3] == [2, 2, 2]
+    assert pool.ref_cnt[:3].tolist() == [2, 2, 2]
     # a diverging sequence shares the first block, then splits the node
     b = [0] + _hold(pool, 2)  # [0, 3, 4]; block 0 is the tree's
     pool.incref(0)
@@ -82,16 +82,16 @@ def test_manager_allocate_match_free_exact_ids():
     assert kv.allocate_slots("a", 0, 10) == []
     assert kv.block_tables["a"] == [0, 1, 2]
     kv.cache_blocks("a", prompt, 10)  # blocks 0 and 1 are full
-    assert kv.pool.ref_cnt == [2, 2, 1, 0, 0, 0]
+    assert kv.pool.ref_cnt.tolist() == [2, 2, 1, 0, 0, 0]
     m = kv.match_prefix(prompt + [99])
     assert m == ([0, 1], 8)
     assert kv.match_prefix(prompt[:8]) == ([0], 4)  # the last token is always computed
     assert kv.allocate_slots("b", 8, 3, prefix=m) == []
-    assert kv.block_tables["b"] == [0, 1, 3] and kv.pool.ref_cnt[:4] == [3, 3, 1, 1]
+    assert kv.block_tables["b"] == [0, 1, 3] and kv.pool.ref_cnt[:4].tolist() == [3, 3, 1, 1]
     kv.check_integrity()
     kv.free("a")
     kv.free("b")
-    assert kv.pool.ref_cnt == [1, 1, 0, 0, 0, 0] and kv.num_used_blocks == 0
+    assert kv.pool.ref_cnt.tolist() == [1, 1, 0, 0, 0, 0] and kv.num_used_blocks == 0
     assert list(kv.pool.free_ids) == [4, 5, 2, 3]  # a freed before b; each table tail first
     kv.check_integrity()
 
@@ -100,7 +100,7 @@ def test_manager_allocation_failure_changes_nothing():
     kv = KVCacheManager(num_blocks=3, block_size=4)
     assert kv.allocate_slots("a", 0, 8) == []
     assert kv.allocate_slots("b", 0, 8) is None
-    assert "b" not in kv.block_tables and kv.pool.ref_cnt == [1, 1, 0]
+    assert "b" not in kv.block_tables and kv.pool.ref_cnt.tolist() == [1, 1, 0]
     kv.check_integrity()
 
 
@@ -109,14 +109,14 @@ def test_fork_shares_partial_block_and_copies_on_first_write():
     kv.allocate_slots("p", 0, 6)  # blocks [0, 1]; block 1 is partial (2 of 4 slots)
     kv.fork("p", "c1")
     kv.fork("p", "c2")
-    assert kv.pool.ref_cnt[:2] == [3, 3]
+    assert kv.pool.ref_cnt[:2].tolist() == [3, 3]
     # each sequence's next token goes into the shared partial block: copy-on-write
     assert kv.allocate_slots("c1", 6, 1) == [CopyOp(1, 2)]
     assert kv.block_tables["c1"] == [0, 2]
     assert kv.allocate_slots("c2", 6, 1) == [CopyOp(1, 3)]
     assert kv.allocate_slots("p", 6, 1) == []  # the last holder writes in place
     assert kv.block_tables == {"p": [0, 1], "c1": [0, 2], "c2": [0, 3]}
-    assert kv.pool.ref_cnt[:4] == [3, 1, 1, 1]
+    assert kv.pool.ref_cnt[:4].tolist() == [3, 1, 1, 1]
     kv.check_integrity()
     for s in ("p", "c1", "c2"):
         kv.free(s)
@@ -206,7 +206,7 @@ def test_scheduler_n_forks_share_prompt_blocks():
     changed = s.update(out, [[11, 12, 13]])
     assert sorted(c.seq_id for c in changed) == ["r0#0", "r0#1", "r0#2"]
     assert s.kv.block_tables == {"r0#0": [0, 1], "r0#1": [0, 1], "r0#2": [0, 1]}
-    assert s.kv.pool.ref_cnt[:2] == [4, 3]  # block 0 is also in the radix tree
+    assert s.kv.pool.ref_cnt[:2].tolist() == [4, 3]  # block 0 is also in the radix tree
     out = s.schedule()
     assert out.copy_ops == [CopyOp(1, 2), CopyOp(1, 3)]
     s.check_integrity()

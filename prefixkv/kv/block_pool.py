@@ -11,6 +11,7 @@ A block is in exactly one of three states::
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 
 
@@ -19,8 +20,10 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.ref_cnt = [0] * num_blocks
-        self.cached = [False] * num_blocks
+        # per-block arrays, not lists: a full garbage collection walks every element of a list
+        # (10^6 blocks: ~2 million visits per collection for these two alone)
+        self.ref_cnt = array("i", bytes(4 * num_blocks))
+        self.cached = bytearray(num_blocks)  # 1 while the radix index holds the block
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.num_evictable = 0
 
@@ -61,14 +64,14 @@ class BlockPool:
         """The radix index takes hold of a block a request holds."""
         assert not self.cached[block_id] and self.ref_cnt[block_id] >= 1, (
             f"pin of block {block_id}: ref_cnt={self.ref_cnt[block_id]} cached={self.cached[block_id]}")
-        self.cached[block_id] = True
+        self.cached[block_id] = 1
         self.ref_cnt[block_id] += 1
 
     def unpin(self, block_id: int) -> None:
         """The radix index lets go of an evictable block; it becomes free."""
         assert self.cached[block_id] and self.ref_cnt[block_id] == 1, (
             f"unpin of block {block_id}: ref_cnt={self.ref_cnt[block_id]} cached={self.cached[block_id]}")
-        self.cached[block_id] = False
+        self.cached[block_id] = 0
         self.num_evictable -= 1
         self.ref_cnt[block_id] = 0
         self.free_ids.append(block_id)
