@@ -498,6 +498,9 @@ def test_serve_subprocess_sigterm_exits_0(tiny_llama):
         assert sum(len(c.choices) for c in rest) < 900
         err = proc.stderr.read()
         assert "Traceback" not in err and "shutting down" in err, err
+        # torch, the model and the server are out of the full collections' walks
+        frozen = re.search(r"(\d+) start-up objects frozen out of the garbage collector's walks", err)
+        assert frozen and int(frozen.group(1)) > 50_000, err
     finally:
         if proc.poll() is None:
             proc.kill()

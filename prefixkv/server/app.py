@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import gc
 import hmac
 import logging
 import os
@@ -741,6 +742,17 @@ def run_server(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(AsyncEngine(engine), config, args.host, args.port))
 
 
+def freeze_startup_heap() -> int:
+    """Move everything alive after start-up (torch, transformers, the model, the server: ~2e5
+    objects) out of the garbage collector's reach, as vLLM's engine core does: none of it is
+    garbage, and each full collection walked it all (0.1 s per pause here; `bench scale` shows the
+    pauses). Done by the serving process only: the offline ``LLM`` lives in its caller's process,
+    whose heap is the caller's. Returns the number of objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 async def _serve(engine: AsyncEngine, config: ServerConfig, host: str, port: int) -> int:
     app = create_app(engine, config)
     try:
@@ -753,6 +765,7 @@ async def _serve(engine: AsyncEngine, config: ServerConfig, host: str, port: int
     loop = asyncio.get_running_loop()
     for s in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(s, stop.set)
+    logger.info("%d start-up objects frozen out of the garbage collector's walks", freeze_startup_heap())
     print(f"prefixkv serving {config.model_name} at {url_for(host, bound)}", flush=True)
     while not stop.is_set() and engine.fatal_error is None:  # a dead engine ends the process
         with contextlib.suppress(TimeoutError):
