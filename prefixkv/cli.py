@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
     serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is aborted")
+    serve.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                       help="parse tool calls out of free replies: enables tool_choice 'auto' (server/tools.py)")
     add_engine_args(serve)
 
     bench = sub.add_parser("bench", help="benchmarks (see bench/)", add_help=False)

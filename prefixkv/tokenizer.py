@@ -38,6 +38,32 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 
+# Tools for a ChatML model whose own template does not render them (SmolLM2's): the Hermes format
+# the ``hermes`` tool-call parser reads (server/tools.py), with the calls and tool results of
+# earlier turns.
+HERMES_TOOLS_CHATML_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "You can call functions to help with the user's request. They are described in <tools></tools>:\n"
+    "<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    "To call one, reply with a JSON object holding its name and arguments inside <tool_call></tool_call> tags:\n"
+    "<tool_call>\n{\"name\": <function name>, \"arguments\": <arguments object>}\n</tool_call><|im_end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{%- if message.content %}{{ message.content }}\n{% endif %}"
+    "{%- for call in message.tool_calls %}<tool_call>\n{\"name\": {{ call.function.name | tojson }}, \"arguments\": "
+    "{{ call.function.arguments if call.function.arguments is string else call.function.arguments | tojson }}}"
+    "\n</tool_call>\n{% endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 
 class Tokenizer:
     """Backend-neutral tokenizer: encode, decode, chat template, eos ids.
@@ -88,20 +114,33 @@ class Tokenizer:
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
         raise NotImplementedError
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Render `messages` with the chat template and return the prompt's token ids.
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """Render `messages` (and the OpenAI-style `tools`, if any) with the chat template and return
+        the prompt's token ids.
 
         Each message needs a "role" in {system, user, assistant, tool} and a "content" that is a str or a
-        list of {"type": "text", "text": str} parts (joined with no separator); other keys pass through
-        to the template. Raises ValueError naming the bad field ("messages[1].role").
+        list of {"type": "text", "text": str} parts (joined with no separator; an assistant turn with
+        "tool_calls" may have none); other keys pass through to the template. Tools, tool calls and
+        tool results go through the model's own template when it renders tools; a ChatML template
+        that does not (SmolLM2's) is replaced by ``HERMES_TOOLS_CHATML_TEMPLATE`` for such requests;
+        any other is a ValueError naming `tools`. Raises ValueError naming the bad field ("messages[1].role").
         """
         messages = _normalize_messages(messages)
-        if self.chat_template == FALLBACK_CHAT_TEMPLATE:
-            text = _fallback_template().render(messages=messages, add_generation_prompt=add_generation_prompt)
-            return self.encode(text, add_special_tokens=True)
-        return self._apply_own_template(messages, add_generation_prompt)
+        template = self.chat_template
+        if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            if "tool" not in template:
+                if "<|im_start|>" not in template:
+                    raise ValueError("tools: this model's chat template does not render tools or tool messages")
+                template = HERMES_TOOLS_CHATML_TEMPLATE
+        if template in (FALLBACK_CHAT_TEMPLATE, HERMES_TOOLS_CHATML_TEMPLATE):
+            text = _compiled_template(template).render(messages=messages, tools=tools,
+                                                       add_generation_prompt=add_generation_prompt)
+            return self.encode(text, add_special_tokens=template == FALLBACK_CHAT_TEMPLATE)
+        return self._apply_own_template(messages, add_generation_prompt, tools)
 
-    def _apply_own_template(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def _apply_own_template(self, messages: list[dict], add_generation_prompt: bool,
+                            tools: list[dict] | None) -> list[int]:
         raise NotImplementedError
 
     def _init_eos(self, eos_token_id: int | None, gen_eos_ids: list[int]) -> None:
@@ -145,10 +184,11 @@ class HFTokenizer(Tokenizer):
         run_is_global = self.decode(ids, skip_special_tokens=False) == _REPLACEMENT_CHAR * 2
         return ids[1] if run_is_global else None
 
-    def _apply_own_template(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def _apply_own_template(self, messages: list[dict], add_generation_prompt: bool,
+                            tools: list[dict] | None) -> list[int]:
         # transformers 5 defaults to tokenize=True, return_dict=True (a BatchEncoding); with tokenize=False
         # it returns the rendered str. The template writes BOS itself, hence add_special_tokens=False.
-        rendered = self.hf.apply_chat_template(messages, tokenize=False,
+        rendered = self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
                                                add_generation_prompt=add_generation_prompt)
         if isinstance(rendered, Mapping):
             return list(rendered["input_ids"])
@@ -314,7 +354,10 @@ def _normalize_messages(messages: Any) -> list[dict]:
         role = message.get("role")
         if not isinstance(role, str) or role not in _ROLES:
             raise ValueError(f"{where}.role: expected one of {', '.join(_ROLES)}, got {role!r:.80}")
-        out.append({**message, "content": _content_text(message.get("content"), f"{where}.content")})
+        content = message.get("content")
+        if content is None and (message.get("tool_calls") or role == "tool"):
+            content = ""
+        out.append({**message, "content": _content_text(content, f"{where}.content")})
     return out
 
 
@@ -336,7 +379,11 @@ def _content_text(content: Any, where: str) -> str:
 
 
 @functools.cache
-def _fallback_template() -> Any:
+def _compiled_template(source: str) -> Any:
+    import json
+
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    return ImmutableSandboxedEnvironment().from_string(FALLBACK_CHAT_TEMPLATE)
+    env = ImmutableSandboxedEnvironment()
+    env.filters["tojson"] = lambda value: json.dumps(value, ensure_ascii=False)  # as transformers renders it
+    return env.from_string(source)

@@ -60,10 +60,12 @@ from prefixkv.server.protocol import (
     DeltaMessage,
     ErrorBody,
     ErrorResponse,
+    FunctionCall,
     ModelCard,
     ModelList,
     ProtocolError,
     TokenText,
+    ToolCallOut,
     Usage,
     chat_logprobs,
     completion_logprobs,
@@ -72,6 +74,7 @@ from prefixkv.server.protocol import (
     make_usage,
     prompt_list,
 )
+from prefixkv.server.tools import PARSERS, ToolPlan, ToolStream, plan_tools
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +115,11 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
     request_timeout: float = 600.0  # seconds from arrival until the request is aborted
+    tool_call_parser: str | None = None  # "hermes" | "llama3_json": tool_choice "auto" (server/tools.py)
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser: must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes: must be positive, got {self.max_body_bytes}")
         if not self.request_timeout > 0:
@@ -282,10 +288,42 @@ class _Format:
         raise NotImplementedError
 
 
+@dataclass
 class _ChatFormat(_Format):
     id_prefix = "chatcmpl"
     chunk_type = ChatCompletionChunk
     response_type = ChatCompletionResponse
+    tools: ToolPlan | None = None  # the reply holds tool calls (server/tools.py)
+    _tool_streams: dict[int, ToolStream] = field(default_factory=dict)  # choice index -> its stream
+
+    def response(self, choices: list[tuple[int, CompletionOutput]], usage: Usage) -> msgspec.Struct:
+        if self.tools is None:
+            return super().response(choices, usage)
+        out = []
+        for index, co in choices:
+            stream = self.tools.stream()
+            stream.feed(co.text)
+            stream.close()
+            calls = [ToolCallOut(c.id, FunctionCall(c.name, c.arguments)) for c in stream.calls] or None
+            finish = self.tools.calls_finish_reason if calls and co.finish_reason == "stop" else co.finish_reason
+            out.append(ChatChoice(index, ChatMessageOut("assistant", stream.content, calls),
+                                  self._logprobs_or_none(co.logprobs, 0), finish))
+        return self.response_type(self.id, self.created, self.model, out, usage)
+
+    def delta_chunk(self, index: int, text: str, lps: list[Logprob] | None, text_offset: int,
+                    finish_reason: str | None) -> msgspec.Struct:
+        if self.tools is None:
+            return super().delta_chunk(index, text, lps, text_offset, finish_reason)
+        stream = self._tool_streams.setdefault(index, self.tools.stream())
+        content, calls = stream.feed(text)
+        if finish_reason is not None:
+            more, more_calls = stream.close()
+            content, calls = content + more, calls + more_calls
+            if stream.calls and finish_reason == "stop":
+                finish_reason = self.tools.calls_finish_reason
+        delta = DeltaMessage(content=content or None, tool_calls=calls or None)
+        choice = ChatChunkChoice(index, delta, self._logprobs_or_none(lps, text_offset), finish_reason)
+        return self.chunk_type(self.id, self.created, self.model, [choice])
 
     def start_chunks(self, num_choices: int) -> list[msgspec.Struct]:
         return [self.chunk_type(self.id, self.created, self.model,
@@ -461,13 +499,17 @@ class _Server:
         if req.max_completion_tokens is not None:
             max_tokens = req.max_completion_tokens
             aliases["max_tokens"] = "max_completion_tokens"
-        params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, aliases)
+        choice = req.tool_choice if isinstance(req.tool_choice, (str, type(None))) else msgspec.to_builtins(req.tool_choice)
+        tools = plan_tools(msgspec.to_builtins(req.tools) if req.tools else None, choice, req.parallel_tool_calls,
+                           self.config.tool_call_parser)
+        params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, aliases, tools)
         messages = [msgspec.to_builtins(m) for m in req.messages]
         try:
-            prompt = await self._off_loop(lambda: self.tokenizer.apply_chat_template(messages))
+            prompt = await self._off_loop(lambda: self.tokenizer.apply_chat_template(
+                messages, tools=tools.tools if tools else None))
         except ValueError as e:
             raise bad_request(e) from None
-        return await self._generate(request, t0, _ChatFormat, req, [prompt], params, aliases)
+        return await self._generate(request, t0, _ChatFormat, req, [prompt], params, aliases, tools)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         t0 = asyncio.get_running_loop().time()
@@ -486,12 +528,19 @@ class _Server:
         return await self._generate(request, t0, _CompletionFormat, req, prompts, params, {})
 
     def _params(self, req: Any, max_tokens: int | None, logprobs: int | None,
-                aliases: dict[str, str]) -> SamplingParams:
+                aliases: dict[str, str], tools: ToolPlan | None = None) -> SamplingParams:
         bad = req.unsupported_field()
         if bad is not None:
             raise ApiError(400, f"{bad}: is not supported by this server", param=bad)
         kw: dict[str, Any] = dict(max_tokens=max_tokens, stop=req.stop, logprobs=logprobs, output_kind="delta")
         so = self._structured_outputs(req, aliases)
+        if tools is not None and tools.structured_outputs is not None:  # the reply must be the tool call(s)
+            if so is not None:
+                name = "response_format" if req.response_format is not None else "structured_outputs"
+                raise ApiError(400, f"{name}: cannot be combined with tool_choice 'required' or a named function",
+                               param=name)
+            so = tools.structured_outputs
+            aliases.update(tools.aliases)
         if so is not None:
             kw["structured_outputs"] = so
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
@@ -548,9 +597,11 @@ class _Server:
 
     async def _generate(self, request: web.Request, t0: float, fmt_type: type[_Format],
                         req: ChatCompletionRequest | CompletionRequest, prompts: list, params: SamplingParams,
-                        aliases: dict[str, str]) -> web.StreamResponse:
+                        aliases: dict[str, str], tools: ToolPlan | None = None) -> web.StreamResponse:
         fmt = fmt_type(f"{fmt_type.id_prefix}-{uuid.uuid4().hex}", int(time.time()), self.config.model_name,
                        params.logprobs or 0, self.token_text)
+        if tools is not None and tools.mode != "none":
+            fmt.tools = tools
         deadline = t0 + self.config.request_timeout
         streams: list[RequestStream] = []
         try:
@@ -721,7 +772,8 @@ def default_model_name(model: str | None) -> str:
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(model_name=args.served_model_name or default_model_name(args.model),
                         api_key=args.api_key or os.environ.get("PREFIXKV_API_KEY") or None,
-                        max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout)
+                        max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
+                        tool_call_parser=getattr(args, "tool_call_parser", None))
 
 
 def run_server(args: argparse.Namespace) -> int:

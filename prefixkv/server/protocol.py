@@ -43,10 +43,44 @@ class ContentPart(Struct, omit_defaults=True):
     text: str | None = None
 
 
+class FunctionCallIn(Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallIn(Struct, kw_only=True, forbid_unknown_fields=True):
+    id: str
+    function: FunctionCallIn
+    type: str = "function"
+
+
 class ChatMessage(Struct, omit_defaults=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
+
+
+class FunctionDef(Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema
+    strict: bool | None = None  # the schema is enforced exactly whenever it is enforced (required / named)
+
+
+class ToolDef(Struct, kw_only=True, forbid_unknown_fields=True):
+    type: str
+    function: FunctionDef
+
+
+class NamedFunction(Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True, forbid_unknown_fields=True):
+    type: str
+    function: NamedFunction
 
 
 class JsonSchemaFormat(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -63,7 +97,7 @@ class ResponseFormat(Struct, kw_only=True, forbid_unknown_fields=True):
 
 # Fields of the OpenAI / vLLM request surface this server does not implement: a non-null value is a
 # 400 naming the field (null means absent).
-UNSUPPORTED_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logit_bias",
+UNSUPPORTED_FIELDS = ("functions", "function_call", "logit_bias",
                       "chat_template_kwargs", "allowed_token_ids", "bad_words", "prompt_logprobs",
                       "include_stop_str_in_output", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar", "guided_decoding_backend", "best_of", "use_beam_search",
@@ -115,6 +149,9 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     max_completion_tokens: int | None = None  # the newer name of max_tokens; wins when both are set
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[ToolDef] | None = None  # server/tools.py
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_SamplingRequest, kw_only=True):
@@ -217,9 +254,21 @@ class ChatLogprobs(Struct):
     content: list[ChatTokenLogprob] | None
 
 
-class ChatMessageOut(Struct):
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class ChatMessageOut(Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None  # null when the reply is tool calls only
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(Struct):
@@ -238,9 +287,24 @@ class ChatCompletionResponse(Struct):
     object: str = "chat.completion"
 
 
+class FunctionDelta(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Struct, omit_defaults=True):
+    """One piece of a streamed tool call: the first has id, type and name; arguments follow."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta | None = None
+
+
 class DeltaMessage(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Struct):
