@@ -170,8 +170,8 @@ def test_unknown_fields_are_refused_by_name(server):
     assert status == 400 and body["error"]["param"] == "response_format.bar", body
 
 
-@pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                          ("tool_choice", "auto"), ("logit_bias", {"5": 10}),
+@pytest.mark.parametrize("field, value", [("functions", [{"name": "f"}]),
+                                          ("function_call", "auto"), ("logit_bias", {"5": 10}),
                                           ("chat_template_kwargs", {"enable_thinking": False}),
                                           ("best_of", 2), ("guided_json", {"type": "object"})])
 def test_unimplemented_openai_and_vllm_fields_are_refused_by_name(server, field, value):

@@ -197,15 +197,21 @@ class ToolStream:
     def _hermes(self, text: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
         self._buf += text
         content, deltas = [], []
+
+        def text_piece(piece: str) -> None:  # whitespace between and after calls is not content
+            if piece and (piece.strip() or not self.calls):
+                content.append(piece)
+
         while True:
             if not self._inside:
                 i = self._buf.find(_HERMES_OPEN)
                 if i < 0:
                     keep = 0 if final else _partial_suffix(self._buf, _HERMES_OPEN)
-                    content.append(self._buf[:len(self._buf) - keep])
-                    self._buf = self._buf[len(self._buf) - keep:]
+                    if keep or final or self._buf.strip() or not self.calls:  # (whitespace may precede a call)
+                        text_piece(self._buf[:len(self._buf) - keep])
+                        self._buf = self._buf[len(self._buf) - keep:]
                     break
-                content.append(self._buf[:i])
+                text_piece(self._buf[:i])
                 self._buf, self._inside = self._buf[i + len(_HERMES_OPEN):], True
             j = self._buf.find(_HERMES_CLOSE)
             if j < 0:
@@ -219,10 +225,7 @@ class ToolStream:
             else:
                 deltas.append(delta)
             self._buf, self._inside = self._buf[j + len(_HERMES_CLOSE):], False
-        out = "".join(content)
-        if self.calls and not out.strip():
-            out = ""  # whitespace between and around calls is not content
-        return self._content(out), deltas
+        return self._content("".join(content)), deltas
 
     def _llama3(self, text: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
         if self._json_mode is False:
