@@ -638,9 +638,9 @@ class _FakeTokenizer:
 
 def cmd_scale(args: argparse.Namespace, command: str) -> int:
     import prefixkv.engine  # noqa: F401 - torch, transformers and the engine's modules, as in a server
-    from prefixkv.server.app import freeze_startup_heap
+    from prefixkv.server.app import tune_gc_for_serving
 
-    freeze_startup_heap()  # what `prefixkv serve` does once it has started
+    tune_gc_for_serving()  # what `prefixkv serve` does once it has started
     rows = []
     for n in [int(x) for x in args.sizes.split(",")]:
         for c in [int(float(x)) for x in args.cached_blocks.split(",")]:

@@ -231,9 +231,10 @@ class LLMEngine:
             group = self._groups.get(seq.request_id)
             if group is not None:
                 failed.setdefault(group.request_id, (group, e))
-        for s, lps in zip(out.scheduled, model_out.logprobs):
-            if lps and s.req.request_id not in failed:
-                self._record_logprobs(s.req, lps, verified=bool(s.draft))
+        if any(model_out.logprobs):
+            for s, lps in zip(out.scheduled, model_out.logprobs):
+                if lps and s.req.request_id not in failed:
+                    self._record_logprobs(s.req, lps, verified=bool(s.draft))
         for seq in changed:
             group = self._groups.get(seq.request_id)
             if group is None or group.request_id in failed:

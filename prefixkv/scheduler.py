@@ -171,12 +171,11 @@ class Scheduler:
             budget = self._add_drafts(budget, decodes, prefills)
 
         scheduled = decodes + prefills
-        take_delta = self.kv.take_table_delta
-        for s in scheduled:
+        for s, delta in zip(scheduled, self.kv.take_table_deltas([s.req.seq_id for s in scheduled])):
             req = s.req
             c = s.num_computed_tokens
             s.token_ids = [req.token_ids[c], *s.draft] if s.draft else req.token_ids[c:c + s.num_scheduled_tokens].tolist()
-            s.block_delta = take_delta(req.seq_id)
+            s.block_delta = delta
         return SchedulerOutput(
             scheduled=scheduled,
             num_decodes=len(decodes),

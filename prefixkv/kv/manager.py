@@ -12,7 +12,7 @@ writes into a shared partial block it gets a fresh copy and a ``CopyOp(src, dst)
 the runner to apply before the forward pass.
 
 The runner keeps its own copy of every live table (a persistent array, as vLLM's
-``BlockTable``); ``take_table_delta`` tells it what changed since the request was last
+``BlockTable``); ``take_table_deltas`` tells it what changed since a request was last
 scheduled (first changed index, the ids from there), and ``take_released`` which tables
 were dropped, so a step hands over the new blocks only, never whole tables.
 """
@@ -41,7 +41,7 @@ class KVCacheManager:
         # (RadixIndex.num_cached_blocks counts the tree's blocks; BlockPool.num_evictable those
         # only the tree holds.)
         self.num_indexed_blocks: dict[str, int] = {}
-        # seq_id -> first table index changed since take_table_delta last reported it
+        # seq_id -> first table index changed since take_table_deltas last reported it
         self._dirty: dict[str, int] = {}
         self._released: list[str] = []  # tables dropped since take_released
         # Prefix-cache statistics (tokens).
@@ -132,13 +132,15 @@ class KVCacheManager:
         if d is None or index < d:
             self._dirty[seq_id] = index
 
-    def take_table_delta(self, seq_id: str) -> tuple[int, list[int]] | None:
-        """What changed in ``seq_id``'s table since the last call: (first changed index, the block
-        ids from there to the end: the table's new length is their sum), or None if nothing did."""
-        d = self._dirty.pop(seq_id, None)
-        if d is None:
-            return None
-        return d, self.block_tables[seq_id][d:]
+    def take_table_deltas(self, seq_ids: list[str]) -> list[tuple[int, list[int]] | None]:
+        """What changed in each of these tables since it was last taken: (first changed index, the
+        block ids from there to the end: the table's new length is their sum), or None if nothing did."""
+        pop, tables = self._dirty.pop, self.block_tables
+        out = []
+        for sid in seq_ids:
+            d = pop(sid, None)
+            out.append(None if d is None else (d, tables[sid][d:]))
+        return out
 
     def take_released(self) -> list[str]:
         """The seq_ids whose tables were dropped since the last call."""
