@@ -152,7 +152,7 @@ class OutputProcessor:
                 hit = find_stop(st.text, p.stop, prev)
                 if hit is not None:
                     idx, stop = hit
-                    st.text.truncate(idx)
+                    st.text.truncate(idx + len(stop) if p.include_stop_str_in_output else idx)
                     return RequestStatus.FINISHED_STOPPED, stop
         if seq.matcher is not None and seq.matcher.is_stopped():  # the grammar is complete
             return RequestStatus.FINISHED_STOPPED, None

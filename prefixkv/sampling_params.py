@@ -61,6 +61,11 @@ class SamplingParams:
     # "final_only" (nothing until it finishes).
     output_kind: str = "cumulative"
     structured_outputs: StructuredOutputsParams | dict | None = None
+    # token id -> a number in [-100, 100] added to its logit before sampling (OpenAI's logit_bias);
+    # logprobs stay those of the raw distribution
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    include_stop_str_in_output: bool = False  # a stop string that ends the text is kept in it
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -113,9 +118,22 @@ class SamplingParams:
             require(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
                     "must be a StructuredOutputsParams or a dict of its fields")
             self.structured_outputs.validate()
+        if self.logit_bias is not None:
+            require(isinstance(self.logit_bias, dict) and all(_is_int(t) and t >= 0 for t in self.logit_bias),
+                    "logit_bias", "must map token ids (non-negative ints) to numbers")
+            require(all(_is_num(v) and -100.0 <= v <= 100.0 for v in self.logit_bias.values()), "logit_bias",
+                    "each bias must be a number in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            require(isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+                    and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids), "allowed_token_ids",
+                    "must be a non-empty list of token ids (non-negative ints)")
+        require(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "must be a bool")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if t >= vocab_size]
             require(not bad, "stop_token_ids", f"ids {bad} are outside the vocabulary (size {vocab_size})")
+            for name in ("logit_bias", "allowed_token_ids"):
+                bad = sorted(t for t in (getattr(self, name) or ()) if t >= vocab_size)
+                require(not bad, name, f"ids {bad[:8]} are outside the vocabulary (size {vocab_size})")
 
     @property
     def greedy(self) -> bool:

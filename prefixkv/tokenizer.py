@@ -115,7 +115,7 @@ class Tokenizer:
         raise NotImplementedError
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """Render `messages` (and the OpenAI-style `tools`, if any) with the chat template and return
         the prompt's token ids.
 
@@ -124,9 +124,16 @@ class Tokenizer:
         "tool_calls" may have none); other keys pass through to the template. Tools, tool calls and
         tool results go through the model's own template when it renders tools; a ChatML template
         that does not (SmolLM2's) is replaced by ``HERMES_TOOLS_CHATML_TEMPLATE`` for such requests;
-        any other is a ValueError naming `tools`. Raises ValueError naming the bad field ("messages[1].role").
+        any other is a ValueError naming `tools`. `template_kwargs` are more variables for the template
+        (vLLM's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`). Raises ValueError naming the
+        bad field ("messages[1].role").
         """
         messages = _normalize_messages(messages)
+        extra = dict(template_kwargs or {})
+        reserved = sorted(set(extra) & {"messages", "tools", "add_generation_prompt", "tokenize", "chat_template",
+                                        "return_dict", "tokenizer_kwargs", "return_tensors", "conversation"})
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {reserved[0]!r} is set by the server, not by the request")
         template = self.chat_template
         if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
             if "tool" not in template:
@@ -134,13 +141,13 @@ class Tokenizer:
                     raise ValueError("tools: this model's chat template does not render tools or tool messages")
                 template = HERMES_TOOLS_CHATML_TEMPLATE
         if template in (FALLBACK_CHAT_TEMPLATE, HERMES_TOOLS_CHATML_TEMPLATE):
-            text = _compiled_template(template).render(messages=messages, tools=tools,
+            text = _compiled_template(template).render(**extra, messages=messages, tools=tools,
                                                        add_generation_prompt=add_generation_prompt)
             return self.encode(text, add_special_tokens=template == FALLBACK_CHAT_TEMPLATE)
-        return self._apply_own_template(messages, add_generation_prompt, tools)
+        return self._apply_own_template(messages, add_generation_prompt, tools, extra)
 
     def _apply_own_template(self, messages: list[dict], add_generation_prompt: bool,
-                            tools: list[dict] | None) -> list[int]:
+                            tools: list[dict] | None, extra: dict) -> list[int]:
         raise NotImplementedError
 
     def _init_eos(self, eos_token_id: int | None, gen_eos_ids: list[int]) -> None:
@@ -185,11 +192,11 @@ class HFTokenizer(Tokenizer):
         return ids[1] if run_is_global else None
 
     def _apply_own_template(self, messages: list[dict], add_generation_prompt: bool,
-                            tools: list[dict] | None) -> list[int]:
+                            tools: list[dict] | None, extra: dict) -> list[int]:
         # transformers 5 defaults to tokenize=True, return_dict=True (a BatchEncoding); with tokenize=False
         # it returns the rendered str. The template writes BOS itself, hence add_special_tokens=False.
         rendered = self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt)
+                                               add_generation_prompt=add_generation_prompt, **extra)
         if isinstance(rendered, Mapping):
             return list(rendered["input_ids"])
         if not isinstance(rendered, str):

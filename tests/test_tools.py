@@ -233,8 +233,6 @@ def test_auto_plain_reply_is_content_and_none_is_text(client):
 
 
 def test_tool_calls_and_results_round_trip_through_the_template(client):
-    from prefixkv.engine import LLMEngine  # noqa: F401 - (the engine's tokenizer renders the history)
-
     first = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], tool_choice="required",
                                            parallel_tool_calls=False, temperature=0, max_tokens=60)
     call = first.choices[0].message.tool_calls[0]

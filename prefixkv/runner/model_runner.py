@@ -171,6 +171,15 @@ class ModelRunner:
                 if ids:
                     banned.append((i, ids))
         b.banned = banned or None
+        biases, allowed_only = [], []
+        for i, (r, _) in enumerate(rows):
+            p = r.sampling_params
+            if p.logit_bias:
+                biases.append((i, torch.tensor(list(p.logit_bias), dtype=torch.int64, device=dev),
+                               torch.tensor(list(p.logit_bias.values()), dtype=torch.float64, device=dev)))
+            if p.allowed_token_ids:
+                allowed_only.append((i, torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=dev)))
+        b.biases, b.allowed_only = biases or None, allowed_only or None
         constrained = [(i, r.matcher) for i, (r, _) in enumerate(rows) if r.matcher is not None]
         if constrained:
             from prefixkv.structured_outputs import fill_bitmask

@@ -1,7 +1,8 @@
 """Batched sampler: one vectorized pass over the whole batch, per-row parameters as tensors.
 
 Order: penalties (repetition as in transformers; presence/frequency as in OpenAI, over output
-tokens) -> min_tokens (eos and stop ids masked) -> temperature -> top-k -> top-p -> min-p ->
+tokens) -> logit_bias (added) -> allowed_token_ids (every other token masked) -> min_tokens (eos
+and stop ids masked) -> temperature -> top-k -> top-p -> min-p ->
 sample. Rows with ``temperature < 1e-5`` (0 included) take the exact argmax of the (penalized) logits.
 
 Randomness is counter-based: a row's uniform u is a hash of (row seed, output position), so a
@@ -79,6 +80,9 @@ class SamplingBatch:
     seen_mask: torch.Tensor | None = None  # [S, V] bool: token in prompt or output
     # min_tokens: rows whose listed token ids are masked this step
     banned: list[tuple[int, list[int]]] | None = None
+    # logit_bias: (row, token ids, biases) per biased row; allowed_token_ids: (row, ids) per row
+    biases: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None
+    allowed_only: list[tuple[int, torch.Tensor]] | None = None
     max_logprobs: int = -1  # -1: no row wants logprobs
     # structured outputs: the constrained rows and their allowed tokens (bool [len(rows), V])
     constrained_rows: torch.Tensor | None = None
@@ -133,8 +137,14 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     if b.max_logprobs >= 0:
         logprobs = torch.log_softmax(logits.float() if logits.dtype != torch.float64 else logits, dim=-1)
     logits = apply_penalties(logits, b)
-    if b.banned or b.allowed is not None:
+    if b.banned or b.allowed is not None or b.biases or b.allowed_only:
         logits = logits.clone()
+    for row, ids, bias in b.biases or ():
+        logits[row].index_add_(0, ids, bias.to(logits.dtype))
+    for row, ids in b.allowed_only or ():
+        keep = logits[row, ids]
+        logits[row] = float("-inf")
+        logits[row, ids] = keep
     for row, ids in b.banned or ():
         logits[row, ids] = float("-inf")
     if b.allowed is not None:  # structured outputs: only what the grammar allows next

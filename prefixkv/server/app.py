@@ -506,7 +506,7 @@ class _Server:
         messages = [msgspec.to_builtins(m) for m in req.messages]
         try:
             prompt = await self._off_loop(lambda: self.tokenizer.apply_chat_template(
-                messages, tools=tools.tools if tools else None))
+                messages, tools=tools.tools if tools else None, template_kwargs=req.chat_template_kwargs))
         except ValueError as e:
             raise bad_request(e) from None
         return await self._generate(request, t0, _ChatFormat, req, [prompt], params, aliases, tools)
@@ -543,8 +543,15 @@ class _Server:
             aliases.update(tools.aliases)
         if so is not None:
             kw["structured_outputs"] = so
+        if req.logit_bias is not None:
+            try:
+                kw["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise ApiError(400, "logit_bias: keys must be token ids (integers as strings)",
+                               param="logit_bias") from None
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens"):
+                     "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
+                     "allowed_token_ids", "include_stop_str_in_output"):
             value = getattr(req, name)
             if value is not None:
                 kw[name] = value

@@ -97,10 +97,8 @@ class ResponseFormat(Struct, kw_only=True, forbid_unknown_fields=True):
 
 # Fields of the OpenAI / vLLM request surface this server does not implement: a non-null value is a
 # 400 naming the field (null means absent).
-UNSUPPORTED_FIELDS = ("functions", "function_call", "logit_bias",
-                      "chat_template_kwargs", "allowed_token_ids", "bad_words", "prompt_logprobs",
-                      "include_stop_str_in_output", "guided_json", "guided_regex", "guided_choice",
-                      "guided_grammar", "guided_decoding_backend", "best_of", "use_beam_search",
+UNSUPPORTED_FIELDS = ("functions", "function_call", "bad_words", "prompt_logprobs", "guided_json",
+                      "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "best_of", "use_beam_search",
                       "length_penalty", "truncate_prompt_tokens", "metadata", "store", "service_tier",
                       "modalities", "audio", "prediction", "reasoning_effort", "web_search_options")
 
@@ -134,6 +132,9 @@ class _SamplingRequest(_Unsupported, kw_only=True, forbid_unknown_fields=True):
     user: str | None = None  # an end-user id for abuse tracking (OpenAI): nothing to do with the output
     response_format: ResponseFormat | None = None
     structured_outputs: dict | None = None  # vLLM's: json / json_object / regex / choice / grammar
+    logit_bias: dict[str, float] | None = None  # token id (a JSON object's keys are strings) -> bias
+    allowed_token_ids: list[int] | None = None  # vLLM's
+    include_stop_str_in_output: bool | None = None  # vLLM's
 
     def unsupported_field(self) -> str | None:
         """The first declared-but-unsupported field the request sets (non-null), if any."""
@@ -149,6 +150,7 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     max_completion_tokens: int | None = None  # the newer name of max_tokens; wins when both are set
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    chat_template_kwargs: dict | None = None  # extra variables for the chat template (vLLM's)
     tools: list[ToolDef] | None = None  # server/tools.py
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

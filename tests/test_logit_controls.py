@@ -1,0 +1,164 @@
+"""The request fields that steer sampling without a grammar (issue 18): ``logit_bias``,
+``allowed_token_ids``, ``include_stop_str_in_output``, and ``chat_template_kwargs`` for the template.
+Greedy rows are checked against transformers' float64 logits with the same bias / mask applied;
+rows without them are unchanged by such neighbours; bad values are a ValueError / 400 naming the field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixkv import LLM, SamplingParams
+
+PROMPTS = [[5 + (i * 11 + k) % 300 for i in range(7 + 4 * k)] for k in range(4)]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(model=str(tiny_llama), dtype="float64", num_kv_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float64)
+
+
+def _reference(hf, prompt: list[int], steps: int, adjust) -> list[int]:
+    """Greedy decoding by transformers with ``adjust(logits)`` applied before each argmax."""
+    ids = list(prompt)
+    for _ in range(steps):
+        logits = hf(torch.tensor([ids])).logits[0, -1].clone()
+        ids.append(int(adjust(logits).argmax()))
+    return ids[len(prompt):]
+
+
+def test_logit_bias_greedy_equals_argmax_of_biased_logits(llm, hf):
+    plain = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, temperature=0.0))[0].outputs[0].token_ids[0]
+    bias = {plain: -100.0, 17: 3.5, 42: 2.0}  # the unbiased choice pushed away, two others raised
+
+    def adjust(logits):
+        for t, b in bias.items():
+            logits[t] += b
+        return logits
+
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias=bias)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, sp)):
+        assert out.outputs[0].token_ids == _reference(hf, prompt, 6, adjust)
+    forced = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                                                      logit_bias={77: 100.0}))[0]
+    assert forced.outputs[0].token_ids == [77] * 4
+
+
+def test_allowed_token_ids_greedy_and_sampled(llm, hf):
+    allowed = [9, 23, 101, 250]
+
+    def adjust(logits):
+        keep = logits[allowed].clone()
+        logits[:] = float("-inf")
+        logits[allowed] = keep
+        return logits
+
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, allowed_token_ids=allowed)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, greedy)):
+        assert out.outputs[0].token_ids == _reference(hf, prompt, 5, adjust)
+    sampled = SamplingParams(max_tokens=12, temperature=1.5, seed=3, n=3, ignore_eos=True, allowed_token_ids=allowed)
+    for out in llm.generate(PROMPTS, sampled):
+        assert all(set(c.token_ids) <= set(allowed) for c in out.outputs)
+
+
+def test_rows_without_them_are_unchanged_by_such_neighbours(llm):
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, plain)]
+    steered = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={3: 50.0}),
+               SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, allowed_token_ids=[4, 5])]
+    mixed = llm.generate(PROMPTS, [plain, steered[0], plain, steered[1]])
+    assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == [alone[0], alone[2]]
+    assert mixed[1].outputs[0].token_ids == [3] * 8 and set(mixed[3].outputs[0].token_ids) <= {4, 5}
+
+
+def test_include_stop_str_in_output(llm):
+    full = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    stop = full.text[3:5]
+    assert len(stop) == 2 and stop not in full.text[:4]
+    cut = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=stop))[0]
+    kept = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=stop,
+                                                    include_stop_str_in_output=True))[0]
+    i = full.text.index(stop)
+    assert cut.outputs[0].text == full.text[:i] and kept.outputs[0].text == full.text[:i + len(stop)]
+    assert cut.outputs[0].stop_reason == kept.outputs[0].stop_reason == stop
+
+
+@pytest.mark.parametrize("kw, field", [(dict(logit_bias={5: 101}), "logit_bias"),
+                                       (dict(logit_bias={-1: 1.0}), "logit_bias"),
+                                       (dict(logit_bias={10**6: 1.0}), "logit_bias"),
+                                       (dict(allowed_token_ids=[]), "allowed_token_ids"),
+                                       (dict(allowed_token_ids=[10**6]), "allowed_token_ids"),
+                                       (dict(include_stop_str_in_output=1), "include_stop_str_in_output")])
+def test_bad_values_name_the_field(llm, kw, field):
+    with pytest.raises(ValueError, match=rf"^(prompts\[0\]: )?{field}:"):  # (vocabulary checks: per prompt)
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, **kw))
+    assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # still serving
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_llama):
+    from prefixkv.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(str(tiny_llama))
+    tok.hf.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                            "{% if shout %} LOUD{% endif %}")
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(msgs, template_kwargs={"shout": True}) == tok.encode("hi LOUD", add_special_tokens=False)
+    assert tok.apply_chat_template(msgs) == tok.encode("hi", add_special_tokens=False)
+    with pytest.raises(ValueError, match="^chat_template_kwargs: 'tools'"):
+        tok.apply_chat_template(msgs, template_kwargs={"tools": []})
+
+
+# ---------------------------------------------------------------------- the server
+@pytest.fixture(scope="module")
+def client(llm):
+    import openai
+
+    from prefixkv.async_engine import AsyncEngine
+    from prefixkv.server.app import BackgroundServer, ServerConfig
+
+    with BackgroundServer(AsyncEngine(llm.engine), ServerConfig("tiny")) as srv:
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_server_honours_them(client, llm):
+    prompt = PROMPTS[0]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
+                                  logit_bias={"77": 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == llm.tokenizer.decode([77] * 3)
+    def token_strings(**extra) -> list[str]:
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, seed=1, logprobs=0,
+                                      extra_body={"ignore_eos": True, **extra})
+        return r.choices[0].logprobs.tokens
+
+    named = {t: token_strings(logit_bias={str(t): 100})[0] for t in (77, 78)}
+    drawn = token_strings(allowed_token_ids=[77, 78])
+    assert len(drawn) == 6 and set(drawn) <= set(named.values()) and len(set(named.values())) == 2
+    full = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[3:5]
+    kept = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stop=stop,
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == full[:full.index(stop) + len(stop)]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                          extra_body={"chat_template_kwargs": {"anything": 1}})
+    assert chat.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize("body, param", [({"logit_bias": {"abc": 1}}, "logit_bias"),
+                                         ({"logit_bias": {"5": 500}}, "logit_bias"),
+                                         ({"allowed_token_ids": [-3]}, "allowed_token_ids"),
+                                         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")])
+def test_server_bad_values_are_400_naming_the_field(client, body, param):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       extra_body=body)
+    assert e.value.body["param"] == param and e.value.body["message"].startswith(param + ":"), e.value.body
