@@ -162,3 +162,27 @@ def test_server_bad_values_are_400_naming_the_field(client, body, param):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                        extra_body=body)
     assert e.value.body["param"] == param and e.value.body["message"].startswith(param + ":"), e.value.body
+
+
+def test_server_choices_carry_stop_reason(client, llm):
+    """vLLM's ``stop_reason``: the stop string or stop token id that ended a choice, null for
+    eos and length; in the response and in the stream's final chunk."""
+    prompt = PROMPTS[0]
+    full = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length" and full.choices[0].model_extra["stop_reason"] is None
+    stop = full.choices[0].text[3:5]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stop=stop,
+                                  extra_body={"ignore_eos": True})
+    assert (r.choices[0].finish_reason, r.choices[0].model_extra["stop_reason"]) == ("stop", stop)
+    first = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+    tid = first.outputs[0].token_ids[2]
+    chat_kw = dict(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=12, temperature=0)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True, "stop_token_ids": [tid]})
+    assert (r.choices[0].finish_reason, r.choices[0].model_extra["stop_reason"]) == ("stop", tid)
+    last = [c for c in client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                                 stop=stop, stream=True, extra_body={"ignore_eos": True})][-1]
+    assert (last.choices[0].finish_reason, last.choices[0].model_extra["stop_reason"]) == ("stop", stop)
+    c = client.chat.completions.create(**chat_kw, extra_body={"stop_token_ids": list(range(384))})
+    assert c.choices[0].finish_reason == "stop" and isinstance(c.choices[0].model_extra["stop_reason"], int)

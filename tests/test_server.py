@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -395,6 +396,19 @@ def test_metrics_after_traffic(server, client):
     assert m["prefixkv_prefix_cache_queried_tokens_total"] >= m["prefixkv_prefix_cache_hit_tokens_total"] > 0
     assert "prefixkv_preemptions_total" in m and "prefixkv_num_requests_waiting" in m
     assert not any('status="500"' in k for k in m)
+    # the names vLLM's dashboards read, beside ours
+    lab = '{model_name="%s"}' % MODEL
+    assert m["vllm:num_requests_running" + lab] == m["prefixkv_num_requests_running"]
+    assert m["vllm:num_requests_waiting" + lab] == m["prefixkv_num_requests_waiting"]
+    assert m["vllm:kv_cache_usage_perc" + lab] == m["prefixkv_kv_blocks_used"] / m["prefixkv_kv_blocks_total"]
+    assert m["vllm:prefix_cache_queries_total" + lab] == m["prefixkv_prefix_cache_queried_tokens_total"]
+    assert m["vllm:prefix_cache_hits_total" + lab] == m["prefixkv_prefix_cache_hit_tokens_total"]
+    assert m["vllm:num_preemptions_total" + lab] == m["prefixkv_preemptions_total"]
+    assert m["vllm:time_to_first_token_seconds_count" + lab] == m["prefixkv_time_to_first_token_seconds_count"]
+    assert m["vllm:inter_token_latency_seconds_count" + lab] == m["prefixkv_time_per_output_token_seconds_count"]
+    assert m["vllm:e2e_request_latency_seconds_count" + lab] == m["prefixkv_e2e_request_latency_seconds_count"]
+    assert m["vllm:generation_tokens_total" + lab] == m["prefixkv_generation_tokens_total"]
+    assert m['vllm:request_success_total{finished_reason="length",model_name="%s"}' % MODEL] >= 1
 
 
 # ---------------------------------------------------------------------- AsyncEngine directly
@@ -507,3 +521,37 @@ def test_serve_subprocess_sigterm_exits_0(tiny_llama):
             proc.wait()
         proc.stdout.close()
         proc.stderr.close()
+
+
+# ---------------------------------------------------------------------- vLLM's utility routes
+def _post(server, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_tokenize_detokenize_version(server):
+    tok = server.engine.engine.tokenizer
+    status, body = _post(server, "/tokenize", {"prompt": "hello world", "return_token_strs": True})
+    ids = tok.encode("hello world")
+    assert status == 200 and body == {"count": len(ids), "max_model_len": server.engine.engine.info.max_model_len,
+                                      "tokens": ids, "token_strs": tok.convert_ids_to_tokens(ids)}
+    msgs = chat_messages("hi")
+    status, body = _post(server, "/tokenize", {"messages": msgs})
+    assert status == 200 and body["tokens"] == tok.apply_chat_template(msgs) and body["token_strs"] is None
+    status, body = _post(server, "/detokenize", {"tokens": ids})
+    assert status == 200 and body == {"prompt": tok.decode(ids)}
+    status, body = _post(server, "/detokenize", {"tokens": [1, 10**7]})
+    assert status == 400 and body["error"]["param"] == "tokens[1]", body
+    status, body = _post(server, "/tokenize", {"prompt": "a", "messages": msgs})
+    assert status == 400 and body["error"]["param"] == "prompt", body
+    status, body = _post(server, "/tokenize", {"prompt": "a", "bogus": 1})
+    assert status == 400 and body["error"]["param"] == "bogus", body
+    from prefixkv import __version__
+
+    with urllib.request.urlopen(server.url + "/version", timeout=10) as r:
+        assert json.loads(r.read()) == {"version": __version__}

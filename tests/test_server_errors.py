@@ -226,7 +226,8 @@ def test_oversized_body_413(server, chunked):
 
 
 V1_ROUTES = [("POST", CHAT), ("POST", COMPL), ("GET", "/v1/models"), ("GET", f"/v1/models/{MODEL}"),
-             ("GET", CHAT), ("DELETE", "/v1/models"), ("PUT", COMPL), ("GET", "/v1/unknown"), ("GET", "/v1")]
+             ("GET", CHAT), ("DELETE", "/v1/models"), ("PUT", COMPL), ("GET", "/v1/unknown"), ("GET", "/v1"),
+             ("POST", "/tokenize"), ("POST", "/detokenize")]  # (vLLM's utility routes are the model's API too)
 
 
 @pytest.mark.parametrize("method, path", V1_ROUTES)
@@ -242,6 +243,8 @@ def test_auth_required_on_every_v1_route(server, method, path, auth):
 def test_auth_accepts_the_key_and_health_metrics_are_open(server):
     assert call(server, "GET", "/v1/models", None, AUTH)[0] == 200
     assert call(server, "GET", "/health")[0] == 200
+    assert call(server, "GET", "/version")[0] == 200
+    assert call(server, "POST", "/tokenize", {"prompt": "hi"}, AUTH)[0] == 200
     assert metrics(server)["prefixkv_kv_blocks_total"] == 256
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

@@ -58,15 +58,20 @@ from prefixkv.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorBody,
     ErrorResponse,
     FunctionCall,
     ModelCard,
     ModelList,
     ProtocolError,
+    TokenizeRequest,
+    TokenizeResponse,
     TokenText,
     ToolCallOut,
     Usage,
+    VersionResponse,
     chat_logprobs,
     completion_logprobs,
     decode_request,
@@ -256,7 +261,7 @@ class _Format:
     id_prefix: ClassVar[str]
     chunk_type: ClassVar[type]
     response_type: ClassVar[type]
-    # (index, text, logprobs, finish_reason) -> one choice of a response / of a stream chunk
+    # (index, text, logprobs, finish_reason, stop_reason) -> one choice of a response / of a stream chunk
     _choice: ClassVar[Callable[..., msgspec.Struct]]
     _delta_choice: ClassVar[Callable[..., msgspec.Struct]]
     id: str
@@ -269,15 +274,15 @@ class _Format:
         return []
 
     def delta_chunk(self, index: int, text: str, lps: list[Logprob] | None, text_offset: int,
-                    finish_reason: str | None) -> msgspec.Struct:
-        choice = self._delta_choice(index, text, self._logprobs_or_none(lps, text_offset), finish_reason)
+                    finish_reason: str | None, stop_reason: int | str | None = None) -> msgspec.Struct:
+        choice = self._delta_choice(index, text, self._logprobs_or_none(lps, text_offset), finish_reason, stop_reason)
         return self.chunk_type(self.id, self.created, self.model, [choice])
 
     def usage_chunk(self, usage: Usage) -> msgspec.Struct:
         return self.chunk_type(self.id, self.created, self.model, [], usage)
 
     def response(self, choices: list[tuple[int, CompletionOutput]], usage: Usage) -> msgspec.Struct:
-        out = [self._choice(index, co.text, self._logprobs_or_none(co.logprobs, 0), co.finish_reason)
+        out = [self._choice(index, co.text, self._logprobs_or_none(co.logprobs, 0), co.finish_reason, co.stop_reason)
                for index, co in choices]
         return self.response_type(self.id, self.created, self.model, out, usage)
 
@@ -307,13 +312,13 @@ class _ChatFormat(_Format):
             calls = [ToolCallOut(c.id, FunctionCall(c.name, c.arguments)) for c in stream.calls] or None
             finish = self.tools.calls_finish_reason if calls and co.finish_reason == "stop" else co.finish_reason
             out.append(ChatChoice(index, ChatMessageOut("assistant", stream.content, calls),
-                                  self._logprobs_or_none(co.logprobs, 0), finish))
+                                  self._logprobs_or_none(co.logprobs, 0), finish, co.stop_reason))
         return self.response_type(self.id, self.created, self.model, out, usage)
 
     def delta_chunk(self, index: int, text: str, lps: list[Logprob] | None, text_offset: int,
-                    finish_reason: str | None) -> msgspec.Struct:
+                    finish_reason: str | None, stop_reason: int | str | None = None) -> msgspec.Struct:
         if self.tools is None:
-            return super().delta_chunk(index, text, lps, text_offset, finish_reason)
+            return super().delta_chunk(index, text, lps, text_offset, finish_reason, stop_reason)
         stream = self._tool_streams.setdefault(index, self.tools.stream())
         content, calls = stream.feed(text)
         if finish_reason is not None:
@@ -322,7 +327,7 @@ class _ChatFormat(_Format):
             if stream.calls and finish_reason == "stop":
                 finish_reason = self.tools.calls_finish_reason
         delta = DeltaMessage(content=content or None, tool_calls=calls or None)
-        choice = ChatChunkChoice(index, delta, self._logprobs_or_none(lps, text_offset), finish_reason)
+        choice = ChatChunkChoice(index, delta, self._logprobs_or_none(lps, text_offset), finish_reason, stop_reason)
         return self.chunk_type(self.id, self.created, self.model, [choice])
 
     def start_chunks(self, num_choices: int) -> list[msgspec.Struct]:
@@ -331,13 +336,14 @@ class _ChatFormat(_Format):
                 for i in range(num_choices)]
 
     @staticmethod
-    def _choice(index: int, text: str, logprobs: ChatLogprobs | None, finish_reason: str | None) -> ChatChoice:
-        return ChatChoice(index, ChatMessageOut("assistant", text), logprobs, finish_reason)
+    def _choice(index: int, text: str, logprobs: ChatLogprobs | None, finish_reason: str | None,
+                stop_reason: int | str | None) -> ChatChoice:
+        return ChatChoice(index, ChatMessageOut("assistant", text), logprobs, finish_reason, stop_reason)
 
     @staticmethod
-    def _delta_choice(index: int, text: str, logprobs: ChatLogprobs | None,
-                      finish_reason: str | None) -> ChatChunkChoice:
-        return ChatChunkChoice(index, DeltaMessage(content=text), logprobs, finish_reason)
+    def _delta_choice(index: int, text: str, logprobs: ChatLogprobs | None, finish_reason: str | None,
+                      stop_reason: int | str | None) -> ChatChunkChoice:
+        return ChatChunkChoice(index, DeltaMessage(content=text), logprobs, finish_reason, stop_reason)
 
     def _logprobs(self, lps: list[Logprob], text_offset: int) -> ChatLogprobs:
         return chat_logprobs(lps, self.token_text, self.num_top_logprobs)
@@ -398,7 +404,7 @@ class _Server:
     def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self.metrics = ServerMetrics(engine.stats)
+        self.metrics = ServerMetrics(engine.stats, config.model_name)
         self.token_text = TokenTexts(engine.engine.tokenizer)
         self.max_model_len = engine.engine.info.max_model_len
         self.created = int(time.time())
@@ -441,7 +447,8 @@ class _Server:
 
     @web.middleware
     async def auth_middleware(self, request: web.Request, handler) -> web.StreamResponse:
-        if self._expected_auth is not None and (request.path == "/v1" or request.path.startswith("/v1/")):
+        if self._expected_auth is not None and (request.path == "/v1" or request.path.startswith("/v1/")
+                                                or request.path in ("/tokenize", "/detokenize")):
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, self._expected_auth):
                 raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
@@ -460,6 +467,41 @@ class _Server:
 
     def _card(self) -> ModelCard:
         return ModelCard(self.config.model_name, self.created, max_model_len=self.max_model_len)
+
+    async def version(self, request: web.Request) -> web.Response:
+        from prefixkv import __version__
+
+        return _json(VersionResponse(__version__))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize (a prompt, or chat messages through the template)."""
+        t0 = asyncio.get_running_loop().time()
+        req = decode_request(await self._body(request, t0), TokenizeRequest)
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "prompt: give either prompt or messages", param="prompt")
+        try:
+            if req.messages is not None:
+                messages = [msgspec.to_builtins(m) for m in req.messages]
+                ids = await self._off_loop(lambda: self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=req.add_generation_prompt))
+            else:
+                ids = await self._off_loop(lambda: self.tokenizer.encode(req.prompt, req.add_special_tokens))
+        except ValueError as e:
+            raise bad_request(e) from None
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return _json(TokenizeResponse(len(ids), self.max_model_len, ids, strs))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        t0 = asyncio.get_running_loop().time()
+        req = decode_request(await self._body(request, t0), DetokenizeRequest)
+        self._check_model(req.model)
+        v = self.engine.engine.info.vocab_size
+        bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < v), None)
+        if bad is not None:
+            raise ApiError(400, f"tokens[{bad}]: {req.tokens[bad]} is not a token id of this model (vocabulary "
+                                f"size {v})", param=f"tokens[{bad}]")
+        return _json(DetokenizeResponse(await self._off_loop(lambda: self.tokenizer.decode(req.tokens))))
 
     async def models(self, request: web.Request) -> web.Response:
         return _json(ModelList([self._card()]))
@@ -694,7 +736,8 @@ class _Server:
         usage = _usage(finals)
         e2e = asyncio.get_running_loop().time() - t0
         steps = max((len(co.token_ids) for f in finals for co in f.outputs), default=0)
-        self.metrics.observe_request(ttft, e2e, usage.prompt_tokens, usage.completion_tokens, steps)
+        self.metrics.observe_request(ttft, e2e, usage.prompt_tokens, usage.completion_tokens, steps,
+                                     [co.finish_reason for f in finals for co in f.outputs if co.finish_reason])
         return usage
 
 
@@ -710,7 +753,8 @@ def _delta_chunks(fmt: _Format, base: int, out: RequestOutput, states: list[_Cho
         if not co.delta_text and not lps and finish is None:
             continue
         st.finished = st.finished or finish is not None
-        chunks.append(fmt.delta_chunk(index, co.delta_text, lps, st.num_sent_chars, finish))
+        chunks.append(fmt.delta_chunk(index, co.delta_text, lps, st.num_sent_chars, finish,
+                                      co.stop_reason if finish is not None else None))
         st.num_sent_chars += len(co.delta_text)
     return chunks
 
@@ -734,6 +778,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     app.router.add_get("/v1/models", server.models)
     app.router.add_get("/v1/models/{model}", server.model)
     app.router.add_get("/health", server.health)
+    app.router.add_post("/tokenize", server.tokenize)
+    app.router.add_post("/detokenize", server.detokenize)
+    app.router.add_get("/version", server.version)
     app.router.add_get("/metrics", server.metrics_route)
 
     async def on_shutdown(app: web.Application) -> None:

@@ -1,6 +1,13 @@
 """Prometheus metrics of one server app, in its own ``CollectorRegistry`` (never the global one, so
 several apps can live in one process).
 
+Beside our own ``prefixkv_*`` names, the ``vllm:*`` names vLLM's Grafana dashboards read, with the
+``model_name`` label: ``vllm:num_requests_running`` / ``_waiting``, ``vllm:kv_cache_usage_perc``
+(0-1), ``vllm:prefix_cache_queries`` / ``_hits`` (tokens), ``vllm:num_preemptions``,
+``vllm:prompt_tokens`` / ``vllm:generation_tokens``, ``vllm:request_success`` (by
+``finished_reason``) and the ``vllm:time_to_first_token_seconds``,
+``vllm:inter_token_latency_seconds`` and ``vllm:e2e_request_latency_seconds`` histograms.
+
 Request-side metrics (counts, latencies) are recorded by the app; engine-side ones (running and
 waiting requests, KV blocks, prefix-cache tokens, preemptions) are read at scrape time from
 ``AsyncEngine.stats()``, a snapshot the engine thread refreshes every step.
@@ -37,24 +44,58 @@ _ENGINE_METRICS = (
 )
 
 
+# vLLM's names for the same engine statistics: (stats key, name, help, kind)
+_VLLM_ENGINE_METRICS = (
+    ("num_running", "vllm:num_requests_running", "Number of requests in model execution batches.", "gauge"),
+    ("num_waiting", "vllm:num_requests_waiting", "Number of requests waiting to be processed.", "gauge"),
+    ("prefix_queried_tokens", "vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", "counter"),
+    ("prefix_hit_tokens", "vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", "counter"),
+    ("num_preemptions", "vllm:num_preemptions", "Cumulative number of preemptions.", "counter"),
+)
+
+
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str) -> None:
         self._stats = stats
+        self._model = model_name
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
         for key, name, doc, kind in _ENGINE_METRICS:
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             yield family(name, doc, value=float(stats.get(key, 0)))
+        for key, name, doc, kind in _VLLM_ENGINE_METRICS:
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["model_name"])
+            family.add_metric([self._model], float(stats.get(key, 0)))
+            yield family
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                                  labels=["model_name"])
+        total = stats.get("num_kv_blocks", 0)
+        usage.add_metric([self._model], stats.get("num_kv_blocks_used", 0) / total if total else 0.0)
+        yield usage
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.model_name = model_name
+        label = ["model_name"]
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                                   label, buckets=_LATENCY_BUCKETS, registry=r)
+        self.vllm_itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                                  label, buckets=_TPOT_BUCKETS, registry=r)
+        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                                  label, buckets=_LATENCY_BUCKETS, registry=r)
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", label,
+                                          registry=r)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                                              label, registry=r)
+        self.vllm_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                    label + ["finished_reason"], registry=r)
         self.requests = Counter("prefixkv_http_requests", "HTTP requests by route and status code.",
                                 ["route", "status"], registry=r)
         self.time_to_first_token = Histogram("prefixkv_time_to_first_token_seconds",
@@ -70,19 +111,29 @@ class ServerMetrics:
                                      registry=r)
         self.generation_tokens = Counter("prefixkv_generation_tokens", "Generated tokens of finished requests.",
                                          registry=r)
-        r.register(_EngineCollector(stats))
+        r.register(_EngineCollector(stats, model_name))
 
     def observe_request(self, ttft: float | None, e2e: float, num_prompt_tokens: int, num_output_tokens: int,
-                        num_decode_steps: int) -> None:
+                        num_decode_steps: int, finish_reasons: list[str] = ()) -> None:
         """One finished request: ``num_output_tokens`` counts the tokens of all its choices,
-        ``num_decode_steps`` those of its longest choice (choices decode side by side)."""
+        ``num_decode_steps`` those of its longest choice (choices decode side by side),
+        ``finish_reasons`` one per choice."""
+        m = self.model_name
         if ttft is not None:
             self.time_to_first_token.observe(ttft)
+            self.vllm_ttft.labels(m).observe(ttft)
             if num_decode_steps > 1:
-                self.time_per_output_token.observe((e2e - ttft) / (num_decode_steps - 1))
+                itl = (e2e - ttft) / (num_decode_steps - 1)
+                self.time_per_output_token.observe(itl)
+                self.vllm_itl.labels(m).observe(itl)
         self.e2e_latency.observe(e2e)
+        self.vllm_e2e.labels(m).observe(e2e)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_output_tokens)
+        self.vllm_prompt_tokens.labels(m).inc(num_prompt_tokens)
+        self.vllm_generation_tokens.labels(m).inc(num_output_tokens)
+        for reason in finish_reasons:
+            self.vllm_success.labels(m, reason).inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -165,6 +165,22 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
     suffix: str | None = None
 
 
+class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's /tokenize: a ``prompt`` or chat ``messages`` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # for ``prompt``
+    add_generation_prompt: bool = True  # for ``messages``
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    tokens: list[int]
+
+
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
 _UNKNOWN = re.compile(r"unknown field `(?P<field>[^`]+)`")
@@ -278,6 +294,7 @@ class ChatChoice(Struct):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 class ChatCompletionResponse(Struct):
@@ -314,6 +331,7 @@ class ChatChunkChoice(Struct):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(Struct):
@@ -332,11 +350,27 @@ class CompletionLogprobs(Struct):
     text_offset: list[int]
 
 
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+class VersionResponse(Struct):
+    version: str
+
+
 class CompletionChoice(Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 class CompletionResponse(Struct):
