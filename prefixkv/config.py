@@ -102,6 +102,10 @@ class EngineConfig:
     # CUDA, when CacheConfig.num_kv_blocks is unset: the KV cache takes this fraction of the device's
     # memory minus the weights and the profiled activation peak (as vLLM's --gpu-memory-utilization)
     gpu_memory_utilization: float = 0.9
+    # request defaults: "auto" = the model's generation_config.json (temperature, top_p, top_k, min_p,
+    # repetition_penalty, max_new_tokens) for the fields a request leaves unset, as vLLM's
+    # --generation-config auto; "vllm" = SamplingParams' own defaults; or a directory holding one
+    generation_config: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -20,7 +20,7 @@ from prefixkv.outputs import CompletionOutput, RequestOutput
 from prefixkv.request import Request, RequestStatus
 from prefixkv.runner.memory import kv_cache_bytes_for, profile_activation_peak
 from prefixkv.runner.model_runner import ModelRunner
-from prefixkv.sampling_params import SamplingParams
+from prefixkv.sampling_params import SamplingParams, generation_config_defaults
 from prefixkv.scheduler import Scheduler
 from prefixkv.structured_outputs import GrammarCompiler
 from prefixkv.tokenizer import Tokenizer
@@ -76,6 +76,10 @@ class LLMEngine:
         self._groups: dict[str, RequestState] = {}
         self.output = OutputProcessor(self.tokenizer, self.info.eos_token_ids, max_len)
         self.grammars = GrammarCompiler(self.tokenizer, shape.vocab_size)
+        gc_dir = {"auto": str(self.model_path) if self.model_path.is_dir() else None, "vllm": None}.get(
+            config.generation_config, config.generation_config)
+        # SamplingParams fields -> the model's defaults, for what a request leaves unset (server, LLM)
+        self.default_sampling: dict[str, Any] = generation_config_defaults(gc_dir)
         self.check_integrity_each_step = False
         self.num_steps = 0
         self.dead: BaseException | None = None  # set by a fatal step error (EngineFatalError)
@@ -125,7 +129,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
         """Validate and queue a request; raises ValueError naming the bad field (nothing changes)."""
-        params = params or SamplingParams()
+        params = params or SamplingParams(**self.default_sampling)
         text, ids = self.prepare_request(prompt, params)
         self.enqueue(request_id, text, ids, params)
 
@@ -135,6 +139,8 @@ class LLMEngine:
         params.validate(self.info.vocab_size)
         if params.structured_outputs is not None:  # compiled and validated here, cached for enqueue
             self.grammars.compile(params.structured_outputs)
+        if params.bad_words:
+            params.tokenize_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         if params.n > self.config.scheduler.max_num_seqs:
             raise ValueError(f"n: {params.n} samples exceed max_num_seqs ({self.config.scheduler.max_num_seqs})")
         text, ids = self.tokenize_prompt(prompt)
@@ -349,9 +355,11 @@ class LLM:
         prompt_lookup_min: int = 1,
         prompt_lookup_max: int = 3,
         speculative_disable_by_batch_size: int | None = None,
+        generation_config: str = "auto",
     ) -> None:
         cfg = EngineConfig(
             model=model, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed,
+            generation_config=generation_config,
             enforce_eager=enforce_eager, attention_backend=attention_backend, cpu_linear=cpu_linear,
             fused_cpu_ops=fused_cpu_ops, batch_invariant=batch_invariant, gpu_memory_utilization=gpu_memory_utilization,
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -369,6 +377,11 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (vLLM's method); what
+        ``generate`` and ``chat`` use when given none."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -382,7 +395,7 @@ class LLM:
         if not prompts:
             raise ValueError("prompts: must not be empty")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -35,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="every logit of a request bitwise the same whatever else is batched, cached, chunked, "
                         "preempted or speculated (cpu, float32; default: on wherever possible)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--generation-config", default="auto",
+                   help="request defaults: auto (the model's generation_config.json), vllm (none), or a "
+                        "directory holding a generation_config.json")
     g.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="exact n-gram (prompt lookup) speculative decoding for greedy requests: draft tokens per "
                         "step, 0 = off")
@@ -50,7 +53,7 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
         enforce_eager=args.enforce_eager, cpu_linear=args.cpu_linear, attention_backend=args.attention_backend,
-        batch_invariant=args.batch_invariant,
+        batch_invariant=args.batch_invariant, generation_config=args.generation_config,
         gpu_memory_utilization=args.gpu_memory_utilization,
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=None if args.kv_cache_memory is None

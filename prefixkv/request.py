@@ -85,7 +85,7 @@ class Request:
         verified positions' rows: bitwise those of plain decoding in batch-invariant mode)."""
         p = self.sampling_params
         return (p.greedy and p.n == 1 and not p.uses_penalties and p.structured_outputs is None
-                and self.num_output_tokens >= p.min_tokens)
+                and not p.bad_words and self.num_output_tokens >= p.min_tokens)
 
     @property
     def num_tokens(self) -> int:

@@ -66,6 +66,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     include_stop_str_in_output: bool = False  # a stop string that ends the text is kept in it
+    # words never to generate (vLLM's bad_words): each word's tokens, with and without a leading
+    # space; a word's last token is banned wherever the output so far ends with the ones before it
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -128,12 +132,26 @@ class SamplingParams:
                     and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids), "allowed_token_ids",
                     "must be a non-empty list of token ids (non-negative ints)")
         require(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "must be a bool")
+        if self.bad_words is not None:
+            require(isinstance(self.bad_words, list) and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                    "bad_words", "must be a list of non-empty strings")
+            require(len(self.bad_words) <= 256, "bad_words", f"at most 256 words, got {len(self.bad_words)}")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if t >= vocab_size]
             require(not bad, "stop_token_ids", f"ids {bad} are outside the vocabulary (size {vocab_size})")
             for name in ("logit_bias", "allowed_token_ids"):
                 bad = sorted(t for t in (getattr(self, name) or ()) if t >= vocab_size)
                 require(not bad, name, f"ids {bad[:8]} are outside the vocabulary (size {vocab_size})")
+
+    def tokenize_bad_words(self, encode) -> None:
+        """Fill ``bad_words_token_ids`` with ``encode(text) -> ids`` (no special tokens)."""
+        seqs: list[list[int]] = []
+        for word in self.bad_words or ():
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = encode(text)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        self.bad_words_token_ids = seqs
 
     @property
     def greedy(self) -> bool:
@@ -142,3 +160,32 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+# generation_config.json keys -> SamplingParams fields (vLLM's --generation-config auto takes these)
+_GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_config_defaults(directory: str | None) -> dict:
+    """The sampling defaults a model ships in ``directory/generation_config.json`` (the keys of
+    ``_GENERATION_CONFIG_KEYS`` it sets, under SamplingParams' names), as vLLM's
+    ``--generation-config auto`` uses them: for the fields a request leaves unset. {} if none;
+    a value SamplingParams would refuse is a ValueError naming the file's key."""
+    import json
+    import os
+
+    if directory is None:
+        return {}
+    path = os.path.join(directory, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    out = {field: doc[key] for key, field in _GENERATION_CONFIG_KEYS.items() if doc.get(key) is not None}
+    try:
+        SamplingParams(**out)
+    except ValueError as e:
+        raise ValueError(f"generation_config: {path}: {e}") from None
+    return out
+

@@ -186,3 +186,103 @@ def test_server_choices_carry_stop_reason(client, llm):
     assert (last.choices[0].finish_reason, last.choices[0].model_extra["stop_reason"]) == ("stop", stop)
     c = client.chat.completions.create(**chat_kw, extra_body={"stop_token_ids": list(range(384))})
     assert c.choices[0].finish_reason == "stop" and isinstance(c.choices[0].model_extra["stop_reason"], int)
+
+
+# ---------------------------------------------------------------------- generation_config.json defaults
+@pytest.fixture(scope="module")
+def gen_model(tiny_llama, tmp_path_factory):
+    """The tiny model with sampling defaults in its generation_config.json."""
+    import json
+    import shutil
+
+    d = tmp_path_factory.mktemp("genconf") / "m"
+    shutil.copytree(tiny_llama, d)
+    cfg = json.loads((d / "generation_config.json").read_text()) if (d / "generation_config.json").exists() else {}
+    cfg.update(temperature=0.0, repetition_penalty=1.5, max_new_tokens=7)
+    (d / "generation_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_generation_config_defaults_fill_what_a_request_leaves_unset(gen_model):
+    import openai
+
+    from prefixkv.async_engine import AsyncEngine
+    from prefixkv.server.app import BackgroundServer, ServerConfig
+
+    llm = LLM(model=str(gen_model), dtype="float64", num_kv_blocks=128)
+    assert llm.engine.default_sampling == {"temperature": 0.0, "repetition_penalty": 1.5, "max_tokens": 7}
+    explicit = SamplingParams(temperature=0.0, repetition_penalty=1.5, max_tokens=7)
+    want = llm.generate(PROMPTS[:2], explicit)
+    got = llm.generate(PROMPTS[:2])  # no params: the model's defaults (vLLM's get_default_sampling_params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert all(len(o.outputs[0].token_ids) == 7 or o.outputs[0].finish_reason == "stop" for o in got)
+    plain = LLM(model=str(gen_model), dtype="float64", num_kv_blocks=128, generation_config="vllm")
+    assert plain.engine.default_sampling == {} and plain.get_default_sampling_params().temperature == 1.0
+    with BackgroundServer(AsyncEngine(llm.engine), ServerConfig("g")) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        msgs = [{"role": "user", "content": "hi"}]
+        r = client.chat.completions.create(model="g", messages=msgs)  # nothing set: the defaults
+        ids = llm.tokenizer.apply_chat_template(msgs)
+        ref = llm.generate([ids], explicit)[0].outputs[0]
+        assert r.choices[0].message.content == ref.text and r.usage.completion_tokens == len(ref.token_ids)
+        r = client.chat.completions.create(model="g", messages=msgs, max_tokens=3)  # a request's own value wins
+        assert r.usage.completion_tokens == 3 or r.choices[0].finish_reason == "stop"
+        assert r.choices[0].message.content == ref.text[:len(r.choices[0].message.content)]
+
+
+def test_a_bad_generation_config_names_the_file(gen_model, tmp_path):
+    import json
+    import shutil
+
+    d = tmp_path / "bad"
+    shutil.copytree(gen_model, d)
+    (d / "generation_config.json").write_text(json.dumps({"top_p": 7}))
+    with pytest.raises(ValueError, match=r"^generation_config: .*generation_config\.json: top_p:"):
+        LLM(model=str(d), dtype="float64", num_kv_blocks=64)
+
+
+# ---------------------------------------------------------------------- bad_words
+def test_bad_words_are_never_generated(llm, hf):
+    """Greedy with bad_words equals transformers' greedy where each bad word's last token is masked
+    whenever the output so far ends with the word's other tokens (vLLM's rule)."""
+    tok = llm.tokenizer
+    free = llm.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    words = [tok.decode(free[0].outputs[0].token_ids[2:3]), tok.decode(free[1].outputs[0].token_ids[4:6])]
+    words = [w for w in words if w.strip()]
+    assert words
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, bad_words=words)
+    outs = llm.generate(PROMPTS, sp)
+    sp.tokenize_bad_words(lambda text: tok.encode(text, add_special_tokens=False))  # what the engine did
+    seqs = sp.bad_words_token_ids
+    assert seqs and all(tok.encode(w.lstrip(), add_special_tokens=False) in seqs for w in words)
+    for prompt, out in zip(PROMPTS, outs):
+        got = out.outputs[0].token_ids
+        ids = list(prompt)
+        want = []
+        for _ in range(10):
+            logits = hf(torch.tensor([ids])).logits[0, -1].clone()
+            for w in seqs:
+                if len(w) - 1 <= len(want) and want[len(want) - len(w) + 1:] == w[:-1]:
+                    logits[w[-1]] = float("-inf")
+            t = int(logits.argmax())
+            want.append(t)
+            ids.append(t)
+        assert got == want
+        for w in seqs:  # no bad word's tokens appear in a row
+            assert not any(got[k:k + len(w)] == w for k in range(len(got)))
+    assert [o.outputs[0].token_ids for o in outs] != [o.outputs[0].token_ids for o in free]
+
+
+def test_bad_words_through_the_server(client, llm):
+    free = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    word = llm.tokenizer.decode(llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0.0,
+                                                                         ignore_eos=True))[0].outputs[0].token_ids[1:2])
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True, "bad_words": [word]})
+    assert r.choices[0].text != free
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2, extra_body={"bad_words": [""]})
+    assert e.value.body["param"] == "bad_words"

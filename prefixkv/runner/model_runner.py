@@ -170,6 +170,13 @@ class ModelRunner:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 if ids:
                     banned.append((i, ids))
+            if p.bad_words_token_ids:  # a word's last token, where the output ends with the rest of it
+                n_out = r.num_output_tokens
+                out = r.token_ids
+                ids = [w[-1] for w in p.bad_words_token_ids
+                       if len(w) - 1 <= n_out and out[len(out) - len(w) + 1:len(out)].tolist() == w[:-1]]
+                if ids:
+                    banned.append((i, ids))
         b.banned = banned or None
         biases, allowed_only = [], []
         for i, (r, _) in enumerate(rows):

@@ -593,9 +593,12 @@ class _Server:
                                param="logit_bias") from None
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
-                     "allowed_token_ids", "include_stop_str_in_output"):
+                     "allowed_token_ids", "include_stop_str_in_output", "bad_words"):
             value = getattr(req, name)
             if value is not None:
+                kw[name] = value
+        for name, value in self.engine.engine.default_sampling.items():  # the model's generation_config.json
+            if kw.get(name) is None:
                 kw[name] = value
         try:
             return SamplingParams(**kw)

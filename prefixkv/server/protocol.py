@@ -97,7 +97,7 @@ class ResponseFormat(Struct, kw_only=True, forbid_unknown_fields=True):
 
 # Fields of the OpenAI / vLLM request surface this server does not implement: a non-null value is a
 # 400 naming the field (null means absent).
-UNSUPPORTED_FIELDS = ("functions", "function_call", "bad_words", "prompt_logprobs", "guided_json",
+UNSUPPORTED_FIELDS = ("functions", "function_call", "prompt_logprobs", "guided_json",
                       "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "best_of", "use_beam_search",
                       "length_penalty", "truncate_prompt_tokens", "metadata", "store", "service_tier",
                       "modalities", "audio", "prediction", "reasoning_effort", "web_search_options")
@@ -135,6 +135,7 @@ class _SamplingRequest(_Unsupported, kw_only=True, forbid_unknown_fields=True):
     logit_bias: dict[str, float] | None = None  # token id (a JSON object's keys are strings) -> bias
     allowed_token_ids: list[int] | None = None  # vLLM's
     include_stop_str_in_output: bool | None = None  # vLLM's
+    bad_words: list[str] | None = None  # vLLM's
 
     def unsupported_field(self) -> str | None:
         """The first declared-but-unsupported field the request sets (non-null), if any."""
