@@ -1,7 +1,7 @@
 """prefixkv: a lossless LLM inference engine (paged KV cache, radix prefix sharing, chunked-prefill
 continuous batching). ``from prefixkv import LLM, SamplingParams``."""
 
-from prefixkv.outputs import CompletionOutput, Logprob, RequestOutput
+from prefixkv.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprob
 from prefixkv.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -20,4 +20,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'prefixkv' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "LLMEngine", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "LLMEngine", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "TokenLogprob"]

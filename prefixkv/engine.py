@@ -294,10 +294,10 @@ class LLMEngine:
             req.logprobs.extend(lps)
             return
         seq_ids = [req.seq_id] if len(lps) == 1 else [f"{req.request_id}#{k}" for k in range(len(lps))]
-        for seq_id, (chosen, top) in zip(seq_ids, lps):
+        for seq_id, entry in zip(seq_ids, lps):
             seq = self.scheduler.requests.get(seq_id)
             if seq is not None:
-                seq.logprobs.append((chosen, top))
+                seq.logprobs.append(entry)
 
     def _finish(self, group: RequestState, seq: Request, status: RequestStatus, reason: int | str | None) -> None:
         self.output.finish(group, seq, status, reason)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from prefixkv.outputs import CompletionOutput, Logprob, RequestOutput
+from prefixkv.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from prefixkv.request import Request, RequestStatus
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.structured_outputs import StructuredOutputError
@@ -78,7 +78,7 @@ class SeqOutputState:
     num_sent_logprobs: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[Logprob] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     num_processed: int = 0  # output tokens already detokenized and checked for stops
 
 
@@ -105,6 +105,10 @@ class OutputProcessor:
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
 
+    def decode_token(self, token_id: int) -> str:
+        """One token's text alone (vLLM's ``Logprob.decoded_token``)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def state(self, group: RequestState, seq: Request) -> SeqOutputState:
         st = group.states.get(seq.sample_index)
         if st is None:
@@ -128,8 +132,9 @@ class OutputProcessor:
                 del seq.logprobs[st.num_processed:]  # (a stop inside an accepted draft)
                 break
         if seq.logprobs and len(st.logprobs) < len(seq.logprobs):
-            for chosen, top in seq.logprobs[len(st.logprobs):]:
-                st.logprobs.append(Logprob(seq.token_ids[seq.num_prompt_tokens + len(st.logprobs)], chosen, top))
+            for chosen, top, rank in seq.logprobs[len(st.logprobs):]:
+                st.logprobs.append(TokenLogprob(seq.token_ids[seq.num_prompt_tokens + len(st.logprobs)], chosen, top,
+                                                rank))
         return finish
 
     def _process_token(self, group: RequestState, seq: Request, st: SeqOutputState,
@@ -207,7 +212,7 @@ class OutputProcessor:
             else:  # delta: only what is new
                 ids, out_text, out_lps = delta_ids, delta, delta_lps
             outs.append(CompletionOutput(idx, ids, out_text, st.finish_reason, st.stop_reason, out_lps, delta,
-                                         delta_ids, delta_lps))
+                                         delta_ids, delta_lps, None if lps is None else self.decode_token))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
                              group.num_finished == p.n, group.seqs[0].num_cached_tokens)
 

@@ -2,32 +2,73 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
 @dataclass
-class Logprob:
-    """Log-probability of one generated token and the top-k alternatives (raw model distribution)."""
+class TokenLogprob:
+    """One generated token's log-probability, its rank and the top-k alternatives (raw model
+    distribution): the engine's own record, and what ``CompletionOutput.token_logprobs`` lists."""
 
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]]  # [(token_id, logprob)], most likely first
+    rank: int | None = None  # 1 + the number of tokens more likely than this one
+
+
+@dataclass
+class Logprob:
+    """vLLM's shape: one entry of ``CompletionOutput.logprobs[i]`` (a dict token id -> Logprob)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass
 class CompletionOutput:
+    """One sample of a request.
+
+    Logprobs (when the request asked for them) come in two shapes: ``logprobs``, vLLM's
+    ``list[dict[int, Logprob]]`` (per token: the generated token and the top-k, each with its
+    logprob, rank and decoded text), and ``token_logprobs``, a ``TokenLogprob`` per token
+    (token_id, logprob, top_logprobs as (id, logprob) pairs, rank). Migration: before this,
+    ``logprobs`` held what ``token_logprobs`` holds now (``lp.logprob`` -> ``tl.logprob``,
+    ``lp.top_logprobs`` -> ``tl.top_logprobs``)."""
+
     index: int
     token_ids: list[int]
     text: str
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
-    logprobs: list[Logprob] | None = None
+    token_logprobs: list[TokenLogprob] | None = None
     # Streaming: what is new since the last RequestOutput for this request. With the request's
-    # output_kind "delta", token_ids / text / logprobs hold the same until the final output.
+    # output_kind "delta", token_ids / text / token_logprobs hold the same until the final output.
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
-    delta_logprobs: list[Logprob] | None = None
+    delta_token_logprobs: list[TokenLogprob] | None = None
+    # token id -> its text, for ``Logprob.decoded_token`` (set by the engine; read only when
+    # ``logprobs`` is)
+    decode_token: Callable[[int], str] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def logprobs(self) -> list[dict[int, Logprob]] | None:
+        """vLLM's shape (see the class docstring), built on first read."""
+        if self.token_logprobs is None:
+            return None
+        dec = self.decode_token or (lambda _t: None)
+        out = []
+        for tl in self.token_logprobs:
+            entry = {tid: Logprob(v, r, dec(tid)) for r, (tid, v) in enumerate(tl.top_logprobs, start=1)}
+            entry[tl.token_id] = Logprob(tl.logprob, tl.rank, dec(tl.token_id))
+            out.append(entry)
+        return out
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """Sum of the generated tokens' logprobs (None without logprobs), as vLLM's."""
+        return None if self.token_logprobs is None else float(sum(tl.logprob for tl in self.token_logprobs))
 
     @property
     def finished(self) -> bool:
@@ -73,7 +114,7 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
     @property
-    def logprobs(self) -> list[Logprob] | None:
+    def logprobs(self) -> list[dict[int, Logprob]] | None:
         return self.outputs[0].logprobs
 
     @property
@@ -98,9 +139,11 @@ def merge_outputs(old: RequestOutput, new: RequestOutput, delta: bool) -> Reques
                 index=co.index, finish_reason=co.finish_reason, stop_reason=co.stop_reason,
                 token_ids=p.token_ids + co.token_ids if delta and not new.finished else co.token_ids,
                 text=p.text + co.text if delta and not new.finished else co.text,
-                logprobs=_cat(p.logprobs, co.logprobs) if delta and not new.finished else co.logprobs,
+                token_logprobs=(_cat(p.token_logprobs, co.token_logprobs) if delta and not new.finished
+                                else co.token_logprobs),
                 delta_text=p.delta_text + co.delta_text, delta_token_ids=p.delta_token_ids + co.delta_token_ids,
-                delta_logprobs=_cat(p.delta_logprobs, co.delta_logprobs))
+                delta_token_logprobs=_cat(p.delta_token_logprobs, co.delta_token_logprobs),
+                decode_token=co.decode_token)
         outs.append(co)
     return RequestOutput(new.request_id, new.prompt, new._prompt_ids, outs, new.finished,
                          num_cached_tokens=new.num_cached_tokens)

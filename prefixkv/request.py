@@ -69,8 +69,8 @@ class Request:
         self.wait_start_step = 0  # the scheduler's step count when it last entered the waiting queue
         self.num_preemptions = 0
         self.seed = seed
-        # One entry per output token: (chosen_logprob, [(token_id, logprob), ...]) when requested.
-        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        # One entry per output token: (chosen_logprob, [(token_id, logprob), ...], chosen's rank) when requested.
+        self.logprobs: list[tuple[float, list[tuple[int, float]], int]] = []
         # an n > 1 request runs as one sequence until its prompt is computed, then forks n - 1 siblings
         self.needs_fork = sampling_params.n > 1
         self.ngram = None  # NgramIndex of its tokens, once it speculates (prefixkv/spec_decode.py)

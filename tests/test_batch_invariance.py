@@ -32,8 +32,8 @@ def _params() -> SamplingParams:
 def _result(out) -> tuple:
     """Token ids, chosen logprobs and top-2 logprobs, as exact floats."""
     c = out.outputs[0]
-    return (tuple(c.token_ids), tuple(lp.logprob for lp in c.logprobs),
-            tuple(tuple(lp.top_logprobs) for lp in c.logprobs))
+    return (tuple(c.token_ids), tuple(lp.logprob for lp in c.token_logprobs),
+            tuple(tuple(lp.top_logprobs) for lp in c.token_logprobs))
 
 
 def _llm(model_dir, batch_invariant=True, **kw) -> LLM:

@@ -183,7 +183,7 @@ def test_fused_ops_model_matches_plain_model(tiny_llama):
     diff = 0.0
     for a, b in zip(res[False], res[True]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        diff = max(diff, max(abs(x.logprob - y.logprob) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)))
+        diff = max(diff, max(abs(x.logprob - y.logprob) for x, y in zip(a.outputs[0].token_logprobs, b.outputs[0].token_logprobs)))
     print(f"fused elementwise vs torch ops: max abs diff of chosen logprobs {diff:.2e}")
     assert diff < 1e-4
 

@@ -184,7 +184,7 @@ def test_prepacked_model_logits_close_to_plain_and_same_greedy_tokens(tiny_llama
         for cl in ("torch", kind):
             llm = LLM(model=str(path), cpu_linear=cl, block_size=4, num_kv_blocks=256)
             res = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True))
-            outs[cl] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in res]
+            outs[cl] = [(o.outputs[0].token_ids, o.outputs[0].token_logprobs) for o in res]
         diff = 0.0
         for (ta, la), (tb, lb) in zip(outs["torch"], outs[kind]):
             assert ta == tb

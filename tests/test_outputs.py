@@ -35,14 +35,14 @@ def test_delta_outputs_carry_only_what_is_new_and_the_final_one_everything(llm):
     assert len(cum) == len(delta) == 40
     final_c, final_d = cum[-1].outputs[0], delta[-1].outputs[0]
     assert final_d.token_ids == final_c.token_ids and final_d.text == final_c.text
-    assert [lp.logprob for lp in final_d.logprobs] == [lp.logprob for lp in final_c.logprobs]
+    assert [lp.logprob for lp in final_d.token_logprobs] == [lp.logprob for lp in final_c.token_logprobs]
     for i, out in enumerate(delta[:-1]):
         co = out.outputs[0]
         assert co.token_ids == co.delta_token_ids == [final_c.token_ids[i]]  # one new token, not all
-        assert len(co.logprobs) == len(co.delta_logprobs) == 1
+        assert len(co.token_logprobs) == len(co.delta_token_logprobs) == 1
         assert co.text == co.delta_text
     assert "".join(o.outputs[0].delta_text for o in delta) == final_c.text
-    assert sum(len(o.outputs[0].delta_logprobs) for o in delta) == 40
+    assert sum(len(o.outputs[0].delta_token_logprobs) for o in delta) == 40
 
 
 def test_final_only_emits_once(llm):
@@ -107,7 +107,7 @@ def test_merged_deltas_equal_the_ones_they_replace(llm):
         final = merge_outputs(final, o, delta=True)
     assert final.finished and final.outputs[0].token_ids == outs[-1].outputs[0].token_ids  # the full list
     assert final.outputs[0].delta_token_ids == outs[-1].outputs[0].token_ids  # every delta, in order
-    assert len(final.outputs[0].delta_logprobs) == 20
+    assert len(final.outputs[0].delta_token_logprobs) == 20
 
 
 def test_slow_consumer_gets_merged_outputs(tiny_llama):

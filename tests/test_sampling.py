@@ -174,7 +174,7 @@ def test_logprobs_equal_transformers_log_softmax(llm, tiny_llama):
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float64)
     gen = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert out.token_ids == gen[0, len(prompt):].tolist()
-    for i, (lp, tok) in enumerate(zip(out.logprobs, out.token_ids)):
+    for i, (lp, tok) in enumerate(zip(out.outputs[0].token_logprobs, out.token_ids)):
         with torch.no_grad():  # float64 logits of transformers' own forward at this step
             logits = hf(torch.tensor([prompt + out.token_ids[:i]])).logits[0, -1]
         ref = torch.log_softmax(logits, -1)
@@ -183,6 +183,36 @@ def test_logprobs_equal_transformers_log_softmax(llm, tiny_llama):
         top = torch.topk(ref, 5)
         assert [t for t, _ in lp.top_logprobs] == top.indices.tolist()
         assert [v for _, v in lp.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-9)
+        assert lp.rank == 1  # greedy
+
+
+def test_vllm_shaped_logprobs_ranks_and_cumulative(llm, tiny_llama):
+    """``CompletionOutput.logprobs`` in vLLM's shape: per token a dict over the sampled token and
+    the top-k, each with logprob, rank (1 + the tokens more likely, against transformers' float64
+    distribution) and decoded text; ``cumulative_logprob`` their sum."""
+    from transformers import AutoModelForCausalLM
+
+    from prefixkv import Logprob
+
+    prompt = _prompts(1, seed=7)[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=2.0, seed=4, ignore_eos=True,
+                                                logprobs=3))[0].outputs[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float64)
+    ranks = []
+    for i, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt + out.token_ids[:i]])).logits[0, -1], -1)
+        top = torch.topk(ref, 3).indices.tolist()
+        assert set(entry) == set(top) | {tok}
+        rank = int((ref > ref[tok]).sum()) + 1
+        assert entry[tok] == Logprob(pytest.approx(ref[tok].item(), abs=1e-9), rank, llm.tokenizer.decode([tok]))
+        assert [entry[t].rank for t in top] == [1, 2, 3]
+        ranks.append(rank)
+    assert max(ranks) > 1  # (sampled at temperature 2: some tokens were not the most likely)
+    assert out.cumulative_logprob == pytest.approx(sum(out.logprobs[i][t].logprob
+                                                       for i, t in enumerate(out.token_ids)), abs=1e-9)
+    plain = llm.generate([prompt], SamplingParams(max_tokens=2))[0].outputs[0]
+    assert plain.logprobs is None and plain.cumulative_logprob is None
 
 
 def _printable_pieces(llm, ids):

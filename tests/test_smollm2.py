@@ -44,7 +44,7 @@ def test_chat_greedy_identical_to_transformers(llm, hf_model):
         ref = gen.sequences[0, len(p):].tolist()
         assert out.token_ids == ref
         ref_lp = [torch.log_softmax(step[0].float(), -1) for step in gen.logits]
-        for lp, ref_step, tok in zip(out.logprobs, ref_lp, ref):
+        for lp, ref_step, tok in zip(out.outputs[0].token_logprobs, ref_lp, ref):
             assert lp.token_id == tok
             assert abs(lp.logprob - ref_step[tok].item()) < 2e-3
             assert [t for t, _ in lp.top_logprobs] == torch.topk(ref_step, 3).indices.tolist()

@@ -200,8 +200,8 @@ def test_stops_inside_an_accepted_draft(tiny_llama, monkeypatch):
         llm, got = run(tiny_llama, prompts, k=6, params=params, oracle=oracle, monkeypatch=monkeypatch)
         for w, g in zip(want, got):
             assert g.outputs[0].token_ids == w.outputs[0].token_ids
-            assert [lp.token_id for lp in g.outputs[0].logprobs] == g.outputs[0].token_ids
-            for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert [lp.token_id for lp in g.outputs[0].token_logprobs] == g.outputs[0].token_ids
+            for a, b in zip(g.outputs[0].token_logprobs, w.outputs[0].token_logprobs):
                 assert a.logprob == pytest.approx(b.logprob, abs=1e-12)
         assert llm.engine.stats()["spec_accepted_tokens"] > 0
 
@@ -248,10 +248,10 @@ def test_who_speculates(tiny_llama, monkeypatch):
     for w, g in zip(want, got):
         assert [o.token_ids for o in g.outputs] == [o.token_ids for o in w.outputs]
         for go, wo in zip(g.outputs, w.outputs):
-            assert (go.logprobs is None) == (wo.logprobs is None)
-            if wo.logprobs is not None:
-                assert len(go.logprobs) == len(wo.logprobs) == len(wo.token_ids)
-                for a, b in zip(go.logprobs, wo.logprobs):
+            assert (go.token_logprobs is None) == (wo.token_logprobs is None)
+            if wo.token_logprobs is not None:
+                assert len(go.token_logprobs) == len(wo.token_logprobs) == len(wo.token_ids)
+                for a, b in zip(go.token_logprobs, wo.token_logprobs):
                     assert a.logprob == pytest.approx(b.logprob, abs=1e-12)
                     assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
     for p in (cases[1], cases[3], cases[4]):

@@ -28,8 +28,8 @@ from prefixkv.spec_decode import accept_greedy
 class ModelOutput:
     # sampled[i]: tokens for scheduled[i] (num_samples of them)
     sampled: list[list[int]]
-    # logprobs[i][k]: (chosen logprob, [(token, logprob), ...]) for sample k, or None
-    logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None]
+    # logprobs[i][k]: (chosen logprob, [(token, logprob), ...], chosen's rank) for sample k, or None
+    logprobs: list[list[tuple[float, list[tuple[int, float]], int]] | None]
 
 
 class ModelRunner:
@@ -246,7 +246,7 @@ class ModelRunner:
                 lp = []
                 for j in range(i, i + len(toks)):
                     top = list(zip(res.top_ids[j][:k], res.top_logprobs[j][:k])) if k and res.top_ids else []
-                    lp.append((res.chosen_logprobs[j], top))
+                    lp.append((res.chosen_logprobs[j], top, res.chosen_ranks[j]))
             logprobs.append(lp)
             i += n_rows
         return ModelOutput(sampled, logprobs)

@@ -93,6 +93,7 @@ class SamplingBatch:
 class SamplerOutput:
     token_ids: list[int]  # [S]
     chosen_logprobs: list[float] | None
+    chosen_ranks: list[int] | None  # 1 + the number of tokens more likely than the chosen one
     top_ids: list[list[int]] | None
     top_logprobs: list[list[float]] | None
 
@@ -133,7 +134,7 @@ def top_k_top_p_min_p_mask(logits: torch.Tensor, b: SamplingBatch) -> torch.Tens
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     """logits [S, V] float32/float64 -> one token per row."""
-    out_lp = ids_lp = vals_lp = None
+    out_lp = ranks = ids_lp = vals_lp = None
     if b.max_logprobs >= 0:
         logprobs = torch.log_softmax(logits.float() if logits.dtype != torch.float64 else logits, dim=-1)
     logits = apply_penalties(logits, b)
@@ -166,8 +167,10 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         drawn = torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)
         tokens = torch.where(greedy, greedy_tokens, drawn)
     if b.max_logprobs >= 0:
-        out_lp = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        chosen = logprobs.gather(1, tokens[:, None])
+        out_lp = chosen[:, 0].tolist()
+        ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
         if b.max_logprobs > 0:
             top = torch.topk(logprobs, b.max_logprobs, dim=-1)
             ids_lp, vals_lp = top.indices.tolist(), top.values.tolist()
-    return SamplerOutput(tokens.tolist(), out_lp, ids_lp, vals_lp)
+    return SamplerOutput(tokens.tolist(), out_lp, ranks, ids_lp, vals_lp)

@@ -42,7 +42,7 @@ from aiohttp import web
 
 from prefixkv.async_engine import AsyncEngine, RequestAbortedError, RequestStream
 from prefixkv.errors import EngineDeadError, EngineFatalError
-from prefixkv.outputs import CompletionOutput, Logprob, RequestOutput
+from prefixkv.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.metrics import ServerMetrics
 from prefixkv.server.protocol import (
@@ -273,7 +273,7 @@ class _Format:
     def start_chunks(self, num_choices: int) -> list[msgspec.Struct]:
         return []
 
-    def delta_chunk(self, index: int, text: str, lps: list[Logprob] | None, text_offset: int,
+    def delta_chunk(self, index: int, text: str, lps: list[TokenLogprob] | None, text_offset: int,
                     finish_reason: str | None, stop_reason: int | str | None = None) -> msgspec.Struct:
         choice = self._delta_choice(index, text, self._logprobs_or_none(lps, text_offset), finish_reason, stop_reason)
         return self.chunk_type(self.id, self.created, self.model, [choice])
@@ -282,14 +282,14 @@ class _Format:
         return self.chunk_type(self.id, self.created, self.model, [], usage)
 
     def response(self, choices: list[tuple[int, CompletionOutput]], usage: Usage) -> msgspec.Struct:
-        out = [self._choice(index, co.text, self._logprobs_or_none(co.logprobs, 0), co.finish_reason, co.stop_reason)
+        out = [self._choice(index, co.text, self._logprobs_or_none(co.token_logprobs, 0), co.finish_reason, co.stop_reason)
                for index, co in choices]
         return self.response_type(self.id, self.created, self.model, out, usage)
 
-    def _logprobs_or_none(self, lps: list[Logprob] | None, text_offset: int) -> msgspec.Struct | None:
+    def _logprobs_or_none(self, lps: list[TokenLogprob] | None, text_offset: int) -> msgspec.Struct | None:
         return None if lps is None else self._logprobs(lps, text_offset)
 
-    def _logprobs(self, lps: list[Logprob], text_offset: int) -> msgspec.Struct:
+    def _logprobs(self, lps: list[TokenLogprob], text_offset: int) -> msgspec.Struct:
         raise NotImplementedError
 
 
@@ -312,10 +312,10 @@ class _ChatFormat(_Format):
             calls = [ToolCallOut(c.id, FunctionCall(c.name, c.arguments)) for c in stream.calls] or None
             finish = self.tools.calls_finish_reason if calls and co.finish_reason == "stop" else co.finish_reason
             out.append(ChatChoice(index, ChatMessageOut("assistant", stream.content, calls),
-                                  self._logprobs_or_none(co.logprobs, 0), finish, co.stop_reason))
+                                  self._logprobs_or_none(co.token_logprobs, 0), finish, co.stop_reason))
         return self.response_type(self.id, self.created, self.model, out, usage)
 
-    def delta_chunk(self, index: int, text: str, lps: list[Logprob] | None, text_offset: int,
+    def delta_chunk(self, index: int, text: str, lps: list[TokenLogprob] | None, text_offset: int,
                     finish_reason: str | None, stop_reason: int | str | None = None) -> msgspec.Struct:
         if self.tools is None:
             return super().delta_chunk(index, text, lps, text_offset, finish_reason, stop_reason)
@@ -345,7 +345,7 @@ class _ChatFormat(_Format):
                       stop_reason: int | str | None) -> ChatChunkChoice:
         return ChatChunkChoice(index, DeltaMessage(content=text), logprobs, finish_reason, stop_reason)
 
-    def _logprobs(self, lps: list[Logprob], text_offset: int) -> ChatLogprobs:
+    def _logprobs(self, lps: list[TokenLogprob], text_offset: int) -> ChatLogprobs:
         return chat_logprobs(lps, self.token_text, self.num_top_logprobs)
 
 
@@ -354,7 +354,7 @@ class _CompletionFormat(_Format):
     chunk_type = response_type = CompletionResponse  # OpenAI streams the response object itself
     _choice = _delta_choice = staticmethod(CompletionChoice)
 
-    def _logprobs(self, lps: list[Logprob], text_offset: int) -> CompletionLogprobs:
+    def _logprobs(self, lps: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:
         return completion_logprobs(lps, self.token_text, self.num_top_logprobs, text_offset)
 
 
@@ -751,7 +751,7 @@ def _delta_chunks(fmt: _Format, base: int, out: RequestOutput, states: list[_Cho
     for co in out.outputs:
         index = base + co.index
         st = states[index]
-        lps = co.delta_logprobs
+        lps = co.delta_token_logprobs
         finish = co.finish_reason if co.finish_reason and not st.finished else None
         if not co.delta_text and not lps and finish is None:
             continue

@@ -5,7 +5,7 @@ Requests are decoded and type-checked in one pass; a field the server does not k
 the refusal says so (``UNSUPPORTED_FIELDS``): nothing a client sends is silently ignored.
 ``decode_request`` turns msgspec's errors into ``ProtocolError(message, param)`` where
 ``param`` is the field path ("messages[0].role"). Responses and stream chunks are Structs encoded
-straight to JSON. Logprobs are converted from the engine's ``Logprob`` list into the chat format
+straight to JSON. Logprobs are converted from the engine's ``TokenLogprob`` list into the chat format
 (``content: [{token, logprob, bytes, top_logprobs}]``) and the legacy completions format
 (``tokens, token_logprobs, top_logprobs, text_offset``).
 """
@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import msgspec
 from msgspec import Struct
 
-from prefixkv.outputs import Logprob
+from prefixkv.outputs import TokenLogprob
 
 # token id -> (text, utf-8 bytes) of that token alone
 TokenText = Callable[[int], tuple[str, bytes]]
@@ -399,7 +399,7 @@ class ModelList(Struct):
 
 
 # ---------------------------------------------------------------------- logprobs
-def chat_logprobs(lps: list[Logprob], token_text: TokenText, num_top: int) -> ChatLogprobs:
+def chat_logprobs(lps: list[TokenLogprob], token_text: TokenText, num_top: int) -> ChatLogprobs:
     content = []
     for lp in lps:
         text, raw = token_text(lp.token_id)
@@ -413,7 +413,7 @@ def _top(token_text: TokenText, token_id: int, logprob: float) -> TopLogprob:
     return TopLogprob(text, logprob, list(raw))
 
 
-def completion_logprobs(lps: list[Logprob], token_text: TokenText, num_top: int,
+def completion_logprobs(lps: list[TokenLogprob], token_text: TokenText, num_top: int,
                         text_offset: int = 0) -> CompletionLogprobs:
     """``text_offset`` is where the first of these tokens starts in the choice's text (streaming
     passes the length already sent)."""
