@@ -165,6 +165,8 @@ class LLMEngine:
         if params.structured_outputs is not None:
             req.matcher = self.grammars.matcher(params.structured_outputs)
         group = RequestState(request_id, text, array("q", ids), params)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = []
         group.seqs[0] = req
         self.scheduler.add_request(req)
         self._groups[request_id] = group
@@ -237,6 +239,10 @@ class LLMEngine:
             group = self._groups.get(seq.request_id)
             if group is not None:
                 failed.setdefault(group.request_id, (group, e))
+        for s, plps in zip(out.scheduled, model_out.prompt_logprobs or ()):
+            group = self._groups.get(s.req.request_id)
+            if plps and group is not None and group.request_id not in failed:
+                self.output.record_prompt_logprobs(group, plps)
         if any(model_out.logprobs):
             for s, lps in zip(out.scheduled, model_out.logprobs):
                 if lps and s.req.request_id not in failed:

@@ -93,6 +93,8 @@ class RequestState:
     seqs: dict[int, Request] = field(default_factory=dict)  # sample_index -> sequence
     states: dict[int, SeqOutputState] = field(default_factory=dict)
     num_finished: int = 0  # samples with a finish_reason (set by OutputProcessor.finish only)
+    # with SamplingParams.prompt_logprobs: prompt token i + 1's record at [i], as computed
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -213,8 +215,20 @@ class OutputProcessor:
                 ids, out_text, out_lps = delta_ids, delta, delta_lps
             outs.append(CompletionOutput(idx, ids, out_text, st.finish_reason, st.stop_reason, out_lps, delta,
                                          delta_ids, delta_lps, None if lps is None else self.decode_token))
+        plps = group.prompt_logprobs
+        if plps is not None and len(plps) < len(group.prompt_token_ids) - 1:
+            plps = None  # until the whole prompt is computed
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
-                             group.num_finished == p.n, group.seqs[0].num_cached_tokens)
+                             group.num_finished == p.n, group.seqs[0].num_cached_tokens, None, plps,
+                             None if plps is None else self.decode_token)
+
+    @staticmethod
+    def record_prompt_logprobs(group: RequestState, entries: list[tuple[int, float, int, list]]) -> None:
+        """A step's prompt logprobs for ``group``, (position, logprob, rank, top) each; positions
+        already recorded (a preempted request computes its prompt again) are skipped."""
+        for pos, lp, rank, top in entries:
+            if pos == len(group.prompt_logprobs) + 1:
+                group.prompt_logprobs.append(TokenLogprob(group.prompt_token_ids[pos], lp, top, rank))
 
 
 def find_stop(text: TextBuffer, stops: list[str], prev_len: int) -> tuple[int, str] | None:

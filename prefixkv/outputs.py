@@ -55,15 +55,7 @@ class CompletionOutput:
     @property
     def logprobs(self) -> list[dict[int, Logprob]] | None:
         """vLLM's shape (see the class docstring), built on first read."""
-        if self.token_logprobs is None:
-            return None
-        dec = self.decode_token or (lambda _t: None)
-        out = []
-        for tl in self.token_logprobs:
-            entry = {tid: Logprob(v, r, dec(tid)) for r, (tid, v) in enumerate(tl.top_logprobs, start=1)}
-            entry[tl.token_id] = Logprob(tl.logprob, tl.rank, dec(tl.token_id))
-            out.append(entry)
-        return out
+        return None if self.token_logprobs is None else _vllm_logprobs(self.token_logprobs, self.decode_token)
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -90,6 +82,18 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # set when the engine failed this request (outputs is then empty): "ExceptionType: message"
     error: str | None = None
+    # with SamplingParams.prompt_logprobs, once the prompt is computed: prompt token i + 1's
+    # record at [i] (``prompt_logprobs`` is vLLM's shape of it)
+    prompt_token_logprobs: list[TokenLogprob] | None = None
+    decode_token: Callable[[int], str] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's shape: None for the first prompt token, then a dict per token (the prompt token
+        and the top-k, each with logprob, rank and decoded text)."""
+        if self.prompt_token_logprobs is None:
+            return None
+        return [None] + _vllm_logprobs(self.prompt_token_logprobs, self.decode_token)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -122,6 +126,16 @@ class RequestOutput:
         return sum(len(o.token_ids) for o in self.outputs)
 
 
+def _vllm_logprobs(records: list[TokenLogprob], decode: Callable[[int], str] | None) -> list[dict[int, Logprob]]:
+    dec = decode or (lambda _t: None)
+    out = []
+    for tl in records:
+        entry = {tid: Logprob(v, r, dec(tid)) for r, (tid, v) in enumerate(tl.top_logprobs, start=1)}
+        entry[tl.token_id] = Logprob(tl.logprob, tl.rank, dec(tl.token_id))
+        out.append(entry)
+    return out
+
+
 def _cat(a: list | None, b: list | None) -> list | None:
     return None if a is None and b is None else (a or []) + (b or [])
 
@@ -146,4 +160,6 @@ def merge_outputs(old: RequestOutput, new: RequestOutput, delta: bool) -> Reques
                 decode_token=co.decode_token)
         outs.append(co)
     return RequestOutput(new.request_id, new.prompt, new._prompt_ids, outs, new.finished,
-                         num_cached_tokens=new.num_cached_tokens)
+                         num_cached_tokens=new.num_cached_tokens,
+                         prompt_token_logprobs=new.prompt_token_logprobs or old.prompt_token_logprobs,
+                         decode_token=new.decode_token or old.decode_token)

@@ -53,6 +53,9 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # logprobs of the prompt's own tokens (each given the ones before it) with this many top
+    # alternatives; such a request computes its whole prompt (no prefix-cache hit), as vLLM's
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # False: token ids only, no text (benchmarks, token-id clients); stop strings then cannot apply.
     detokenize: bool = True
@@ -118,6 +121,8 @@ class SamplingParams:
                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
                f"must be an int in [0, 20] or None, got {self.logprobs!r}")
+        require(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+               "prompt_logprobs", f"must be an int in [0, 20] or None, got {self.prompt_logprobs!r}")
         if self.structured_outputs is not None:
             require(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
                     "must be a StructuredOutputsParams or a dict of its fields")

@@ -285,7 +285,9 @@ class Scheduler:
             if budget <= 0 or seats + n > self.config.max_num_seqs and (self.running or admitted):
                 break
             # match again: it touches the LRU, and counts blocks cached by requests admitted just now
-            match = self.kv.match_prefix(req.token_ids)
+            # (a request that wants its prompt's logprobs computes every prompt token)
+            match = (MatchResult([], 0) if req.sampling_params.prompt_logprobs is not None
+                     else self.kv.match_prefix(req.token_ids))
             num_new = req.num_tokens - match.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill and (self.running or admitted):
                 break

@@ -172,7 +172,7 @@ def test_unknown_fields_are_refused_by_name(server):
 
 @pytest.mark.parametrize("field, value", [("functions", [{"name": "f"}]),
                                           ("function_call", "auto"), ("guided_regex", "x"),
-                                          ("prompt_logprobs", 1),
+                                          ("truncate_prompt_tokens", 5),
                                           ("best_of", 2), ("guided_json", {"type": "object"})])
 def test_unimplemented_openai_and_vllm_fields_are_refused_by_name(server, field, value):
     status, body, _ = call(server, "POST", CHAT, chat(**{field: value}), AUTH)

@@ -53,6 +53,18 @@ def test_hermes_calls_and_content_whole_or_streamed(piece):
     assert stream.calls[0].id != stream.calls[1].id and stream.calls[0].id.startswith("chatcmpl-tool-")
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call_of_an_auto_reply():
+    for parser, text in [("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+                                    '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'),
+                         ("llama3_json", '{"name": "add", "parameters": {"a": 1, "b": 2}}; '
+                                         '{"name": "add", "parameters": {"a": 3, "b": 4}}')]:
+        _, deltas, stream = _run(plan_tools(TOOLS, "auto", False, parser), text, 4)
+        assert [json.loads(c.arguments) for c in stream.calls] == [{"a": 1, "b": 2}] and len(deltas) == 1
+        assert stream.content is None
+        _, _, both = _run(plan_tools(TOOLS, "auto", None, parser), text, 4)
+        assert len(both.calls) == 2
+
+
 def test_hermes_text_that_is_not_a_call_stays_content():
     plan = plan_tools(TOOLS, "auto", None, "hermes")
     for text in ['a <tool_call>{"name": "nope", "arguments": {}}</tool_call> b',  # not one of the tools

@@ -30,6 +30,10 @@ class ModelOutput:
     sampled: list[list[int]]
     # logprobs[i][k]: (chosen logprob, [(token, logprob), ...], chosen's rank) for sample k, or None
     logprobs: list[list[tuple[float, list[tuple[int, float]], int]] | None]
+    # prompt_logprobs[i]: for scheduled[i] if it wants them, (position p, prompt token p's logprob
+    # given the tokens before it, its rank, [(token, logprob), ...]) for the prompt positions this
+    # chunk predicts, in order; else None
+    prompt_logprobs: list[list[tuple[int, float, int, list[tuple[int, float]]]] | None] | None = None
 
 
 class ModelRunner:
@@ -202,10 +206,19 @@ class ModelRunner:
             pairs = torch.tensor([[op.src, op.dst] for op in out.copy_ops], dtype=torch.int64, device=self.device)
             self.backend.copy_blocks(self.kv_cache, pairs)
         input_ids, positions, meta, logits_rows = self.prepare(out)
+        prompt_rows = self._prompt_logprob_rows(out)
+        if prompt_rows:  # their logits too, after the sampling rows
+            logits_rows = torch.cat([logits_rows, torch.tensor([r for r, _, _ in prompt_rows], dtype=torch.int64,
+                                                               device=logits_rows.device)])
         if self._graph_step(out):
             logits = self.graphs.replay(input_ids, positions, meta)
         else:
             logits = self.model(input_ids, positions, self.kv_cache, meta, self.backend, logits_rows)
+        prompt_lps = None
+        if prompt_rows:
+            n = logits.shape[0] - len(prompt_rows)
+            prompt_lps = self._prompt_logprobs(out, logits[n:], prompt_rows)
+            logits = logits[:n]
         rows: list[tuple[Request, int]] = []  # (request, sample index) per token to sample
         repeats: list[int] = []  # per row of logits: how many of those tokens it serves
         for s in out.scheduled:
@@ -217,11 +230,52 @@ class ModelRunner:
                 rows += [(req, k if req.needs_fork else req.sample_index) for k in range(s.num_samples)]
                 repeats.append(s.num_samples)
         if not rows:
-            return ModelOutput([[] for _ in out.scheduled], [None for _ in out.scheduled])
+            return ModelOutput([[] for _ in out.scheduled], [None for _ in out.scheduled], prompt_lps)
         if len(rows) != logits.shape[0]:
             logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
         res = sample(logits, self.sampling_batch(rows))
-        return self._split(out, res)
+        model_out = self._split(out, res)
+        model_out.prompt_logprobs = prompt_lps
+        return model_out
+
+    @staticmethod
+    def _prompt_logprob_rows(out: SchedulerOutput) -> list[tuple[int, int, int]]:
+        """(row of the step's flattened tokens, scheduled index, position p of the prompt token that
+        row predicts) for every prompt token after the first that this step's chunks predict, of
+        the requests that want prompt logprobs."""
+        rows = []
+        start = 0
+        for i, s in enumerate(out.scheduled):
+            req = s.req
+            if req.sampling_params.prompt_logprobs is not None and not s.draft:
+                c = s.num_computed_tokens
+                for j in range(c, min(c + s.num_scheduled_tokens, req.num_prompt_tokens - 1)):
+                    rows.append((start + j - c, i, j + 1))
+            start += s.num_scheduled_tokens
+        return rows
+
+    @staticmethod
+    def _prompt_logprobs(out: SchedulerOutput, logits: torch.Tensor,
+                         prompt_rows: list[tuple[int, int, int]]) -> list[list | None]:
+        lp = torch.log_softmax(logits.float() if logits.dtype != torch.float64 else logits, dim=-1)
+        toks = torch.tensor([out.scheduled[i].req.token_ids[p] for _, i, p in prompt_rows], dtype=torch.int64,
+                            device=lp.device)
+        chosen = lp.gather(1, toks[:, None])
+        ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+        chosen = chosen[:, 0].tolist()
+        k = max(out.scheduled[i].req.sampling_params.prompt_logprobs for _, i, _ in prompt_rows)
+        top_ids = top_vals = None
+        if k:
+            top = torch.topk(lp, k, dim=-1)
+            top_ids, top_vals = top.indices.tolist(), top.values.tolist()
+        result: list[list | None] = [None] * len(out.scheduled)
+        for r, (_, i, p) in enumerate(prompt_rows):
+            ki = out.scheduled[i].req.sampling_params.prompt_logprobs
+            tops = list(zip(top_ids[r][:ki], top_vals[r][:ki])) if ki and top_ids else []
+            if result[i] is None:
+                result[i] = []
+            result[i].append((p, chosen[r], ranks[r], tops))
+        return result
 
     def _graph_step(self, out: SchedulerOutput) -> bool:
         n = len(out.scheduled)

@@ -78,6 +78,7 @@ from prefixkv.server.protocol import (
     encode,
     make_usage,
     prompt_list,
+    prompt_logprobs_wire,
 )
 from prefixkv.server.tools import PARSERS, ToolPlan, ToolStream, plan_tools
 
@@ -574,6 +575,9 @@ class _Server:
         bad = req.unsupported_field()
         if bad is not None:
             raise ApiError(400, f"{bad}: is not supported by this server", param=bad)
+        if req.prompt_logprobs is not None and req.stream:
+            raise ApiError(400, "prompt_logprobs: is not supported with stream (ask without streaming)",
+                           param="prompt_logprobs")
         kw: dict[str, Any] = dict(max_tokens=max_tokens, stop=req.stop, logprobs=logprobs, output_kind="delta")
         so = self._structured_outputs(req, aliases)
         if tools is not None and tools.structured_outputs is not None:  # the reply must be the tool call(s)
@@ -593,7 +597,7 @@ class _Server:
                                param="logit_bias") from None
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
-                     "allowed_token_ids", "include_stop_str_in_output", "bad_words"):
+                     "allowed_token_ids", "include_stop_str_in_output", "bad_words", "prompt_logprobs"):
             value = getattr(req, name)
             if value is not None:
                 kw[name] = value
@@ -694,7 +698,14 @@ class _Server:
         done = [f for f in finals if f is not None]
         assert len(done) == len(finals), "a stream ended without a finished output"
         choices = [(i * params.n + co.index, co) for i, out in enumerate(done) for co in out.outputs]
-        return _json(fmt.response(choices, self._observe(t0, ttft, done)))
+        resp = fmt.response(choices, self._observe(t0, ttft, done))
+        if params.prompt_logprobs is not None:  # vLLM's places: per choice (completions), per response (chat)
+            if isinstance(resp, ChatCompletionResponse):
+                resp.prompt_logprobs = prompt_logprobs_wire(done[0].prompt_logprobs)
+            else:
+                for c in resp.choices:
+                    c.prompt_logprobs = prompt_logprobs_wire(done[c.index // params.n].prompt_logprobs)
+        return _json(resp)
 
     async def _stream(self, request: web.Request, t0: float, deadline: float, fmt: _Format,
                       streams: list[RequestStream], params: SamplingParams, include_usage: bool) -> web.StreamResponse:

@@ -97,7 +97,7 @@ class ResponseFormat(Struct, kw_only=True, forbid_unknown_fields=True):
 
 # Fields of the OpenAI / vLLM request surface this server does not implement: a non-null value is a
 # 400 naming the field (null means absent).
-UNSUPPORTED_FIELDS = ("functions", "function_call", "prompt_logprobs", "guided_json",
+UNSUPPORTED_FIELDS = ("functions", "function_call", "guided_json",
                       "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "best_of", "use_beam_search",
                       "length_penalty", "truncate_prompt_tokens", "metadata", "store", "service_tier",
                       "modalities", "audio", "prediction", "reasoning_effort", "web_search_options")
@@ -136,6 +136,7 @@ class _SamplingRequest(_Unsupported, kw_only=True, forbid_unknown_fields=True):
     allowed_token_ids: list[int] | None = None  # vLLM's
     include_stop_str_in_output: bool | None = None  # vLLM's
     bad_words: list[str] | None = None  # vLLM's
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, with this many top ones
 
     def unsupported_field(self) -> str | None:
         """The first declared-but-unsupported field the request sets (non-null), if any."""
@@ -298,6 +299,18 @@ class ChatChoice(Struct):
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
+class PromptLogprob(Struct):
+    """vLLM's: one entry of ``prompt_logprobs`` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# vLLM's prompt_logprobs: null for the first prompt token, then {token id: PromptLogprob} per token
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatCompletionResponse(Struct):
     id: str
     created: int
@@ -305,6 +318,7 @@ class ChatCompletionResponse(Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class FunctionDelta(Struct, omit_defaults=True):
@@ -372,6 +386,7 @@ class CompletionChoice(Struct):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's (non-streamed responses)
 
 
 class CompletionResponse(Struct):
@@ -437,3 +452,11 @@ _encoder = msgspec.json.Encoder()
 
 def encode(obj: object) -> bytes:
     return _encoder.encode(obj)
+
+
+def prompt_logprobs_wire(plps: list | None) -> PromptLogprobs | None:
+    """``RequestOutput.prompt_logprobs`` (vLLM's offline shape) -> the wire's."""
+    if plps is None:
+        return None
+    return [None if e is None else {str(t): PromptLogprob(lp.logprob, lp.rank, lp.decoded_token) for t, lp in e.items()}
+            for e in plps]

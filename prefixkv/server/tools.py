@@ -34,6 +34,7 @@ PARSERS = ("hermes", "llama3_json")
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
+_DROPPED = object()  # a well-formed call beyond the first with parallel_tool_calls false
 
 
 @dataclass
@@ -43,6 +44,7 @@ class ToolPlan:
     mode: str  # "none" | "named" | "required" | "auto"
     tools: list[dict]  # OpenAI tool dicts, as rendered into the template
     parser: str | None = None  # for "auto"
+    parallel: bool = True  # parallel_tool_calls: false keeps an "auto" reply's first call only
     function: str | None = None  # for "named"
     structured_outputs: dict | None = None  # the constraint for "named" / "required"
     aliases: dict[str, str] = field(default_factory=dict)  # engine field -> the request field to name
@@ -107,7 +109,7 @@ def plan_tools(tools: list[dict] | None, tool_choice: Any, parallel_tool_calls: 
             raise ProtocolError("tool_choice: 'auto' needs the server started with --tool-call-parser "
                                 f"({' or '.join(PARSERS)}); 'required', 'none' or a named function work without",
                                 "tool_choice")
-        return ToolPlan("auto", tools, parser=parser)
+        return ToolPlan("auto", tools, parser=parser, parallel=parallel_tool_calls is not False)
     raise ProtocolError(f"tool_choice: must be 'none', 'auto', 'required' or a named function, got {choice!r:.40}",
                         "tool_choice")
 
@@ -183,7 +185,7 @@ class ToolStream:
         self.calls.append(call)
         return _start_delta(len(self.calls) - 1, call, call.arguments)
 
-    def _parse_call(self, text: str, args_key: str) -> ToolCallDelta | None:
+    def _parse_call(self, text: str, args_key: str) -> ToolCallDelta | object | None:
         try:
             obj = json.loads(text)
         except ValueError:
@@ -191,6 +193,8 @@ class ToolStream:
         names = {t["function"]["name"] for t in self.plan.tools}
         if not isinstance(obj, dict) or obj.get("name") not in names:
             return None
+        if not self.plan.parallel and self.calls:
+            return _DROPPED
         args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
         return self._add(obj["name"], args if args is not None else {})
 
@@ -222,7 +226,7 @@ class ToolStream:
             delta = self._parse_call(self._buf[:j].strip(), "arguments")
             if delta is None:  # not a call of these tools: text
                 content.append(_HERMES_OPEN + self._buf[:j + len(_HERMES_CLOSE)])
-            else:
+            elif delta is not _DROPPED:
                 deltas.append(delta)
             self._buf, self._inside = self._buf[j + len(_HERMES_CLOSE):], False
         return self._content("".join(content)), deltas
@@ -249,7 +253,8 @@ class ToolStream:
                 self.calls.clear()
                 out, self._buf = self._buf, ""
                 return self._content(out), []
-            deltas.append(d)
+            if d is not _DROPPED:
+                deltas.append(d)
         self._buf = ""
         return "", deltas
 
