@@ -271,12 +271,14 @@ def test_tool_calls_and_results_round_trip_through_the_template(client):
           tool_choice={"type": "function", "function": {"name": "f"}}), "tools[0].function.parameters"),
     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "response_format"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "bogus": 1}}]), "tools[0].function.bogus"),
+    (dict(messages=ASK + [{"role": "tool", "tool_call_id": "nope", "content": "18 C"}]), "messages[1].tool_call_id"),
+    (dict(messages=ASK + [{"role": "tool", "content": "18 C"}]), "messages[1].tool_call_id"),
 ])
 def test_bad_tool_requests_are_400_naming_the_field(client, body, param):
     import openai
 
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=5, **body)
+        client.chat.completions.create(model="smollm2", **{"messages": ASK, "max_tokens": 5, **body})
     assert e.value.body["param"] == param, e.value.body
     assert e.value.body["message"].startswith(param + ":"), e.value.body
     ok = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=2)  # the server goes on

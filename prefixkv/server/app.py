@@ -546,6 +546,7 @@ class _Server:
         tools = plan_tools(msgspec.to_builtins(req.tools) if req.tools else None, choice, req.parallel_tool_calls,
                            self.config.tool_call_parser)
         params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, aliases, tools)
+        _check_tool_messages(req.messages)
         messages = [msgspec.to_builtins(m) for m in req.messages]
         try:
             prompt = await self._off_loop(lambda: self.tokenizer.apply_chat_template(
@@ -753,6 +754,21 @@ class _Server:
         self.metrics.observe_request(ttft, e2e, usage.prompt_tokens, usage.completion_tokens, steps,
                                      [co.finish_reason for f in finals for co in f.outputs if co.finish_reason])
         return usage
+
+
+def _check_tool_messages(messages: list) -> None:
+    """As OpenAI: a "tool" message answers a call of an earlier assistant turn, by its id."""
+    call_ids: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.role == "assistant" and m.tool_calls:
+            call_ids.update(c.id for c in m.tool_calls)
+        elif m.role == "tool":
+            if m.tool_call_id is None:
+                raise ApiError(400, f"messages[{i}].tool_call_id: a 'tool' message needs the id of the call it answers",
+                               param=f"messages[{i}].tool_call_id")
+            if m.tool_call_id not in call_ids:
+                raise ApiError(400, f"messages[{i}].tool_call_id: {m.tool_call_id!r} is not the id of a tool call "
+                                    "of an earlier assistant message", param=f"messages[{i}].tool_call_id")
 
 
 def _delta_chunks(fmt: _Format, base: int, out: RequestOutput, states: list[_ChoiceState]) -> list[msgspec.Struct]:
