@@ -22,6 +22,9 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    # the host-memory tier under the device pool (kv/host_cache.py): evicted cached blocks are kept
+    # there, in at most this many bytes, and copied back when a prompt matches them; 0 = none
+    host_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         require(isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
@@ -31,6 +34,8 @@ class CacheConfig:
                      "num_kv_blocks", f"must be a positive int, got {self.num_kv_blocks!r}")
         require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
                  "must be positive")
+        require(isinstance(self.host_cache_bytes, int) and self.host_cache_bytes >= 0, "kv_host_cache_gb",
+                 f"must be >= 0, got {self.host_cache_bytes!r} bytes")
 
 
 @dataclass(frozen=True)

@@ -65,9 +65,13 @@ class LLMEngine:
             if why is not None and config.batch_invariant:
                 raise ValueError(f"batch_invariant: {why}")
             backend.batch_invariant = self.batch_invariant = why is None
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_len)
+        num_host_blocks = config.cache.host_cache_bytes // ModelRunner.bytes_per_block(self.model, bs, dtype)
+        if config.cache.host_cache_bytes and not num_host_blocks:
+            raise ValueError(f"kv_host_cache_gb: {config.cache.host_cache_bytes} bytes hold no KV block "
+                             f"({ModelRunner.bytes_per_block(self.model, bs, dtype)} bytes each)")
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_len, num_host_blocks)
         self.runner = ModelRunner(self.model, backend, num_blocks, bs, config.device, dtype, self.info.eos_token_ids,
-                                  max_len)
+                                  max_len, num_host_blocks)
         self.graph_capture_seconds = 0.0
         if config.device == "cuda" and not config.enforce_eager and backend.name == "cuda":
             self.graph_capture_seconds = self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, max_len)
@@ -230,7 +234,7 @@ class LLMEngine:
         except BaseException:  # KeyboardInterrupt and the like: nothing of this step can be trusted
             for rid in list(self._groups):
                 self.abort(rid)
-            self.scheduler.kv.radix.reset()
+            self.scheduler.kv.reset_cache()
             raise
         failed: dict[str, tuple[RequestState, BaseException]] = {}
         update_errors: list[tuple[Request, BaseException]] = []
@@ -276,7 +280,7 @@ class LLMEngine:
         fatal = is_fatal(error)
         hit = list(self._groups) if fatal else list(dict.fromkeys(s.req.request_id for s in out.scheduled))
         outputs = [self._fail(self._groups[rid], error) for rid in hit if rid in self._groups]
-        self.scheduler.kv.radix.reset()
+        self.scheduler.kv.reset_cache()
         if fatal:
             self.dead = error
             raise EngineFatalError(f"the engine cannot continue after {type(error).__name__}: {error}") from error
@@ -322,6 +326,9 @@ class LLMEngine:
             "num_kv_blocks_evictable": kv.pool.num_evictable,
             "prefix_queried_tokens": kv.num_queried_tokens,
             "prefix_hit_tokens": kv.num_hit_tokens,
+            "prefix_host_hit_tokens": kv.num_host_hit_tokens,
+            "num_host_blocks": kv.host.num_slots if kv.host is not None else 0,
+            "num_host_blocks_used": kv.host.num_used if kv.host is not None else 0,
             "num_preemptions": self.scheduler.num_preemptions,
             "spec_draft_tokens": self.scheduler.num_draft_tokens,
             "spec_accepted_tokens": self.scheduler.num_accepted_tokens,
@@ -344,6 +351,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         num_kv_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None,
+        kv_host_cache_gb: float = 0.0,
         gpu_memory_utilization: float = 0.9,
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 64,
@@ -370,7 +378,8 @@ class LLM:
             fused_cpu_ops=fused_cpu_ops, batch_invariant=batch_invariant, gpu_memory_utilization=gpu_memory_utilization,
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching,
+                              host_cache_bytes=int(kv_host_cache_gb * (1 << 30))),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       policy=scheduling_policy, enable_chunked_prefill=enable_chunked_prefill,
                                       **({} if max_waiting_requests is None

@@ -14,6 +14,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (float32 on cpu, the checkpoint's half dtype on cuda), float32, bfloat16, float16, float64")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-host-cache-gb", type=float, default=0.0,
+                   help="GiB of host memory for a KV tier under the device pool: evicted cached blocks are kept "
+                        "there and copied back when a prompt matches them (default 0: none)")
     g.add_argument("--kv-cache-memory", type=float, default=None,
                    help="GiB for the KV cache when --num-kv-blocks is unset (default: 1 on cpu; on cuda what "
                         "--gpu-memory-utilization leaves)")
@@ -58,7 +61,8 @@ def engine_config_from_args(args: argparse.Namespace):
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=None if args.kv_cache_memory is None
                           else int(args.kv_cache_memory * (1 << 30)),
-                          enable_prefix_caching=not args.no_prefix_caching),
+                          enable_prefix_caching=not args.no_prefix_caching,
+                          host_cache_bytes=int(args.kv_host_cache_gb * (1 << 30))),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs,
                                   **({} if args.max_waiting_requests is None

@@ -59,6 +59,10 @@ class SchedulerOutput:
     # tables dropped since the last step (finished, aborted, preempted): the runner forgets them
     # before it applies this step's block_delta entries
     released_seq_ids: list[str] = field(default_factory=list)
+    # the host tier's copies, before anything else of the step: (device block, host slot) out of
+    # the device (blocks evicted this step, reused by it), then (host slot, device block) back in
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -67,11 +71,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, num_host_blocks: int = 0) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
-        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                 num_host_blocks)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # seq_id -> live request
@@ -119,6 +124,7 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
+        self.kv.begin_step()
         budget = self.config.max_num_batched_tokens
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
@@ -176,6 +182,7 @@ class Scheduler:
             c = s.num_computed_tokens
             s.token_ids = [req.token_ids[c], *s.draft] if s.draft else req.token_ids[c:c + s.num_scheduled_tokens].tolist()
             s.block_delta = delta
+        swap_out, swap_in = self.kv.take_swaps() if scheduled else ([], [])
         return SchedulerOutput(
             scheduled=scheduled,
             num_decodes=len(decodes),
@@ -185,6 +192,8 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             # kept for a step that reaches the runner
             released_seq_ids=self.kv.take_released() if scheduled else [],
+            swap_out=swap_out,
+            swap_in=swap_in,
         )
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
@@ -288,20 +297,24 @@ class Scheduler:
             # (a request that wants its prompt's logprobs computes every prompt token)
             match = (MatchResult([], 0) if req.sampling_params.prompt_logprobs is not None
                      else self.kv.match_prefix(req.token_ids))
-            num_new = req.num_tokens - match.num_tokens
+            # where the device match ends, the host tier may go on (blocks copied back in)
+            host_keys = self.kv.match_host(req.token_ids, match) if req.sampling_params.prompt_logprobs is None else []
+            cached = match.num_tokens + len(host_keys) * self.block_size
+            num_new = req.num_tokens - cached
             if num_new > budget and not self.config.enable_chunked_prefill and (self.running or admitted):
                 break
             num_new = min(num_new, budget)
             reserve = self.watermark_blocks if self.running or admitted else 0
-            ops = self.kv.allocate_slots(req.seq_id, match.num_tokens, num_new, prefix=match, reserve=reserve)
+            ops = self.kv.allocate_slots(req.seq_id, cached, num_new, prefix=match, reserve=reserve,
+                                         host_keys=host_keys)
             if ops is None:
                 break
             assert not ops
             if req.num_computed_tokens == 0 and req.num_preemptions == 0:
-                req.num_cached_tokens = match.num_tokens
-                self.kv.record_query(req.num_tokens, match.num_tokens)
-            req.num_computed_tokens = match.num_tokens
-            self.kv.cache_blocks(req.seq_id, req.token_ids, match.num_tokens + num_new)
+                req.num_cached_tokens = cached
+                self.kv.record_query(req.num_tokens, cached, len(host_keys) * self.block_size)
+            req.num_computed_tokens = cached
+            self.kv.cache_blocks(req.seq_id, req.token_ids, cached + num_new)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._match_cache.pop(req.seq_id, None)

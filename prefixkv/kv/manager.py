@@ -22,7 +22,8 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 from prefixkv.kv.block_pool import BlockPool
-from prefixkv.kv.radix import MatchResult, RadixIndex
+from prefixkv.kv.host_cache import HostBlockCache
+from prefixkv.kv.radix import MatchResult, RadixIndex, block_hash
 
 
 class CopyOp(NamedTuple):
@@ -31,11 +32,16 @@ class CopyOp(NamedTuple):
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.radix = RadixIndex(self.pool, block_size)
         self.enable_prefix_caching = enable_prefix_caching
+        # the host tier (kv/host_cache.py): evicted cached blocks are copied there, and matched back
+        self.host = HostBlockCache(num_host_blocks) if num_host_blocks and enable_prefix_caching else None
+        self._swap_out: list[tuple[int, int]] = []  # (device block, host slot): copy before the step
+        self._swap_in: list[tuple[int, int]] = []  # (host slot, device block): copy after the swap-outs
         self.block_tables: dict[str, list[int]] = {}
         # How many leading blocks of each table the radix index holds (inserted or matched).
         # (RadixIndex.num_cached_blocks counts the tree's blocks; BlockPool.num_evictable those
@@ -47,6 +53,7 @@ class KVCacheManager:
         # Prefix-cache statistics (tokens).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.num_host_hit_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -82,11 +89,13 @@ class KVCacheManager:
         num_new_tokens: int,
         prefix: MatchResult | None = None,
         reserve: int = 0,
+        host_keys: Sequence[int] = (),
     ) -> list[CopyOp] | None:
         """Make ``seq_id``'s table cover ``num_computed + num_new_tokens`` tokens.
 
-        ``prefix`` (admission only) gives the matched cached blocks that start the table;
-        ``num_computed`` must then equal ``prefix.num_tokens``. Leaves ``reserve`` blocks
+        ``prefix`` (admission only) gives the matched cached blocks that start the table, and
+        ``host_keys`` (``match_host``) the host-tier blocks that follow them (fresh device blocks,
+        copied in before the step); ``num_computed`` must then equal the tokens of both. Leaves ``reserve`` blocks
         reclaimable for others (a watermark). Returns the copy-on-write ops, or None if the blocks
         cannot be had, in which case nothing changed.
         """
@@ -94,7 +103,7 @@ class KVCacheManager:
         new_table = seq_id not in self.block_tables
         if new_table:
             prefix = prefix or MatchResult([], 0)
-            assert prefix.num_tokens == num_computed, (prefix.num_tokens, num_computed)
+            assert prefix.num_tokens + len(host_keys) * bs == num_computed, (prefix.num_tokens, num_computed)
             for b in prefix.block_ids:
                 self.pool.incref(b)
             self.block_tables[seq_id] = list(prefix.block_ids)
@@ -109,8 +118,15 @@ class KVCacheManager:
             if new_table:
                 self._release(seq_id, report=False)  # nobody saw this table
             return None
+        if host_keys:  # their slots stay reserved until the copy-in has run
+            host_slots = [self.host.take(k) for k in host_keys]
         if need > self.pool.num_free:
-            self.radix.evict(need - self.pool.num_free)
+            self._evict(need - self.pool.num_free)
+        if host_keys:
+            for slot in host_slots:
+                b = self.pool.allocate()
+                self._swap_in.append((slot, b))
+                table.append(b)
         ops: list[CopyOp] = []
         if num_computed % bs:
             i = num_computed // bs
@@ -126,6 +142,53 @@ class KVCacheManager:
             while len(table) * bs < num_computed + num_new_tokens:
                 table.append(self.pool.allocate())
         return ops
+
+    def _evict(self, num_blocks: int) -> None:
+        """Free cached blocks from the device pool; with a host tier, each goes there first."""
+        if self.host is None:
+            self.radix.evict(num_blocks)
+            return
+        for b, key, tokens in self.radix.evict_with_keys(num_blocks):
+            slot = self.host.put(key, tokens)
+            if slot is not None:
+                self._swap_out.append((b, slot))
+
+    def match_host(self, token_ids: Sequence[int], prefix: MatchResult) -> list[int]:
+        """The host-tier blocks that continue ``prefix`` (the device match of ``token_ids``), as
+        keys for ``allocate_slots``; never the block that holds the last token (it is computed)."""
+        if self.host is None:
+            return []
+        bs = self.block_size
+        prev = self.radix.hash_of(prefix.block_ids[-1]) if prefix.block_ids else 0
+        keys = []
+        for i in range(len(prefix.block_ids), (len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            prev = block_hash(prev, tokens)
+            if self.host.lookup(prev, tokens) is None:
+                break
+            keys.append(prev)
+        return keys
+
+    def begin_step(self) -> None:
+        """A new schedule: the copies handed to the runner last step have run."""
+        if self.host is not None:
+            self.host.release_delivered()
+
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(swap-outs, swap-ins) for the runner, since the last call."""
+        out, inn = self._swap_out, self._swap_in
+        self._swap_out, self._swap_in = [], []
+        if self.host is not None:
+            self.host.deliver()
+        return out, inn
+
+    def reset_cache(self) -> None:
+        """Drop every unlocked cached block, on the device and in the host tier (after a failed
+        step: their KV can no longer be trusted)."""
+        self.radix.reset()
+        if self.host is not None:
+            self.host.clear()
+        self._swap_out, self._swap_in = [], []
 
     def _mark(self, seq_id: str, index: int) -> None:
         d = self._dirty.get(seq_id)
@@ -213,14 +276,18 @@ class KVCacheManager:
         for b in reversed(table):
             self.pool.decref(b)
 
-    def record_query(self, num_queried: int, num_hit: int) -> None:
+    def record_query(self, num_queried: int, num_hit: int, num_host_hit: int = 0) -> None:
+        """``num_hit`` counts every cached token found, ``num_host_hit`` those the host tier gave."""
         self.num_queried_tokens += num_queried
         self.num_hit_tokens += num_hit
+        self.num_host_hit_tokens += num_host_hit
 
     def check_integrity(self) -> None:
         """free + evictable + in use == total; every ref count equals its holders."""
         self.pool.check_integrity()
         self.radix.check_integrity()
+        if self.host is not None:
+            self.host.check_integrity()
         holders = [1 if c else 0 for c in self.pool.cached]
         for seq_id, table in self.block_tables.items():
             assert len(set(table)) == len(table), f"{seq_id} holds a block twice: {table}"

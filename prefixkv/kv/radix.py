@@ -26,15 +26,23 @@ class MatchResult(NamedTuple):
     num_tokens: int
 
 
+def block_hash(prev_hash: int, tokens: Sequence[int]) -> int:
+    """The chain hash of a block: of the one before it and its own tokens, so equal hashes mean
+    equal prefixes (up to collisions, which the host tier checks against the block's tokens).
+    Python's hash of a tuple of ints is the same in every process."""
+    return hash((prev_hash, *tokens))
+
+
 class RadixNode:
-    __slots__ = ("tokens", "block_ids", "children", "parent", "last_access", "key")
+    __slots__ = ("tokens", "block_ids", "hashes", "children", "parent", "last_access", "key")
 
     def __init__(self, tokens: array, block_ids: list[int], parent: "RadixNode | None",
-                 key: tuple[int, ...] = ()) -> None:
+                 key: tuple[int, ...] = (), hashes: array | None = None) -> None:
         # an int64 array (the garbage collector does not walk it): a growing leaf extends it and
         # eviction trims it in place
         self.tokens = tokens
         self.block_ids = block_ids
+        self.hashes = hashes if hashes is not None else array("q")  # block_hash of each block
         self.children: dict[tuple[int, ...], RadixNode] = {}
         self.parent = parent  # None for the root and for a node removed from the tree
         self.last_access = 0
@@ -113,6 +121,14 @@ class RadixIndex:
             block_ids.extend(node.block_ids[:m])
         return MatchResult(block_ids, len(block_ids) * self.block_size)
 
+    def hash_of(self, block_id: int) -> int:
+        """block_hash of a block the tree holds (continues a match's chain into a lower tier)."""
+        node = self._block_node[block_id]
+        i = len(node.block_ids) - 1
+        if node.block_ids[i] != block_id:
+            i = node.block_ids.index(block_id)
+        return node.hashes[i]
+
     def insert(self, tokens: Sequence[int], block_ids: Sequence[int], num_done: int = 0,
                num_blocks: int | None = None) -> int:
         """Cache the first ``num_blocks`` of ``block_ids`` (default: all; ``tokens`` holds at least
@@ -158,13 +174,19 @@ class RadixIndex:
                 self._touch(node, now)
             return 0
         new_blocks = list(block_ids[pos // bs:num_blocks])
+        prev = node.hashes[-1] if node.hashes else 0
+        hashes = array("q")
+        for p in range(pos, end, bs):
+            prev = block_hash(prev, tokens[p:p + bs])
+            hashes.append(prev)
         if node is not self.root and not node.children:  # a growing leaf: extend it in place
             node.tokens.extend(tokens[pos:end])
             node.block_ids.extend(new_blocks)
+            node.hashes.extend(hashes)
             leaf = node
         else:
             key = self._key(tokens, pos)
-            leaf = RadixNode(array("q", tokens[pos:end]), new_blocks, node, key)
+            leaf = RadixNode(array("q", tokens[pos:end]), new_blocks, node, key, hashes)
             node.children[key] = leaf
             self.num_nodes += 1
         for b in new_blocks:
@@ -180,10 +202,11 @@ class RadixIndex:
         keeps its identity, so a leaf stays a leaf)."""
         bs = self.block_size
         assert node.parent is not None
-        upper = RadixNode(node.tokens[:m * bs], node.block_ids[:m], node.parent, node.key)
+        upper = RadixNode(node.tokens[:m * bs], node.block_ids[:m], node.parent, node.key, node.hashes[:m])
         upper.last_access = node.last_access
         node.parent.children[node.key] = upper
         node.tokens, node.block_ids, node.parent = node.tokens[m * bs:], node.block_ids[m:], upper
+        node.hashes = node.hashes[m:]
         node.key = tuple(node.tokens[:bs])
         upper.children[node.key] = node
         for b in upper.block_ids:
@@ -195,7 +218,13 @@ class RadixIndex:
         """Free up to ``num_blocks`` blocks that only the tree holds, least recently used leaves
         first, each leaf from its tail block up. Returns the freed block ids in eviction order.
         A leaf whose tail is locked (a request holds it) is set aside and pushed back after."""
-        freed: list[int] = []
+        return [b for b, _, _ in self.evict_with_keys(num_blocks)]
+
+    def evict_with_keys(self, num_blocks: int) -> list[tuple[int, int, tuple[int, ...]]]:
+        """``evict``, returning (block id, its block_hash, its tokens) per freed block (what a lower
+        cache tier keys its copy by)."""
+        freed: list[tuple[int, int, tuple[int, ...]]] = []
+        bs = self.block_size
         parked: list[RadixNode] = []
         heap, ref_cnt = self._leaf_heap, self.pool.ref_cnt
         while heap and len(freed) < num_blocks:
@@ -205,10 +234,10 @@ class RadixIndex:
                 continue  # removed, no longer a leaf, or touched since (a newer entry exists)
             while node.block_ids and len(freed) < num_blocks and ref_cnt[node.block_ids[-1]] == 1:
                 b = node.block_ids.pop()
-                del node.tokens[-self.block_size:]
+                freed.append((b, node.hashes.pop(), tuple(node.tokens[-bs:])))
+                del node.tokens[-bs:]
                 self.pool.unpin(b)
                 del self._block_node[b]
-                freed.append(b)
             if node.block_ids:
                 parked.append(node)  # locked tail, or enough freed: it stays a leaf
                 continue
@@ -256,6 +285,11 @@ class RadixIndex:
             assert n.block_ids, f"empty non-root node with tokens {n.tokens[:8]}"
             assert len(n.tokens) == len(n.block_ids) * bs, f"node tokens {len(n.tokens)} != {len(n.block_ids)} blocks"
             assert n.key == tuple(n.tokens[:bs]), f"node key {n.key} != its first block {n.tokens[:bs]}"
+            prev = n.parent.hashes[-1] if n.parent.hashes else 0
+            for i, h in enumerate(n.hashes):
+                prev = block_hash(prev, n.tokens[i * bs:(i + 1) * bs])
+                assert h == prev, f"node {n.tokens[:8]}: block {i}'s hash is stale"
+            assert len(n.hashes) == len(n.block_ids), "a hash per block"
             assert n.parent is not None and n.parent.children.get(n.key) is n, "bad child key"
             for b in n.block_ids:
                 assert b not in seen, f"block {b} twice in the tree"

@@ -47,6 +47,7 @@ class ModelRunner:
         dtype: torch.dtype,
         eos_token_ids: list[int],
         max_model_len: int,
+        num_host_blocks: int = 0,
     ) -> None:
         self.max_model_len = max_model_len
         self.model = model
@@ -63,6 +64,12 @@ class ModelRunner:
             dtype=dtype, device=self.device)
         self.graphs: CudaGraphRunner | None = None
         self.block_tables = BlockTables(-(-max_model_len // block_size))
+        # the host tier's KV: [num_layers, 2, num_host_blocks, KVH, block_size, D], in host memory
+        # (pinned when the device is a GPU, so its copies can be asynchronous)
+        self.host_kv = None
+        if num_host_blocks:
+            self.host_kv = torch.zeros((s.num_layers, 2, num_host_blocks, s.num_kv_heads, block_size, s.head_dim),
+                                       dtype=dtype, pin_memory=self.device.type == "cuda")
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
         """Capture decode graphs for every batch bucket; returns the capture time in seconds."""
@@ -200,8 +207,22 @@ class ModelRunner:
         return b
 
     # ------------------------------------------------------------------ the step
+    def swap(self, out: SchedulerOutput) -> None:
+        """The host tier's copies of a step: out of the device first (blocks evicted by this step
+        and reused by it still hold their KV), then back in."""
+        if out.swap_out:
+            blocks = torch.tensor([b for b, _ in out.swap_out], dtype=torch.int64, device=self.device)
+            slots = torch.tensor([h for _, h in out.swap_out], dtype=torch.int64)
+            self.host_kv.index_copy_(2, slots, self.kv_cache.index_select(2, blocks).to(self.host_kv.device))
+        if out.swap_in:
+            slots = torch.tensor([h for h, _ in out.swap_in], dtype=torch.int64)
+            blocks = torch.tensor([b for _, b in out.swap_in], dtype=torch.int64, device=self.device)
+            self.kv_cache.index_copy_(2, blocks, self.host_kv.index_select(2, slots).to(self.device))
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
+        if out.swap_out or out.swap_in:
+            self.swap(out)
         if out.copy_ops:
             pairs = torch.tensor([[op.src, op.dst] for op in out.copy_ops], dtype=torch.int64, device=self.device)
             self.backend.copy_blocks(self.kv_cache, pairs)

@@ -1,0 +1,95 @@
+"""The host-memory tier under the device pool: bookkeeping of its slots. No torch.
+
+When the device pool evicts a cached block, its KV (all layers) is copied into a host slot
+(write-back on eviction) and the slot is keyed by the block's chain hash (``radix.block_hash``:
+the hash of everything before it and its own tokens). A request whose prefix match in the radix
+tree stops where the host tier continues it gets fresh device blocks, copied back from their
+slots before the step's forward pass, and counts them as cached tokens.
+
+Slots are a fixed number (the capacity bound is strict); the least recently used entry goes when
+a new one needs a slot. A slot read by a pending copy-in is in flight: no copy-out may reuse it
+until the step that reads it has run (``deliver`` when its step goes to the runner,
+``release_delivered`` at the next schedule).
+
+Each entry keeps its block's tokens and is matched only when they are equal too, so a hash
+collision can never put another prefix's KV under attention.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class HostBlockCache:
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 0:
+            raise ValueError(f"num_slots: must be >= 0, got {num_slots}")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._entries: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()  # hash -> (slot, tokens)
+        self._in_flight: list[int] = []  # taken for a copy-in not yet handed to the runner
+        self._delivered: list[int] = []  # handed over: free once that step has run
+        self.num_stored = 0  # blocks written (copy-outs)
+        self.num_loaded = 0  # blocks read back (copy-ins)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._entries)
+
+    def put(self, key: int, tokens: tuple[int, ...]) -> int | None:
+        """A slot for an evicted block (the caller copies its KV there before the slot is read),
+        or None if the tier has no slot to give or already holds this block."""
+        if key in self._entries:
+            slot, have = self._entries[key]
+            if have == tokens:
+                self._entries.move_to_end(key)
+                return None
+            del self._entries[key]  # a colliding entry: replaced
+            self._free.append(slot)
+        if not self._free:
+            if not self._entries:
+                return None  # every slot is in flight (or there are none)
+            _, (slot, _) = self._entries.popitem(last=False)  # the least recently used
+            self._free.append(slot)
+        slot = self._free.pop()
+        self._entries[key] = (slot, tokens)
+        self.num_stored += 1
+        return slot
+
+    def lookup(self, key: int, tokens: tuple[int, ...]) -> int | None:
+        """The slot holding this block (same hash and same tokens), else None. Touches it."""
+        hit = self._entries.get(key)
+        if hit is None or hit[1] != tokens:
+            return None
+        self._entries.move_to_end(key)
+        return hit[0]
+
+    def take(self, key: int) -> int:
+        """Remove a looked-up entry whose block goes back to the device: its slot stays reserved
+        until the copy-in has run."""
+        slot, _ = self._entries.pop(key)
+        self._in_flight.append(slot)
+        self.num_loaded += 1
+        return slot
+
+    def deliver(self) -> None:
+        self._delivered.extend(self._in_flight)
+        self._in_flight.clear()
+
+    def release_delivered(self) -> None:
+        self._free.extend(self._delivered)
+        self._delivered.clear()
+
+    def clear(self) -> None:
+        """Forget every entry (their KV can no longer be trusted)."""
+        self._free.extend(slot for slot, _ in self._entries.values())
+        self._entries.clear()
+        self.deliver()
+        self.release_delivered()
+
+    def check_integrity(self) -> None:
+        used = [slot for slot, _ in self._entries.values()]
+        every = used + self._free + self._in_flight + self._delivered
+        assert len(every) == len(set(every)) == self.num_slots, (
+            f"host slots: {len(used)} used + {len(self._free)} free + {len(self._in_flight)} in flight "
+            f"!= {self.num_slots} (or a slot counted twice)")
