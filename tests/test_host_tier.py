@@ -101,3 +101,26 @@ def test_bad_size_names_the_field(tiny_llama):
         LLM(model=str(tiny_llama), dtype="float64", num_kv_blocks=16, kv_host_cache_gb=1e-9)
     with pytest.raises(ValueError, match="^kv_host_cache_gb:"):
         LLM(model=str(tiny_llama), dtype="float64", num_kv_blocks=16, kv_host_cache_gb=-1.0)
+
+
+def test_a_failed_step_clears_the_host_tier_and_the_engine_goes_on(tiny_llama):
+    probe = _llm(tiny_llama, 0.0)
+    llm = _llm(tiny_llama, 100 * _bytes_per_block(probe) / (1 << 30))
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    convs = _conversations(8)
+    llm.generate(convs, sp)
+    kv = llm.engine.scheduler.kv
+    assert kv.host.num_used > 0
+    real = llm.engine.runner.execute
+
+    def broken(out):
+        raise RuntimeError("injected forward failure")
+
+    llm.engine.runner.execute = broken
+    outs = llm.generate(convs[:1], sp)
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert kv.host.num_used == 0  # nothing of a failed step (its copies included) can be trusted
+    llm.engine.runner.execute = real
+    kv.check_integrity()
+    got = [o.outputs[0].token_ids for o in llm.generate(convs[:3], sp)]
+    assert got == hf_reference(tiny_llama, convs[:3], max_tokens=4)
