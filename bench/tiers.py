@@ -47,6 +47,7 @@ def _run(llm, order: list[int], max_tokens: int, doc_facts: int) -> dict:
                                                             for j in range(doc_facts))}]
                for c in set(order)}
     returning, outputs, cached, prompt_tokens = [], [], 0, 0
+    last_len: dict[int, int] = {}  # each conversation's tokens after its latest turn
     t_all = time.perf_counter()
     for i, c in enumerate(order):
         k = len(history[c]) // 2
@@ -66,6 +67,7 @@ def _run(llm, order: list[int], max_tokens: int, doc_facts: int) -> dict:
                     cached += out.num_cached_tokens
         if k:
             returning.append(first)
+        last_len[c] = len(ids) + len(toks)
         outputs.append(toks)
         history[c] = msgs + [{"role": "assistant", "content": eng.tokenizer.decode(toks)}]
     wall = time.perf_counter() - t_all
@@ -76,7 +78,8 @@ def _run(llm, order: list[int], max_tokens: int, doc_facts: int) -> dict:
                 returning_ttft_p99_ms=round(q[98] * 1e3, 1), prompt_tokens=prompt_tokens, cached_tokens=cached,
                 device_hit_tokens=stats["prefix_hit_tokens"] - stats["prefix_host_hit_tokens"],
                 host_hit_tokens=stats["prefix_host_hit_tokens"], host_blocks=stats["num_host_blocks"],
-                preemptions=stats["num_preemptions"], outputs=outputs)
+                preemptions=stats["num_preemptions"], conversations_kv_tokens=sum(last_len.values()),
+                outputs=outputs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = dict(returning_ttft_p50_speedup=round(base["returning_ttft_p50_ms"] / tier["returning_ttft_p50_ms"], 2),
                    throughput_ratio=round(tier["out_tok_s"] / base["out_tok_s"], 2), outputs_identical=identical,
                    device_pool_tokens=a.device_blocks * 16, prompt_tokens_served=base["prompt_tokens"],
-                   last_turns_total_tokens=None)
+                   conversations_kv_tokens=base["conversations_kv_tokens"])
     print("summary:", json.dumps(summary))
     for r in results.values():
         r.pop("outputs")
