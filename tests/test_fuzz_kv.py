@@ -1,6 +1,8 @@
 """Stateful fuzzing of BlockPool + RadixIndex + KVCacheManager against a model of the truth: which
 tokens each physical block holds. Every match is checked against it, no write ever lands in a
-shared block, and check_integrity() holds after every rule."""
+shared block, and check_integrity() holds after every rule. ``TieredKVMachine`` adds the host
+tier: the truth of each host slot too, the copies applied in the runner's order (out, then in,
+before the step's writes), every host hit checked to bring back exactly its tokens."""
 
 from __future__ import annotations
 
@@ -117,3 +119,94 @@ KVMachine.TestCase.settings = settings(
     max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestKVMachine = KVMachine.TestCase
+
+
+HOST_SLOTS = 5
+
+
+class TieredKVMachine(KVMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, num_host_blocks=HOST_SLOTS)
+        self.host_truth: dict[int, list[int | None]] = {}  # host slot -> tokens its KV holds
+        self.num_host_hits = 0
+        self.gone: list[list[int]] = []  # tokens of freed sequences: prompts that come back
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.gone.append(self.seqs[seq] + [1])
+        self.kv.free(seq)
+        del self.seqs[seq]
+
+    @precondition(lambda self: self.gone)
+    @rule(data=st.data())
+    def come_back(self, data):
+        """A conversation returns after others may have pushed its blocks down to the host tier."""
+        self._add(data.draw(st.sampled_from(self.gone)))
+
+    def _swap(self) -> None:
+        """What the runner does at the start of a step; then the next step begins."""
+        out, inn = self.kv.take_swaps()
+        for b, slot in out:
+            self.host_truth[slot] = list(self.truth[b])
+        for slot, b in inn:
+            self.truth[b] = list(self.host_truth[slot])
+        self.kv.begin_step()
+
+    @rule(tokens=st.lists(TOKENS, min_size=1, max_size=9))
+    def add(self, tokens):
+        self._add(tokens)
+
+    def _add(self, tokens: list[int]) -> None:
+        self._check_match(tokens)
+        m = self.kv.match_prefix(tokens)
+        keys = self.kv.match_host(tokens, m)
+        cached = m.num_tokens + len(keys) * BLOCK_SIZE
+        seq = f"s{self.next_id}"
+        self.next_id += 1
+        ops = self.kv.allocate_slots(seq, cached, len(tokens) - cached, prefix=m, host_keys=keys)
+        if ops is None:
+            assert seq not in self.kv.block_tables
+            return
+        assert ops == []
+        self._swap()
+        table = self.kv.block_tables[seq]
+        for i in range(len(m.block_ids), cached // BLOCK_SIZE):  # what came back from the host tier
+            assert self.truth[table[i]] == tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE], (i, tokens)
+            self.num_host_hits += 1
+        self._apply(seq, tokens, cached, ops)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), tok=TOKENS, n=st.integers(1, 3))
+    def append(self, data, tok, n):
+        seq = data.draw(st.sampled_from(sorted(self.seqs)))
+        tokens = self.seqs[seq]
+        ops = self.kv.allocate_slots(seq, len(tokens), n)
+        if ops is None:
+            return
+        self._swap()
+        self._apply(seq, tokens + [tok] * n, len(tokens), ops)
+
+    @rule(n=st.integers(1, NUM_BLOCKS))
+    def evict(self, n):
+        before = self.kv.pool.num_evictable
+        free_before = self.kv.pool.num_free
+        self.kv._evict(n)
+        assert self.kv.pool.num_free - free_before == min(n, before)
+        self._swap()
+
+    @invariant()
+    def host_integrity(self):
+        host = self.kv.host
+        assert host.num_used <= HOST_SLOTS
+        for key, (slot, tokens) in host._entries.items():
+            assert self.host_truth[slot] == list(tokens), (slot, self.host_truth[slot], tokens)
+
+
+TieredKVMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestTieredKVMachine = TieredKVMachine.TestCase
+
