@@ -150,6 +150,7 @@ class AsyncEngine:
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._stats: dict[str, Any] = engine.stats()  # replaced, never mutated, by the engine thread
         self._closing = False
+        self._flushed = False  # the disk KV tier got the cached blocks at shutdown
         self._closed = threading.Event()
         self.fatal_error: BaseException | None = None  # the engine died of it (EngineFatalError)
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
@@ -233,12 +234,20 @@ class AsyncEngine:
         """Stop the engine thread: in-flight requests are aborted and their consumers get
         ``EngineDeadError``. Waits (without blocking the event loop) for the thread to exit."""
         self._request_shutdown()
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+        await asyncio.get_running_loop().run_in_executor(None, self._join_and_flush, timeout)
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Blocking ``shutdown`` for code without an event loop."""
         self._request_shutdown()
+        self._join_and_flush(timeout)
+
+    def _join_and_flush(self, timeout: float | None) -> None:
+        """Once the engine thread has stopped: a disk KV tier gets every cached block (it
+        survives the restart)."""
         self._thread.join(timeout)
+        if not self._thread.is_alive() and not self._flushed:
+            self._flushed = True
+            self.engine.flush_kv_cache()
 
     # ------------------------------------------------------------------ plumbing
     def _submit(self, fn: Callable[[], Any] | None) -> concurrent.futures.Future:

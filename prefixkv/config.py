@@ -25,6 +25,11 @@ class CacheConfig:
     # the host-memory tier under the device pool (kv/host_cache.py): evicted cached blocks are kept
     # there, in at most this many bytes, and copied back when a prompt matches them; 0 = none
     host_cache_bytes: int = 0
+    # the disk tier under the host tier (kv/disk_cache.py, runner/disk_store.py): blocks the host
+    # tier lets go of are written to files in this directory, at most disk_cache_bytes of them, and
+    # they survive restarts; needs the host tier
+    disk_cache_dir: str | None = None
+    disk_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         require(isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
@@ -36,6 +41,12 @@ class CacheConfig:
                  "must be positive")
         require(isinstance(self.host_cache_bytes, int) and self.host_cache_bytes >= 0, "kv_host_cache_gb",
                  f"must be >= 0, got {self.host_cache_bytes!r} bytes")
+        require(isinstance(self.disk_cache_bytes, int) and self.disk_cache_bytes >= 0, "kv_disk_cache_gb",
+                 f"must be >= 0, got {self.disk_cache_bytes!r} bytes")
+        if self.disk_cache_dir is not None:
+            require(self.disk_cache_bytes > 0, "kv_disk_cache_gb", "must be > 0 with kv_disk_cache_dir")
+            require(self.host_cache_bytes > 0, "kv_disk_cache_dir",
+                    "the disk tier sits under the host tier: set kv_host_cache_gb too")
 
 
 @dataclass(frozen=True)

@@ -69,9 +69,27 @@ class LLMEngine:
         if config.cache.host_cache_bytes and not num_host_blocks:
             raise ValueError(f"kv_host_cache_gb: {config.cache.host_cache_bytes} bytes hold no KV block "
                              f"({ModelRunner.bytes_per_block(self.model, bs, dtype)} bytes each)")
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_len, num_host_blocks)
+        disk, num_disk_blocks = None, 0
+        if config.cache.disk_cache_dir is not None:
+            from prefixkv.runner.disk_store import DiskKVStore, kv_fingerprint
+
+            s = self.model.shape
+            block_shape = (s.num_layers, 2, s.num_kv_heads, bs, s.head_dim)
+            disk = DiskKVStore(config.cache.disk_cache_dir, kv_fingerprint(self.model_path, dtype, bs, block_shape),
+                               bs, block_shape, dtype)
+            num_disk_blocks = config.cache.disk_cache_bytes // disk.payload_bytes
+            if not num_disk_blocks:
+                raise ValueError(f"kv_disk_cache_gb: {config.cache.disk_cache_bytes} bytes hold no KV block "
+                                 f"({disk.payload_bytes} bytes each)")
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_len, num_host_blocks,
+                                   num_disk_blocks)
         self.runner = ModelRunner(self.model, backend, num_blocks, bs, config.device, dtype, self.info.eos_token_ids,
-                                  max_len, num_host_blocks)
+                                  max_len, num_host_blocks, disk)
+        if disk is not None:  # the files of an earlier run: the disk tier's index again
+            kv = self.scheduler.kv
+            for key, tokens in disk.scan():
+                for dropped in kv.disk.add(key, tokens):
+                    disk.delete(dropped)
         self.graph_capture_seconds = 0.0
         if config.device == "cuda" and not config.enforce_eager and backend.name == "cuda":
             self.graph_capture_seconds = self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, max_len)
@@ -87,6 +105,30 @@ class LLMEngine:
         self.check_integrity_each_step = False
         self.num_steps = 0
         self.dead: BaseException | None = None  # set by a fatal step error (EngineFatalError)
+
+    def flush_kv_cache(self) -> int:
+        """Write every cached block the disk tier lacks (on the device and in the host tier) to the
+        disk tier, so that a restart finds them (a clean shutdown calls this). Returns how many."""
+        kv, runner = self.scheduler.kv, self.runner
+        if kv.disk is None:
+            return 0
+        n = 0
+        blocks = []  # (key, tokens, where, index)
+        bs = self.config.cache.block_size
+        for node in kv.radix._nodes():
+            for i, (b, key) in enumerate(zip(node.block_ids, node.hashes)):
+                blocks.append((key, tuple(node.tokens[i * bs:(i + 1) * bs]), "device", b))
+        for key, (slot, tokens) in kv.host._entries.items():
+            blocks.append((key, tokens, "host", slot))
+        for key, tokens, where, i in blocks:
+            if key in kv.disk:
+                continue
+            src = runner.kv_cache[:, :, i] if where == "device" else runner.host_kv[:, :, i]
+            runner.disk.write(key, tokens, src)
+            for dropped in kv.disk.add(key, tokens):
+                runner.disk.delete(dropped)
+            n += 1
+        return n
 
     def _batch_invariance_blocker(self, backend) -> str | None:
         """Why this engine cannot be batch-invariant, or None. The mode needs every op of the
@@ -352,6 +394,8 @@ class LLM:
         num_kv_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         kv_host_cache_gb: float = 0.0,
+        kv_disk_cache_dir: str | None = None,
+        kv_disk_cache_gb: float = 0.0,
         gpu_memory_utilization: float = 0.9,
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 64,
@@ -379,7 +423,8 @@ class LLM:
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching,
-                              host_cache_bytes=int(kv_host_cache_gb * (1 << 30))),
+                              host_cache_bytes=int(kv_host_cache_gb * (1 << 30)),
+                              disk_cache_dir=kv_disk_cache_dir, disk_cache_bytes=int(kv_disk_cache_gb * (1 << 30))),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       policy=scheduling_policy, enable_chunked_prefill=enable_chunked_prefill,
                                       **({} if max_waiting_requests is None
@@ -391,6 +436,11 @@ class LLM:
         self.engine = LLMEngine(cfg)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """A clean shutdown: with a disk tier, every cached block is written there first (the next
+        ``LLM`` on the same directory finds them)."""
+        self.engine.flush_kv_cache()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (vLLM's method); what

@@ -17,6 +17,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-host-cache-gb", type=float, default=0.0,
                    help="GiB of host memory for a KV tier under the device pool: evicted cached blocks are kept "
                         "there and copied back when a prompt matches them (default 0: none)")
+    g.add_argument("--kv-disk-cache-dir", default=None,
+                   help="a directory for a KV tier under the host tier; it survives restarts (needs --kv-host-cache-gb)")
+    g.add_argument("--kv-disk-cache-gb", type=float, default=0.0, help="GiB the disk tier may fill")
     g.add_argument("--kv-cache-memory", type=float, default=None,
                    help="GiB for the KV cache when --num-kv-blocks is unset (default: 1 on cpu; on cuda what "
                         "--gpu-memory-utilization leaves)")
@@ -62,7 +65,9 @@ def engine_config_from_args(args: argparse.Namespace):
                           kv_cache_memory_bytes=None if args.kv_cache_memory is None
                           else int(args.kv_cache_memory * (1 << 30)),
                           enable_prefix_caching=not args.no_prefix_caching,
-                          host_cache_bytes=int(args.kv_host_cache_gb * (1 << 30))),
+                          host_cache_bytes=int(args.kv_host_cache_gb * (1 << 30)),
+                          disk_cache_dir=args.kv_disk_cache_dir,
+                          disk_cache_bytes=int(args.kv_disk_cache_gb * (1 << 30))),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs,
                                   **({} if args.max_waiting_requests is None

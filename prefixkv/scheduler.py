@@ -63,6 +63,11 @@ class SchedulerOutput:
     # the device (blocks evicted this step, reused by it), then (host slot, device block) back in
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # the disk tier's: (host slot, key, tokens) written to files before the swap-outs reuse the
+    # slots; (key, device block) read after the swap-ins; keys whose files go, last
+    spill: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
+    load: list[tuple[int, int]] = field(default_factory=list)
+    disk_drop: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -71,12 +76,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int | None = None, num_host_blocks: int = 0) -> None:
+                 max_model_len: int | None = None, num_host_blocks: int = 0, num_disk_blocks: int = 0) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                 num_host_blocks)
+                                 num_host_blocks, num_disk_blocks)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # seq_id -> live request
@@ -183,6 +188,7 @@ class Scheduler:
             s.token_ids = [req.token_ids[c], *s.draft] if s.draft else req.token_ids[c:c + s.num_scheduled_tokens].tolist()
             s.block_delta = delta
         swap_out, swap_in = self.kv.take_swaps() if scheduled else ([], [])
+        spill, load, disk_drop = self.kv.take_disk_ops() if scheduled else ([], [], [])
         return SchedulerOutput(
             scheduled=scheduled,
             num_decodes=len(decodes),
@@ -194,6 +200,9 @@ class Scheduler:
             released_seq_ids=self.kv.take_released() if scheduled else [],
             swap_out=swap_out,
             swap_in=swap_in,
+            spill=spill,
+            load=load,
+            disk_drop=disk_drop,
         )
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:

@@ -149,6 +149,9 @@ class TieredKVMachine(KVMachine):
     def _swap(self) -> None:
         """What the runner does at the start of a step; then the next step begins."""
         out, inn = self.kv.take_swaps()
+        # the runner copies each list with one batched index_copy_: a slot (or block) twice in a
+        # list would leave which copy wins undefined
+        assert len({s for _, s in out}) == len(out) and len({b for _, b in inn}) == len(inn), (out, inn)
         for b, slot in out:
             self.host_truth[slot] = list(self.truth[b])
         for slot, b in inn:

@@ -7,7 +7,8 @@ tree stops where the host tier continues it gets fresh device blocks, copied bac
 slots before the step's forward pass, and counts them as cached tokens.
 
 Slots are a fixed number (the capacity bound is strict); the least recently used entry goes when
-a new one needs a slot. A slot read by a pending copy-in is in flight: no copy-out may reuse it
+a new one needs a slot, but never one written in the same step (its copy has not run yet: giving
+its slot again would put two copies on one slot). A slot read by a pending copy-in is in flight: no copy-out may reuse it
 until the step that reads it has run (``deliver`` when its step goes to the runner,
 ``release_delivered`` at the next schedule).
 
@@ -29,6 +30,9 @@ class HostBlockCache:
         self._entries: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()  # hash -> (slot, tokens)
         self._in_flight: list[int] = []  # taken for a copy-in not yet handed to the runner
         self._delivered: list[int] = []  # handed over: free once that step has run
+        # keys put since the step's copies were handed over: their copy-out has not run, so their
+        # slot cannot be given again (nor spilled) within the step
+        self._fresh: set[int] = set()
         self.num_stored = 0  # blocks written (copy-outs)
         self.num_loaded = 0  # blocks read back (copy-ins)
 
@@ -36,25 +40,31 @@ class HostBlockCache:
     def num_used(self) -> int:
         return len(self._entries)
 
-    def put(self, key: int, tokens: tuple[int, ...]) -> int | None:
-        """A slot for an evicted block (the caller copies its KV there before the slot is read),
-        or None if the tier has no slot to give or already holds this block."""
+    def put(self, key: int, tokens: tuple[int, ...]) -> tuple[int | None, tuple[int, int, tuple[int, ...]] | None]:
+        """(a slot for an evicted block: the caller copies its KV there before the slot is read,
+        or None if the tier has no slot to give or already holds this block; the least recently
+        used entry this pushed out, as (key, slot, tokens), for a lower tier to take before the
+        slot is overwritten, or None)."""
         if key in self._entries:
             slot, have = self._entries[key]
             if have == tokens:
                 self._entries.move_to_end(key)
-                return None
+                return None, None
             del self._entries[key]  # a colliding entry: replaced
             self._free.append(slot)
+        pushed_out = None
         if not self._free:
-            if not self._entries:
-                return None  # every slot is in flight (or there are none)
-            _, (slot, _) = self._entries.popitem(last=False)  # the least recently used
+            old_key = next((k for k in self._entries if k not in self._fresh), None)  # least recently used
+            if old_key is None:
+                return None, None  # every slot is in flight or written this step (or there are none)
+            slot, old_tokens = self._entries.pop(old_key)
+            pushed_out = (old_key, slot, old_tokens)
             self._free.append(slot)
         slot = self._free.pop()
         self._entries[key] = (slot, tokens)
+        self._fresh.add(key)
         self.num_stored += 1
-        return slot
+        return slot, pushed_out
 
     def lookup(self, key: int, tokens: tuple[int, ...]) -> int | None:
         """The slot holding this block (same hash and same tokens), else None. Touches it."""
@@ -63,6 +73,11 @@ class HostBlockCache:
             return None
         self._entries.move_to_end(key)
         return hit[0]
+
+    def lookup_key(self, key: int) -> int | None:
+        """The slot of ``key`` if held (no touch, no token check: for a key ``lookup`` matched)."""
+        hit = self._entries.get(key)
+        return None if hit is None else hit[0]
 
     def take(self, key: int) -> int:
         """Remove a looked-up entry whose block goes back to the device: its slot stays reserved
@@ -75,6 +90,7 @@ class HostBlockCache:
     def deliver(self) -> None:
         self._delivered.extend(self._in_flight)
         self._in_flight.clear()
+        self._fresh.clear()
 
     def release_delivered(self) -> None:
         self._free.extend(self._delivered)
@@ -84,6 +100,7 @@ class HostBlockCache:
         """Forget every entry (their KV can no longer be trusted)."""
         self._free.extend(slot for slot, _ in self._entries.values())
         self._entries.clear()
+        self._fresh.clear()
         self.deliver()
         self.release_delivered()
 

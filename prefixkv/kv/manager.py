@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 from prefixkv.kv.block_pool import BlockPool
+from prefixkv.kv.disk_cache import DiskBlockIndex
 from prefixkv.kv.host_cache import HostBlockCache
 from prefixkv.kv.radix import MatchResult, RadixIndex, block_hash
 
@@ -33,7 +34,7 @@ class CopyOp(NamedTuple):
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, num_disk_blocks: int = 0) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.radix = RadixIndex(self.pool, block_size)
@@ -42,6 +43,11 @@ class KVCacheManager:
         self.host = HostBlockCache(num_host_blocks) if num_host_blocks and enable_prefix_caching else None
         self._swap_out: list[tuple[int, int]] = []  # (device block, host slot): copy before the step
         self._swap_in: list[tuple[int, int]] = []  # (host slot, device block): copy after the swap-outs
+        # the disk tier (kv/disk_cache.py), under the host tier: blocks the host tier lets go of
+        self.disk = DiskBlockIndex(num_disk_blocks) if num_disk_blocks and self.host is not None else None
+        self._spill: list[tuple[int, int, tuple[int, ...]]] = []  # (host slot, key, tokens): write first
+        self._load: list[tuple[int, int]] = []  # (key, device block): read after the swap-ins
+        self._disk_drop: list[int] = []  # keys whose files go, last
         self.block_tables: dict[str, list[int]] = {}
         # How many leading blocks of each table the radix index holds (inserted or matched).
         # (RadixIndex.num_cached_blocks counts the tree's blocks; BlockPool.num_evictable those
@@ -118,14 +124,18 @@ class KVCacheManager:
             if new_table:
                 self._release(seq_id, report=False)  # nobody saw this table
             return None
-        if host_keys:  # their slots stay reserved until the copy-in has run
-            host_slots = [self.host.take(k) for k in host_keys]
+        if host_keys:  # host slots stay reserved until the copy-in has run; disk files stay
+            sources = [("disk", k) if self.disk is not None and k in self.disk and self.host.lookup_key(k) is None
+                       else ("host", self.host.take(k)) for k in host_keys]
         if need > self.pool.num_free:
             self._evict(need - self.pool.num_free)
         if host_keys:
-            for slot in host_slots:
+            for tier, src in sources:
                 b = self.pool.allocate()
-                self._swap_in.append((slot, b))
+                if tier == "disk":
+                    self._load.append((src, b))
+                else:
+                    self._swap_in.append((src, b))
                 table.append(b)
         ops: list[CopyOp] = []
         if num_computed % bs:
@@ -149,23 +159,32 @@ class KVCacheManager:
             self.radix.evict(num_blocks)
             return
         for b, key, tokens in self.radix.evict_with_keys(num_blocks):
-            slot = self.host.put(key, tokens)
+            slot, pushed_out = self.host.put(key, tokens)
+            if pushed_out is not None and self.disk is not None and pushed_out[0] not in self.disk:
+                self._spill.append((pushed_out[1], pushed_out[0], pushed_out[2]))
+                self._disk_drop.extend(self.disk.add(pushed_out[0], pushed_out[2]))
             if slot is not None:
                 self._swap_out.append((b, slot))
 
     def match_host(self, token_ids: Sequence[int], prefix: MatchResult) -> list[int]:
-        """The host-tier blocks that continue ``prefix`` (the device match of ``token_ids``), as
-        keys for ``allocate_slots``; never the block that holds the last token (it is computed)."""
+        """The lower-tier blocks that continue ``prefix`` (the device match of ``token_ids``):
+        host-tier ones, then disk-tier ones, as keys for ``allocate_slots`` (``key in self.disk``
+        tells which); never the block that holds the last token (it is computed)."""
         if self.host is None:
             return []
         bs = self.block_size
         prev = self.radix.hash_of(prefix.block_ids[-1]) if prefix.block_ids else 0
         keys = []
+        on_disk = False
         for i in range(len(prefix.block_ids), (len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             prev = block_hash(prev, tokens)
-            if self.host.lookup(prev, tokens) is None:
+            if not on_disk and self.host.lookup(prev, tokens) is not None:
+                keys.append(prev)
+                continue
+            if self.disk is None or not self.disk.lookup(prev, tokens):
                 break
+            on_disk = True  # (once on disk, the rest of the chain is read from disk)
             keys.append(prev)
         return keys
 
@@ -182,6 +201,13 @@ class KVCacheManager:
             self.host.deliver()
         return out, inn
 
+    def take_disk_ops(self) -> tuple[list, list, list]:
+        """(spills (host slot, key, tokens), loads (key, device block), dropped keys) since the
+        last call; the runner spills first, loads after the swap-ins, drops last."""
+        ops = self._spill, self._load, self._disk_drop
+        self._spill, self._load, self._disk_drop = [], [], []
+        return ops
+
     def reset_cache(self) -> None:
         """Drop every unlocked cached block, on the device and in the host tier (after a failed
         step: their KV can no longer be trusted)."""
@@ -189,6 +215,10 @@ class KVCacheManager:
         if self.host is not None:
             self.host.clear()
         self._swap_out, self._swap_in = [], []
+        if self.disk is not None:  # files written this step may be partial: forget them
+            for _, key, _ in self._spill:
+                self.disk.remove(key)
+            self._spill, self._load = [], []
 
     def _mark(self, seq_id: str, index: int) -> None:
         d = self._dirty.get(seq_id)

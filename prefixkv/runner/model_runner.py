@@ -20,6 +20,7 @@ from prefixkv.runner.sampler import SamplingBatch, SamplerOutput, mix_seed, samp
 
 if TYPE_CHECKING:
     from prefixkv.runner.cuda_graph import CudaGraphRunner
+    from prefixkv.runner.disk_store import DiskKVStore
 from prefixkv.scheduler import SchedulerOutput
 from prefixkv.spec_decode import accept_greedy
 
@@ -48,6 +49,7 @@ class ModelRunner:
         eos_token_ids: list[int],
         max_model_len: int,
         num_host_blocks: int = 0,
+        disk: "DiskKVStore | None" = None,
     ) -> None:
         self.max_model_len = max_model_len
         self.model = model
@@ -70,6 +72,7 @@ class ModelRunner:
         if num_host_blocks:
             self.host_kv = torch.zeros((s.num_layers, 2, num_host_blocks, s.num_kv_heads, block_size, s.head_dim),
                                        dtype=dtype, pin_memory=self.device.type == "cuda")
+        self.disk = disk  # the disk tier's files (runner/disk_store.py)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
         """Capture decode graphs for every batch bucket; returns the capture time in seconds."""
@@ -208,8 +211,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ the step
     def swap(self, out: SchedulerOutput) -> None:
-        """The host tier's copies of a step: out of the device first (blocks evicted by this step
-        and reused by it still hold their KV), then back in."""
+        """The lower tiers' copies of a step, in this order: host slots the host tier let go of
+        to files (before this step's swap-outs reuse them), device blocks out to the host (blocks
+        evicted by this step and reused by it still hold their KV), host slots back in, files back
+        in, then the files the disk tier dropped."""
+        for slot, key, tokens in out.spill:
+            self.disk.write(key, tokens, self.host_kv[:, :, slot])
         if out.swap_out:
             blocks = torch.tensor([b for b, _ in out.swap_out], dtype=torch.int64, device=self.device)
             slots = torch.tensor([h for _, h in out.swap_out], dtype=torch.int64)
@@ -218,10 +225,14 @@ class ModelRunner:
             slots = torch.tensor([h for h, _ in out.swap_in], dtype=torch.int64)
             blocks = torch.tensor([b for _, b in out.swap_in], dtype=torch.int64, device=self.device)
             self.kv_cache.index_copy_(2, blocks, self.host_kv.index_select(2, slots).to(self.device))
+        for key, b in out.load:
+            self.kv_cache[:, :, b] = self.disk.read(key).to(self.device)
+        for key in out.disk_drop:
+            self.disk.delete(key)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        if out.swap_out or out.swap_in:
+        if out.swap_out or out.swap_in or out.spill or out.load or out.disk_drop:
             self.swap(out)
         if out.copy_ops:
             pairs = torch.tensor([[op.src, op.dst] for op in out.copy_ops], dtype=torch.int64, device=self.device)
