@@ -171,3 +171,17 @@ def test_kill_9_during_spills_then_restart(tiny_llama, tmp_path, probe):
     assert [o.outputs[0].token_ids for o in outs] == hf_reference(tiny_llama, convs, max_tokens=6)
     assert d.num_bytes_read > 0 and any(o.num_cached_tokens for o in outs)  # the killed process's files were used
     b.engine.check_integrity()
+
+
+def test_the_server_engines_shutdown_writes_the_cache(tiny_llama, tmp_path, probe):
+    """``prefixkv serve``'s way out (AsyncEngine shutdown) leaves every cached block on disk."""
+    from prefixkv.async_engine import AsyncEngine
+
+    a = _llm(tiny_llama, tmp_path, probe=probe)
+    a.generate(_conversations(1), SP)
+    assert a.engine.scheduler.kv.disk.num_used == 0  # nothing reached the disk while running
+    ae = AsyncEngine(a.engine)
+    ae.close()
+    cached = a.engine.scheduler.kv.radix.num_cached_blocks
+    assert cached > 0 and a.engine.stats()["num_disk_blocks_used"] == cached
+    assert a.engine.stats()["disk_bytes_written"] == cached * a.engine.runner.disk.payload_bytes
