@@ -9,6 +9,10 @@ same order and, being lossless, see the same prompts; they report returning-turn
 tokens found per tier. Greedy outputs of both are compared (they must be equal).
 
     python -m bench.tiers [--conversations 12] [--turns 5] [--device-blocks 64] [--host-gb 0.5]
+
+Then the same with the disk tier under a small host tier, and a restart: every turn but each
+conversation's last is served, the engine shuts down cleanly, a new one on the same directory
+serves the last turns (their TTFT against a fresh engine without tiers).
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,19 +39,22 @@ def _order(conversations: int, turns: int, seed: int) -> list[int]:
                                                    conversations * (turns - 1))
 
 
-def _run(llm, order: list[int], max_tokens: int, doc_facts: int) -> dict:
-    """Serve the turns one at a time; each conversation's history holds its real replies (so
-    both configurations, being lossless, see the same prompts)."""
+def _histories(conversations: int, doc_facts: int) -> dict[int, list[dict]]:
+    # each conversation its own long system prompt (a document it discusses: nothing shared between
+    # conversations, so only a tier can keep a returning history)
+    return {c: [{"role": "system", "content": f"You are a patient assistant. The user studies {TOPICS[c % len(TOPICS)]}"
+                 f" (notebook {c}). Notes: " + " ".join(f"fact {c}.{j} about {TOPICS[(c + j) % len(TOPICS)]};"
+                                                         for j in range(doc_facts))}]
+            for c in range(conversations)}
+
+
+def _run(llm, order: list[int], max_tokens: int, history: dict[int, list[dict]]) -> dict:
+    """Serve the turns one at a time (``history`` is extended in place with the real replies:
+    every configuration, being lossless, sees the same prompts)."""
     from prefixkv import SamplingParams
 
     eng = llm.engine
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind="delta")
-    # each conversation its own long system prompt (a document it discusses: nothing shared between
-    # conversations, so only a tier can keep a returning history)
-    history = {c: [{"role": "system", "content": f"You are a patient assistant. The user studies {TOPICS[c % len(TOPICS)]}"
-                    f" (notebook {c}). Notes: " + " ".join(f"fact {c}.{j} about {TOPICS[(c + j) % len(TOPICS)]};"
-                                                            for j in range(doc_facts))}]
-               for c in set(order)}
     returning, outputs, cached, prompt_tokens = [], [], 0, 0
     last_len: dict[int, int] = {}  # each conversation's tokens after its latest turn
     t_all = time.perf_counter()
@@ -72,12 +81,14 @@ def _run(llm, order: list[int], max_tokens: int, doc_facts: int) -> dict:
         history[c] = msgs + [{"role": "assistant", "content": eng.tokenizer.decode(toks)}]
     wall = time.perf_counter() - t_all
     stats = eng.stats()
-    q = statistics.quantiles(returning, n=100)
+    q = statistics.quantiles(returning, n=100) if len(returning) > 1 else returning * 99
     return dict(wall_s=round(wall, 2), out_tok_s=round(len(order) * max_tokens / wall, 1),
                 returning_ttft_p50_ms=round(statistics.median(returning) * 1e3, 1),
                 returning_ttft_p99_ms=round(q[98] * 1e3, 1), prompt_tokens=prompt_tokens, cached_tokens=cached,
                 device_hit_tokens=stats["prefix_hit_tokens"] - stats["prefix_host_hit_tokens"],
-                host_hit_tokens=stats["prefix_host_hit_tokens"], host_blocks=stats["num_host_blocks"],
+                lower_tier_hit_tokens=stats["prefix_host_hit_tokens"], host_blocks=stats["num_host_blocks"],
+                host_blocks_loaded=stats["host_blocks_loaded"], disk_blocks_used=stats["num_disk_blocks_used"],
+                disk_bytes_written=stats["disk_bytes_written"], disk_bytes_read=stats["disk_bytes_read"],
                 preemptions=stats["num_preemptions"], conversations_kv_tokens=sum(last_len.values()),
                 outputs=outputs)
 
@@ -88,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--device-blocks", type=int, default=64, help="the device pool (16-token blocks)")
     p.add_argument("--host-gb", type=float, default=0.5)
+    p.add_argument("--disk-host-gb", type=float, default=0.05, help="the host tier above the disk tier")
+    p.add_argument("--disk-gb", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--doc-facts", type=int, default=60, help="length of each conversation's system prompt")
     p.add_argument("--seed", type=int, default=0)
@@ -102,19 +115,50 @@ def main(argv: list[str] | None = None) -> int:
 
     results = {}
     order = _order(a.conversations, a.turns, a.seed)
-    for name, host_gb in (("recompute (no tier)", 0.0), ("host tier", a.host_gb)):
-        llm = LLM(model=None, dtype="float32", num_kv_blocks=a.device_blocks, kv_host_cache_gb=host_gb,
-                  max_num_batched_tokens=512)
+    disk_dir = Path(tempfile.mkdtemp(prefix="prefixkv-tiers-"))
+
+    def make(name: str):
+        kw = dict(model=None, dtype="float32", num_kv_blocks=a.device_blocks, max_num_batched_tokens=512)
+        if name == "host tier":
+            kw.update(kv_host_cache_gb=a.host_gb)
+        elif name.startswith("disk tier"):
+            kw.update(kv_host_cache_gb=a.disk_host_gb, kv_disk_cache_dir=str(disk_dir), kv_disk_cache_gb=a.disk_gb)
+        llm = LLM(**kw)
         llm.generate(["warm up"], None)
-        results[name] = _run(llm, order, a.max_tokens, a.doc_facts)
-        r = {k: v for k, v in results[name].items() if k != "outputs"}
-        print(f"{name}: {json.dumps(r)}", flush=True)
-    base, tier = results["recompute (no tier)"], results["host tier"]
-    identical = base["outputs"] == tier["outputs"]
-    summary = dict(returning_ttft_p50_speedup=round(base["returning_ttft_p50_ms"] / tier["returning_ttft_p50_ms"], 2),
-                   throughput_ratio=round(tier["out_tok_s"] / base["out_tok_s"], 2), outputs_identical=identical,
-                   device_pool_tokens=a.device_blocks * 16, prompt_tokens_served=base["prompt_tokens"],
-                   conversations_kv_tokens=base["conversations_kv_tokens"])
+        return llm
+
+    for name in ("recompute (no tier)", "host tier", "disk tier (small host tier above it)"):
+        results[name] = _run(make(name), order, a.max_tokens, _histories(a.conversations, a.doc_facts))
+        print(f"{name}: {json.dumps({k: v for k, v in results[name].items() if k != 'outputs'})}", flush=True)
+    shutil.rmtree(disk_dir)
+    disk_dir.mkdir()
+    # restart: every turn but each conversation's last, a clean shutdown, a new engine on the same
+    # directory serves the last turns; against a fresh engine without tiers on the same prompts
+    last = {c: max(i for i, x in enumerate(order) if x == c) for c in set(order)}
+    before = [c for i, c in enumerate(order) if i != last[c]]
+    after = [c for i, c in enumerate(order) if i == last[c]]
+    hist = _histories(a.conversations, a.doc_facts)
+    first = make("disk tier")
+    _run(first, before, a.max_tokens, hist)
+    first.close()
+    del first
+    hist_copy = {c: list(m) for c, m in hist.items()}
+    results["restart: disk tier"] = _run(make("disk tier"), after, a.max_tokens, hist)
+    results["restart: recompute"] = _run(make("recompute (no tier)"), after, a.max_tokens, hist_copy)
+    for name in ("restart: disk tier", "restart: recompute"):
+        print(f"{name}: {json.dumps({k: v for k, v in results[name].items() if k != 'outputs'})}", flush=True)
+    shutil.rmtree(disk_dir, ignore_errors=True)
+    base, tier, disk = (results[k] for k in ("recompute (no tier)", "host tier", "disk tier (small host tier above it)"))
+    r_disk, r_base = results["restart: disk tier"], results["restart: recompute"]
+    identical = base["outputs"] == tier["outputs"] == disk["outputs"] and r_disk["outputs"] == r_base["outputs"]
+    summary = dict(returning_ttft_p50_speedup_host=round(base["returning_ttft_p50_ms"] / tier["returning_ttft_p50_ms"], 2),
+                   returning_ttft_p50_speedup_disk=round(base["returning_ttft_p50_ms"] / disk["returning_ttft_p50_ms"], 2),
+                   throughput_ratio_host=round(tier["out_tok_s"] / base["out_tok_s"], 2),
+                   throughput_ratio_disk=round(disk["out_tok_s"] / base["out_tok_s"], 2),
+                   restart_first_turn_ttft_p50_speedup=round(r_base["returning_ttft_p50_ms"]
+                                                             / r_disk["returning_ttft_p50_ms"], 2),
+                   outputs_identical=identical, device_pool_tokens=a.device_blocks * 16,
+                   prompt_tokens_served=base["prompt_tokens"], conversations_kv_tokens=base["conversations_kv_tokens"])
     print("summary:", json.dumps(summary))
     for r in results.values():
         r.pop("outputs")
