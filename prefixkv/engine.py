@@ -18,6 +18,7 @@ from prefixkv.model.loader import DTYPES, load_hf_config, load_model, resolve_dt
 from prefixkv.output_processor import OutputProcessor, RequestState
 from prefixkv.outputs import CompletionOutput, RequestOutput
 from prefixkv.request import Request, RequestStatus
+from prefixkv.runner.disk_store import DiskKVError
 from prefixkv.runner.memory import kv_cache_bytes_for, profile_activation_peak
 from prefixkv.runner.model_runner import ModelRunner
 from prefixkv.sampling_params import SamplingParams, generation_config_defaults
@@ -322,7 +323,11 @@ class LLMEngine:
         fatal = is_fatal(error)
         hit = list(self._groups) if fatal else list(dict.fromkeys(s.req.request_id for s in out.scheduled))
         outputs = [self._fail(self._groups[rid], error) for rid in hit if rid in self._groups]
-        self.scheduler.kv.reset_cache()
+        kv = self.scheduler.kv
+        kv.reset_cache([key for _, key, _ in out.spill])
+        if isinstance(error, DiskKVError) and kv.disk is not None:
+            kv.disk.remove(error.key)  # a file that failed its check is never offered again
+            self.runner.disk.delete(error.key)
         if fatal:
             self.dead = error
             raise EngineFatalError(f"the engine cannot continue after {type(error).__name__}: {error}") from error

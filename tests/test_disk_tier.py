@@ -185,3 +185,24 @@ def test_the_server_engines_shutdown_writes_the_cache(tiny_llama, tmp_path, prob
     cached = a.engine.scheduler.kv.radix.num_cached_blocks
     assert cached > 0 and a.engine.stats()["num_disk_blocks_used"] == cached
     assert a.engine.stats()["disk_bytes_written"] == cached * a.engine.runner.disk.payload_bytes
+
+
+def test_a_file_damaged_while_running_fails_that_step_not_the_output(tiny_llama, tmp_path, probe):
+    """A file corrupted after the start-up scan: the read's checksum catches it, the step's requests
+    end with an error (never attention over wrong KV), the file is forgotten, and the same prompt
+    then gives the right tokens."""
+    convs = _conversations(2)
+    a = _llm(tiny_llama, tmp_path, probe=probe)
+    turn1 = a.generate(convs, SP)
+    a.close()
+    b = _llm(tiny_llama, tmp_path, probe=probe)
+    for f in b.engine.runner.disk.dir.glob("*.kvb"):  # after b's scan accepted them
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 1
+        f.write_bytes(bytes(data))
+    turn2 = [convs[0] + turn1[0].outputs[0].token_ids + [250]]
+    failed = b.generate(turn2, SP)[0]
+    assert failed.outputs[0].finish_reason == "error" and "corrupt" in failed.error
+    ok = b.generate(turn2, SP)[0]
+    assert ok.outputs[0].token_ids == hf_reference(tiny_llama, turn2, max_tokens=6)[0]
+    b.engine.check_integrity()

@@ -208,15 +208,16 @@ class KVCacheManager:
         self._spill, self._load, self._disk_drop = [], [], []
         return ops
 
-    def reset_cache(self) -> None:
+    def reset_cache(self, spilled_keys: Sequence[int] = ()) -> None:
         """Drop every unlocked cached block, on the device and in the host tier (after a failed
-        step: their KV can no longer be trusted)."""
+        step: their KV can no longer be trusted), and from the disk tier's index the blocks that
+        step was to write (``spilled_keys``: their files may be missing or stale)."""
         self.radix.reset()
         if self.host is not None:
             self.host.clear()
         self._swap_out, self._swap_in = [], []
-        if self.disk is not None:  # files written this step may be partial: forget them
-            for _, key, _ in self._spill:
+        if self.disk is not None:
+            for key in list(spilled_keys) + [key for _, key, _ in self._spill]:
                 self.disk.remove(key)
             self._spill, self._load = [], []
 

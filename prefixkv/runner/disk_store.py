@@ -31,7 +31,9 @@ _HEADER = struct.Struct("<qiqI")  # block hash, block size, payload bytes, crc32
 
 
 class DiskKVError(RuntimeError):
-    pass
+    def __init__(self, message: str, key: int) -> None:
+        super().__init__(message)
+        self.key = key  # the block whose file failed
 
 
 def kv_fingerprint(model_path: Path, dtype: torch.dtype, block_size: int, block_shape: tuple[int, ...]) -> str:
@@ -85,10 +87,10 @@ class DiskKVStore:
         try:
             data = self._path(key).read_bytes()
         except OSError as e:
-            raise DiskKVError(f"disk KV block {key:x}: {e}") from None
+            raise DiskKVError(f"disk KV block {key:x}: {e}", key) from None
         parsed = self._parse(data)
         if parsed is None or parsed[0] != key:
-            raise DiskKVError(f"disk KV block {key:x}: the file is corrupt")
+            raise DiskKVError(f"disk KV block {key:x}: the file is corrupt", key)
         self.num_bytes_read += self.payload_bytes
         raw = torch.frombuffer(bytearray(parsed[2]), dtype=torch.uint8)
         return raw.view(self.dtype).view(self.block_shape)
