@@ -122,6 +122,7 @@ TestKVMachine = KVMachine.TestCase
 
 
 HOST_SLOTS = 5
+DISK_BLOCKS = 6
 
 
 class TieredKVMachine(KVMachine):
@@ -129,6 +130,7 @@ class TieredKVMachine(KVMachine):
         super().__init__()
         self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, num_host_blocks=HOST_SLOTS)
         self.host_truth: dict[int, list[int | None]] = {}  # host slot -> tokens its KV holds
+        self.files: dict[int, list[int | None]] = {}  # disk-tier key -> tokens its file holds
         self.num_host_hits = 0
         self.gone: list[list[int]] = []  # tokens of freed sequences: prompts that come back
 
@@ -148,6 +150,10 @@ class TieredKVMachine(KVMachine):
 
     def _swap(self) -> None:
         """What the runner does at the start of a step; then the next step begins."""
+        spill, load, drop = self.kv.take_disk_ops()
+        for slot, key, tokens in spill:  # files first: the slots may be reused below
+            assert self.host_truth[slot] == list(tokens), (slot, tokens)
+            self.files[key] = list(self.host_truth[slot])
         out, inn = self.kv.take_swaps()
         # the runner copies each list with one batched index_copy_: a slot (or block) twice in a
         # list would leave which copy wins undefined
@@ -156,6 +162,10 @@ class TieredKVMachine(KVMachine):
             self.host_truth[slot] = list(self.truth[b])
         for slot, b in inn:
             self.truth[b] = list(self.host_truth[slot])
+        for key, b in load:
+            self.truth[b] = list(self.files[key])
+        for key in drop:
+            del self.files[key]
         self.kv.begin_step()
 
     @rule(tokens=st.lists(TOKENS, min_size=1, max_size=9))
@@ -203,13 +213,33 @@ class TieredKVMachine(KVMachine):
     @invariant()
     def host_integrity(self):
         host = self.kv.host
-        assert host.num_used <= HOST_SLOTS
+        assert host.num_used <= host.num_slots
         for key, (slot, tokens) in host._entries.items():
             assert self.host_truth[slot] == list(tokens), (slot, self.host_truth[slot], tokens)
+        if self.kv.disk is not None:
+            assert self.kv.disk.num_used <= DISK_BLOCKS and set(self.kv.disk._entries) == set(self.files)
+            for key, tokens in self.kv.disk._entries.items():
+                assert self.files[key] == list(tokens), (key, self.files[key], tokens)
 
 
 TieredKVMachine.TestCase.settings = settings(
     max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestTieredKVMachine = TieredKVMachine.TestCase
+
+
+class DiskTieredKVMachine(TieredKVMachine):
+    """The same with a disk tier under a 2-slot host tier: blocks the host lets go of go to files
+    (written before their slot is reused), and come back from them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, num_host_blocks=2,
+                                 num_disk_blocks=DISK_BLOCKS)
+
+
+DiskTieredKVMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestDiskTieredKVMachine = DiskTieredKVMachine.TestCase
 
