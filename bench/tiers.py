@@ -93,6 +93,54 @@ def _run(llm, order: list[int], max_tokens: int, history: dict[int, list[dict]])
                 outputs=outputs)
 
 
+def _run_hf(model_path, order: list[int], max_tokens: int, history: dict[int, list[dict]], tokenizer) -> dict:
+    """The same turns through transformers' ``generate`` (float32, greedy, batch 1: every turn
+    recomputes its whole history, the peer a user without a KV cache across requests has); TTFT
+    from a streamer's first generated token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)  # warm-up
+
+    class FirstToken:
+        def __init__(self) -> None:
+            self.calls, self.t = 0, None
+
+        def put(self, value) -> None:
+            self.calls += 1
+            if self.calls == 2 and self.t is None:  # (the first call carries the prompt)
+                self.t = time.perf_counter()
+
+        def end(self) -> None:
+            pass
+
+    returning, outputs, prompt_tokens = [], [], 0
+    t_all = time.perf_counter()
+    for c in order:
+        k = len(history[c]) // 2
+        msgs = history[c] + [{"role": "user", "content": f"Turn {k}: tell me something new about "
+                                                          f"{TOPICS[c % len(TOPICS)]}, in two paragraphs."}]
+        ids = tokenizer.apply_chat_template(msgs)
+        prompt_tokens += len(ids)
+        streamer = FirstToken()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                 streamer=streamer)
+        toks = gen[0, len(ids):].tolist()
+        if k:
+            returning.append(streamer.t - t0)
+        outputs.append(toks)
+        history[c] = msgs + [{"role": "assistant", "content": tokenizer.decode(toks)}]
+    wall = time.perf_counter() - t_all
+    q = statistics.quantiles(returning, n=100) if len(returning) > 1 else returning * 99
+    return dict(wall_s=round(wall, 2), out_tok_s=round(len(order) * max_tokens / wall, 1),
+                returning_ttft_p50_ms=round(statistics.median(returning) * 1e3, 1),
+                returning_ttft_p99_ms=round(q[98] * 1e3, 1), prompt_tokens=prompt_tokens, outputs=outputs)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--conversations", type=int, default=12)
@@ -101,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-gb", type=float, default=0.5)
     p.add_argument("--disk-host-gb", type=float, default=0.05, help="the host tier above the disk tier")
     p.add_argument("--disk-gb", type=float, default=1.0)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--doc-facts", type=int, default=60, help="length of each conversation's system prompt")
     p.add_argument("--seed", type=int, default=0)
@@ -128,8 +177,15 @@ def main(argv: list[str] | None = None) -> int:
         return llm
 
     for name in ("recompute (no tier)", "host tier", "disk tier (small host tier above it)"):
-        results[name] = _run(make(name), order, a.max_tokens, _histories(a.conversations, a.doc_facts))
+        llm = make(name)
+        results[name] = _run(llm, order, a.max_tokens, _histories(a.conversations, a.doc_facts))
         print(f"{name}: {json.dumps({k: v for k, v in results[name].items() if k != 'outputs'})}", flush=True)
+    if not a.no_hf:
+        results["transformers generate"] = _run_hf(llm.engine.model_path, order, a.max_tokens,
+                                                   _histories(a.conversations, a.doc_facts), llm.engine.tokenizer)
+        print(f"transformers generate: {json.dumps({k: v for k, v in results['transformers generate'].items() if k != 'outputs'})}",
+              flush=True)
+    del llm
     shutil.rmtree(disk_dir)
     disk_dir.mkdir()
     # restart: every turn but each conversation's last, a clean shutdown, a new engine on the same
@@ -158,6 +214,13 @@ def main(argv: list[str] | None = None) -> int:
                    restart_first_turn_ttft_p50_speedup=round(r_base["returning_ttft_p50_ms"]
                                                              / r_disk["returning_ttft_p50_ms"], 2),
                    outputs_identical=identical, device_pool_tokens=a.device_blocks * 16,
+                   **({} if a.no_hf else dict(
+                       returning_ttft_p50_speedup_host_vs_transformers=round(
+                           results["transformers generate"]["returning_ttft_p50_ms"] / tier["returning_ttft_p50_ms"], 2),
+                       throughput_ratio_host_vs_transformers=round(
+                           tier["out_tok_s"] / results["transformers generate"]["out_tok_s"], 2),
+                       transformers_outputs_identical_turns=sum(
+                           x == y for x, y in zip(results["transformers generate"]["outputs"], base["outputs"])))),
                    prompt_tokens_served=base["prompt_tokens"], conversations_kv_tokens=base["conversations_kv_tokens"])
     print("summary:", json.dumps(summary))
     for r in results.values():
