@@ -161,8 +161,11 @@ class KVCacheManager:
         for b, key, tokens in self.radix.evict_with_keys(num_blocks):
             slot, pushed_out = self.host.put(key, tokens)
             if pushed_out is not None and self.disk is not None and pushed_out[0] not in self.disk:
-                self._spill.append((pushed_out[1], pushed_out[0], pushed_out[2]))
-                self._disk_drop.extend(self.disk.add(pushed_out[0], pushed_out[2]))
+                spilled = pushed_out[0]
+                if spilled in self._disk_drop:  # dropped earlier this step: its new file must stay
+                    self._disk_drop.remove(spilled)
+                self._spill.append((pushed_out[1], spilled, pushed_out[2]))
+                self._disk_drop.extend(self.disk.add(spilled, pushed_out[2]))
             if slot is not None:
                 self._swap_out.append((b, slot))
 
