@@ -117,13 +117,16 @@ def test_chat_template_kwargs_reach_the_template(tiny_llama):
 
 # ---------------------------------------------------------------------- the server
 @pytest.fixture(scope="module")
-def client(llm):
+def client(tiny_llama):
+    """A server on its own engine (the offline ``llm`` computes references: one engine must never
+    be driven by the server's thread and by ``LLM.generate`` at once)."""
     import openai
 
     from prefixkv.async_engine import AsyncEngine
     from prefixkv.server.app import BackgroundServer, ServerConfig
 
-    with BackgroundServer(AsyncEngine(llm.engine), ServerConfig("tiny")) as srv:
+    served = LLM(model=str(tiny_llama), dtype="float64", num_kv_blocks=256)
+    with BackgroundServer(AsyncEngine(served.engine), ServerConfig("tiny")) as srv:
         yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
 
 
@@ -218,16 +221,17 @@ def test_generation_config_defaults_fill_what_a_request_leaves_unset(gen_model):
     assert all(len(o.outputs[0].token_ids) == 7 or o.outputs[0].finish_reason == "stop" for o in got)
     plain = LLM(model=str(gen_model), dtype="float64", num_kv_blocks=128, generation_config="vllm")
     assert plain.engine.default_sampling == {} and plain.get_default_sampling_params().temperature == 1.0
-    with BackgroundServer(AsyncEngine(llm.engine), ServerConfig("g")) as srv:
+    msgs = [{"role": "user", "content": "hi"}]
+    ref = llm.generate([llm.tokenizer.apply_chat_template(msgs)], explicit)[0].outputs[0]
+    served = AsyncEngine(llm.engine)  # closed below: then nothing but this test drives the engine
+    with BackgroundServer(served, ServerConfig("g")) as srv:  # (no LLM.generate from here)
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-        msgs = [{"role": "user", "content": "hi"}]
         r = client.chat.completions.create(model="g", messages=msgs)  # nothing set: the defaults
-        ids = llm.tokenizer.apply_chat_template(msgs)
-        ref = llm.generate([ids], explicit)[0].outputs[0]
         assert r.choices[0].message.content == ref.text and r.usage.completion_tokens == len(ref.token_ids)
         r = client.chat.completions.create(model="g", messages=msgs, max_tokens=3)  # a request's own value wins
         assert r.usage.completion_tokens == 3 or r.choices[0].finish_reason == "stop"
         assert r.choices[0].message.content == ref.text[:len(r.choices[0].message.content)]
+    served.close()
 
 
 def test_a_bad_generation_config_names_the_file(gen_model, tmp_path):

@@ -76,7 +76,8 @@ def test_server_prompt_logprobs(tiny_llama):
     want = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1))
     wire = [[None] + [{str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
                        for t, lp in e.items()} for e in w.prompt_logprobs[1:]] for w in want]
-    with BackgroundServer(AsyncEngine(llm.engine), ServerConfig("t")) as srv:
+    served = AsyncEngine(llm.engine)  # closed below: then nothing but this test drives the engine
+    with BackgroundServer(served, ServerConfig("t")) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         r = client.completions.create(model="t", prompt=PROMPTS[:2], max_tokens=2, temperature=0, n=2,
                                       extra_body={"prompt_logprobs": 1})
@@ -92,3 +93,4 @@ def test_server_prompt_logprobs(tiny_llama):
             client.completions.create(model="t", prompt="x", max_tokens=2, stream=True,
                                       extra_body={"prompt_logprobs": 1})
         assert e.value.body["param"] == "prompt_logprobs"
+    served.close()

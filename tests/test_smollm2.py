@@ -164,11 +164,13 @@ def test_openai_client_parse_with_a_pydantic_model(llm):
         population_millions: float = pydantic.Field(ge=0, le=40)
         climate: Literal["cold", "mild", "hot"]
 
-    with BackgroundServer(AsyncEngine(llm.engine), ServerConfig("smollm2")) as srv:
+    served = AsyncEngine(llm.engine)  # closed below: then nothing but this test drives the engine
+    with BackgroundServer(served, ServerConfig("smollm2")) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
         done = client.chat.completions.parse(
             model="smollm2", messages=[{"role": "user", "content": "Describe Paris as JSON."}],
             response_format=City, temperature=0, max_tokens=200)
+    served.close()
     city = done.choices[0].message.parsed
     assert isinstance(city, City), done.choices[0].message.content
     assert done.choices[0].finish_reason == "stop"
