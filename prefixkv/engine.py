@@ -114,15 +114,8 @@ class LLMEngine:
         if kv.disk is None:
             return 0
         n = 0
-        blocks = []  # (key, tokens, where, index)
-        bs = self.config.cache.block_size
-        for node in kv.radix._nodes():
-            for i, (b, key) in enumerate(zip(node.block_ids, node.hashes)):
-                blocks.append((key, tuple(node.tokens[i * bs:(i + 1) * bs]), "device", b))
-        for key, (slot, tokens) in kv.host._entries.items():
-            blocks.append((key, tokens, "host", slot))
-        for key, tokens, where, i in blocks:
-            if key in kv.disk:
+        for key, tokens, where, i in list(kv.blocks_missing_on_disk()):
+            if key in kv.disk:  # (on the device and in the host tier both: written once)
                 continue
             src = runner.kv_cache[:, :, i] if where == "device" else runner.host_kv[:, :, i]
             runner.disk.write(key, tokens, src)

@@ -302,12 +302,14 @@ class Scheduler:
             n = req.sampling_params.n if req.needs_fork else 1
             if budget <= 0 or seats + n > self.config.max_num_seqs and (self.running or admitted):
                 break
-            # match again: it touches the LRU, and counts blocks cached by requests admitted just now
-            # (a request that wants its prompt's logprobs computes every prompt token)
-            match = (MatchResult([], 0) if req.sampling_params.prompt_logprobs is not None
-                     else self.kv.match_prefix(req.token_ids))
-            # where the device match ends, the host tier may go on (blocks copied back in)
-            host_keys = self.kv.match_host(req.token_ids, match) if req.sampling_params.prompt_logprobs is None else []
+            # match again: it touches the LRU, and counts blocks cached by requests admitted just now;
+            # where the device match ends, the lower tiers may go on (blocks copied back in). A request
+            # that wants its prompt's logprobs computes every prompt token.
+            if req.sampling_params.prompt_logprobs is None:
+                match = self.kv.match_prefix(req.token_ids)
+                host_keys = self.kv.match_host(req.token_ids, match)
+            else:
+                match, host_keys = MatchResult([], 0), []
             cached = match.num_tokens + len(host_keys) * self.block_size
             num_new = req.num_tokens - cached
             if num_new > budget and not self.config.enable_chunked_prefill and (self.running or admitted):

@@ -26,6 +26,7 @@ class KVMachine(RuleBasedStateMachine):
         self.truth: dict[int, list[int | None]] = {}  # block id -> tokens its KV holds
         self.seqs: dict[str, list[int]] = {}  # seq id -> tokens computed (KV written)
         self.next_id = 0
+        self.num_host_hits = 0
 
     # -- helpers ----------------------------------------------------------------------------
     def _apply(self, seq: str, tokens: list[int], start: int, ops) -> None:
@@ -45,19 +46,32 @@ class KVMachine(RuleBasedStateMachine):
         for i, b in enumerate(m.block_ids):
             assert self.truth[b] == tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE], (b, self.truth[b], tokens)
 
-    # -- rules --------------------------------------------------------------------------------
-    @rule(tokens=st.lists(TOKENS, min_size=1, max_size=9))
-    def add(self, tokens):
+    def _swap(self) -> None:
+        """The runner's copies between tiers at the start of a step (none without lower tiers)."""
+
+    def _add(self, tokens: list[int]) -> None:
         self._check_match(tokens)
         m = self.kv.match_prefix(tokens)
+        keys = self.kv.match_host(tokens, m)  # (none without lower tiers)
+        cached = m.num_tokens + len(keys) * BLOCK_SIZE
         seq = f"s{self.next_id}"
         self.next_id += 1
-        ops = self.kv.allocate_slots(seq, m.num_tokens, len(tokens) - m.num_tokens, prefix=m)
+        ops = self.kv.allocate_slots(seq, cached, len(tokens) - cached, prefix=m, host_keys=keys)
         if ops is None:
             assert seq not in self.kv.block_tables
             return
         assert ops == []
-        self._apply(seq, tokens, m.num_tokens, ops)
+        self._swap()
+        table = self.kv.block_tables[seq]
+        for i in range(len(m.block_ids), cached // BLOCK_SIZE):  # what came back from a lower tier
+            assert self.truth[table[i]] == tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE], (i, tokens)
+            self.num_host_hits += 1
+        self._apply(seq, tokens, cached, ops)
+
+    # -- rules --------------------------------------------------------------------------------
+    @rule(tokens=st.lists(TOKENS, min_size=1, max_size=9))
+    def add(self, tokens):
+        self._add(tokens)
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data(), tok=TOKENS, n=st.integers(1, 3))
@@ -67,6 +81,7 @@ class KVMachine(RuleBasedStateMachine):
         ops = self.kv.allocate_slots(seq, len(tokens), n)
         if ops is None:
             return
+        self._swap()
         self._apply(seq, tokens + [tok] * n, len(tokens), ops)
 
     @precondition(lambda self: self.seqs)
@@ -131,7 +146,6 @@ class TieredKVMachine(KVMachine):
         self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, num_host_blocks=HOST_SLOTS)
         self.host_truth: dict[int, list[int | None]] = {}  # host slot -> tokens its KV holds
         self.files: dict[int, list[int | None]] = {}  # disk-tier key -> tokens its file holds
-        self.num_host_hits = 0
         self.gone: list[list[int]] = []  # tokens of freed sequences: prompts that come back
 
     @precondition(lambda self: self.seqs)
@@ -167,40 +181,6 @@ class TieredKVMachine(KVMachine):
         for key in drop:
             del self.files[key]
         self.kv.begin_step()
-
-    @rule(tokens=st.lists(TOKENS, min_size=1, max_size=9))
-    def add(self, tokens):
-        self._add(tokens)
-
-    def _add(self, tokens: list[int]) -> None:
-        self._check_match(tokens)
-        m = self.kv.match_prefix(tokens)
-        keys = self.kv.match_host(tokens, m)
-        cached = m.num_tokens + len(keys) * BLOCK_SIZE
-        seq = f"s{self.next_id}"
-        self.next_id += 1
-        ops = self.kv.allocate_slots(seq, cached, len(tokens) - cached, prefix=m, host_keys=keys)
-        if ops is None:
-            assert seq not in self.kv.block_tables
-            return
-        assert ops == []
-        self._swap()
-        table = self.kv.block_tables[seq]
-        for i in range(len(m.block_ids), cached // BLOCK_SIZE):  # what came back from the host tier
-            assert self.truth[table[i]] == tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE], (i, tokens)
-            self.num_host_hits += 1
-        self._apply(seq, tokens, cached, ops)
-
-    @precondition(lambda self: self.seqs)
-    @rule(data=st.data(), tok=TOKENS, n=st.integers(1, 3))
-    def append(self, data, tok, n):
-        seq = data.draw(st.sampled_from(sorted(self.seqs)))
-        tokens = self.seqs[seq]
-        ops = self.kv.allocate_slots(seq, len(tokens), n)
-        if ops is None:
-            return
-        self._swap()
-        self._apply(seq, tokens + [tok] * n, len(tokens), ops)
 
     @rule(n=st.integers(1, NUM_BLOCKS))
     def evict(self, n):

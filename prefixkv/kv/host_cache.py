@@ -74,6 +74,10 @@ class HostBlockCache:
         self._entries.move_to_end(key)
         return hit[0]
 
+    def entries(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(key, slot, tokens) of every entry."""
+        return [(key, slot, tokens) for key, (slot, tokens) in self._entries.items()]
+
     def lookup_key(self, key: int) -> int | None:
         """The slot of ``key`` if held (no touch, no token check: for a key ``lookup`` matched)."""
         hit = self._entries.get(key)

@@ -125,8 +125,8 @@ class KVCacheManager:
                 self._release(seq_id, report=False)  # nobody saw this table
             return None
         if host_keys:  # host slots stay reserved until the copy-in has run; disk files stay
-            sources = [("disk", k) if self.disk is not None and k in self.disk and self.host.lookup_key(k) is None
-                       else ("host", self.host.take(k)) for k in host_keys]
+            sources = [("host", self.host.take(k)) if self.host.lookup_key(k) is not None else ("disk", k)
+                       for k in host_keys]
         if need > self.pool.num_free:
             self._evict(need - self.pool.num_free)
         if host_keys:
@@ -170,24 +170,19 @@ class KVCacheManager:
                 self._swap_out.append((b, slot))
 
     def match_host(self, token_ids: Sequence[int], prefix: MatchResult) -> list[int]:
-        """The lower-tier blocks that continue ``prefix`` (the device match of ``token_ids``):
-        host-tier ones, then disk-tier ones, as keys for ``allocate_slots`` (``key in self.disk``
-        tells which); never the block that holds the last token (it is computed)."""
+        """The lower-tier blocks that continue ``prefix`` (the device match of ``token_ids``), each
+        from the host tier if it holds it, else from the disk tier, as keys for ``allocate_slots``;
+        never the block that holds the last token (it is computed)."""
         if self.host is None:
             return []
         bs = self.block_size
         prev = self.radix.hash_of(prefix.block_ids[-1]) if prefix.block_ids else 0
         keys = []
-        on_disk = False
         for i in range(len(prefix.block_ids), (len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             prev = block_hash(prev, tokens)
-            if not on_disk and self.host.lookup(prev, tokens) is not None:
-                keys.append(prev)
-                continue
-            if self.disk is None or not self.disk.lookup(prev, tokens):
+            if self.host.lookup(prev, tokens) is None and (self.disk is None or not self.disk.lookup(prev, tokens)):
                 break
-            on_disk = True  # (once on disk, the rest of the chain is read from disk)
             keys.append(prev)
         return keys
 
@@ -220,9 +215,21 @@ class KVCacheManager:
             self.host.clear()
         self._swap_out, self._swap_in = [], []
         if self.disk is not None:
-            for key in list(spilled_keys) + [key for _, key, _ in self._spill]:
+            for key in spilled_keys:
                 self.disk.remove(key)
-            self._spill, self._load = [], []
+        self._spill, self._load = [], []
+
+    def blocks_missing_on_disk(self):
+        """(key, tokens, "device" | "host", block id or host slot) of every cached block the disk
+        tier lacks: what a clean shutdown writes (``LLMEngine.flush_kv_cache``)."""
+        bs = self.block_size
+        for node in self.radix._nodes():
+            for i, (b, key) in enumerate(zip(node.block_ids, node.hashes)):
+                if key not in self.disk:
+                    yield key, tuple(node.tokens[i * bs:(i + 1) * bs]), "device", b
+        for key, slot, tokens in self.host.entries():
+            if key not in self.disk:
+                yield key, tokens, "host", slot
 
     def _mark(self, seq_id: str, index: int) -> None:
         d = self._dirty.get(seq_id)

@@ -177,7 +177,7 @@ class ModelRunner:
                 counts[i].scatter_add_(0, out_ids, torch.ones_like(out_ids))
                 seen[i, torch.frombuffer(r.token_ids, dtype=torch.int64).to(dev)] = True
             b.output_counts, b.seen_mask = counts, seen
-        banned = []
+        banned, biases, allowed_only = [], [], []
         for i, (r, _) in enumerate(rows):
             p = r.sampling_params
             if r.num_output_tokens < p.min_tokens:
@@ -191,16 +191,12 @@ class ModelRunner:
                        if len(w) - 1 <= n_out and out[len(out) - len(w) + 1:len(out)].tolist() == w[:-1]]
                 if ids:
                     banned.append((i, ids))
-        b.banned = banned or None
-        biases, allowed_only = [], []
-        for i, (r, _) in enumerate(rows):
-            p = r.sampling_params
             if p.logit_bias:
                 biases.append((i, torch.tensor(list(p.logit_bias), dtype=torch.int64, device=dev),
                                torch.tensor(list(p.logit_bias.values()), dtype=torch.float64, device=dev)))
             if p.allowed_token_ids:
                 allowed_only.append((i, torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=dev)))
-        b.biases, b.allowed_only = biases or None, allowed_only or None
+        b.banned, b.biases, b.allowed_only = banned or None, biases or None, allowed_only or None
         constrained = [(i, r.matcher) for i, (r, _) in enumerate(rows) if r.matcher is not None]
         if constrained:
             from prefixkv.structured_outputs import fill_bitmask
@@ -276,6 +272,8 @@ class ModelRunner:
         row predicts) for every prompt token after the first that this step's chunks predict, of
         the requests that want prompt logprobs."""
         rows = []
+        if out.num_decodes == len(out.scheduled):
+            return rows  # decodes only: no prompt token is computed
         start = 0
         for i, s in enumerate(out.scheduled):
             req = s.req
