@@ -381,6 +381,20 @@ class LLMEngine:
             "spec_accepted_tokens": self.scheduler.num_accepted_tokens,
         }
 
+    def cache_summary(self, max_nodes: int = 64, text_tokens: int = 0) -> dict[str, Any]:
+        """What the KV cache holds now, bounded in size: ``stats()``, the block size and the top of
+        the radix tree (``RadixIndex.summary``). With ``text_tokens`` > 0 each shown node also
+        carries ``text``, its first ``text_tokens`` tokens decoded (prompt text: the server shows
+        it only when started with ``--cache-view-text``)."""
+        tree = self.scheduler.kv.radix.summary(max_nodes=max_nodes, max_tokens=text_tokens)
+        if text_tokens > 0:
+            stack = list(tree["root"]["children"])
+            while stack:
+                node = stack.pop()
+                node["text"] = self.tokenizer.decode(node.pop("token_ids"), skip_special_tokens=False)
+                stack.extend(node["children"])
+        return {"stats": self.stats(), "block_size": self.scheduler.kv.block_size, "tree": tree}
+
 
 class LLM:
     """Offline batch inference, as users know it from vLLM::

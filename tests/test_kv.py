@@ -311,3 +311,61 @@ def test_watermark_counts_cached_blocks_an_admission_locks():
 def test_bad_watermark():
     with pytest.raises(ValueError, match="^watermark: "):
         SchedulerConfig(watermark=1.0)
+
+
+def _radix_with_a_fork():
+    """Two sequences sharing two blocks of 2 tokens: node [1 2 3 4] with children [5 6] (its
+    request finished) and [9 9] (its request still holds all three blocks)."""
+    pool = BlockPool(16)
+    radix = RadixIndex(pool, 2)
+    a = [pool.allocate() for _ in range(3)]
+    radix.insert([1, 2, 3, 4, 5, 6], a)
+    for b in a:
+        pool.decref(b)  # request A finished: the tree alone holds its blocks
+    hit = radix.match([1, 2, 3, 4, 9, 9]).block_ids
+    for b in hit:
+        pool.incref(b)
+    b2 = pool.allocate()
+    radix.insert([1, 2, 3, 4, 9, 9], hit + [b2])
+    return pool, radix
+
+
+def test_radix_summary_exact():
+    _, radix = _radix_with_a_fork()
+    assert radix.clock == 3  # insert, match, insert
+    s = radix.summary()
+    assert s == {
+        "num_nodes": 3, "num_cached_blocks": 4, "num_shown_nodes": 3,
+        "root": {"num_children": 1, "children": [
+            {"num_tokens": 4, "num_blocks": 2, "num_requests": 1, "age": 0, "num_children": 2, "children": [
+                {"num_tokens": 2, "num_blocks": 1, "num_requests": 1, "age": 0, "num_children": 0, "children": []},
+                # last used by the match (clock 2), which touched A's whole node before the split
+                {"num_tokens": 2, "num_blocks": 1, "num_requests": 0, "age": 1, "num_children": 0, "children": []},
+            ]},
+        ]},
+    }
+    assert radix.clock == 3  # a summary is no lookup: LRU time does not move
+    with_tokens = radix.summary(max_tokens=3)["root"]["children"][0]
+    assert with_tokens["token_ids"] == [1, 2, 3]
+    assert [c["token_ids"] for c in with_tokens["children"]] == [[9, 9], [5, 6]]
+    cut = radix.summary(max_nodes=2)
+    assert cut["num_shown_nodes"] == 2 and cut["root"]["children"][0]["children"][0]["num_requests"] == 1
+    assert cut["root"]["children"][0]["num_children"] == 2  # the count says what was cut
+    assert radix.summary(max_depth=1)["root"]["children"][0]["children"] == []
+    radix.check_integrity()
+
+
+def test_radix_summary_is_bounded_however_wide_the_tree():
+    pool = BlockPool(4096)
+    radix = RadixIndex(pool, 4)
+    for i in range(1000):  # 1000 runs under the root, run i of (i % 7) + 1 blocks
+        n = i % 7 + 1
+        radix.insert([10_000 + i] + [7] * (4 * n - 1), [pool.allocate() for _ in range(n)])
+    s = radix.summary(max_nodes=20, max_children=8)
+    shown = s["root"]["children"]
+    assert s["num_nodes"] == 1000 and s["root"]["num_children"] == 1000 and len(shown) == 8
+    assert s["num_shown_nodes"] == 8
+    # the longest runs first, the most recent first among equals: 7-block runs are i = 6, 13, ..., 993
+    assert [c["num_blocks"] for c in shown] == [7] * 8
+    assert [c["age"] for c in shown] == [999 - i for i in (993, 986, 979, 972, 965, 958, 951, 944)]
+    assert len(radix.summary(max_nodes=3)["root"]["children"]) == 3

@@ -64,7 +64,7 @@ class RadixIndex:
         self.pool = pool
         self.block_size = block_size
         self.root = RadixNode(array("q"), [], None)
-        self._clock = itertools.count(1)
+        self.clock = 0  # LRU time: one tick per match or insert that touches
         self._seq = itertools.count()
         self.num_cached_blocks = 0
         self.num_nodes = 0
@@ -114,7 +114,9 @@ class RadixIndex:
         must incref the returned blocks before anything may evict (any later allocation can).
         """
         block_ids: list[int] = []
-        now = next(self._clock) if touch else 0
+        now = 0
+        if touch:
+            self.clock = now = self.clock + 1
         for node, m, _ in self._walk(tokens, len(tokens)):
             if touch:
                 self._touch(node, now)  # pushes only a leaf: the last node of the path, if any
@@ -146,7 +148,7 @@ class RadixIndex:
             num_blocks = len(block_ids)
             assert len(tokens) == num_blocks * bs, (len(tokens), len(block_ids), bs)
         end = num_blocks * bs
-        now = next(self._clock)
+        self.clock = now = self.clock + 1
         node, pos = self.root, 0
         if num_done:
             anchor = self._block_node.get(block_ids[num_done - 1])
@@ -265,6 +267,41 @@ class RadixIndex:
             n = stack.pop()
             yield n
             stack.extend(n.children.values())
+
+    def summary(self, max_nodes: int = 64, max_children: int = 8, max_depth: int = 6,
+                max_tokens: int = 0) -> dict:
+        """The top of the tree as plain data, for a live view: bounded by ``max_nodes`` however large
+        the tree is (the walk visits only the nodes it returns and ranks each shown node's children).
+
+        Each node: ``num_tokens``/``num_blocks`` of its own run, ``num_requests`` holding its first
+        block (``ref_cnt`` less the tree's own reference), ``age`` (index operations since it was
+        last matched or inserted; 0 = just now), ``num_children`` and ``children`` (the largest,
+        most recent first, at most ``max_children``, not below ``max_depth``), and ``token_ids``
+        (its first ``max_tokens`` tokens) only when ``max_tokens`` > 0. Breadth first, so the top
+        levels are kept when ``max_nodes`` cuts."""
+        bs = self.block_size
+        now = self.clock
+        root = {"num_children": len(self.root.children), "children": []}
+        queue = [(self.root, root, 0)]
+        shown = 0
+        for node, out, depth in queue:  # grows while it is walked: breadth first
+            if depth >= max_depth or not node.children:
+                continue
+            room = min(max_children, max_nodes - shown)
+            if room <= 0:
+                break
+            ranked = heapq.nlargest(room, node.children.values(), key=lambda c: (len(c.block_ids), c.last_access))
+            for child in ranked:
+                entry = {"num_tokens": len(child.block_ids) * bs, "num_blocks": len(child.block_ids),
+                         "num_requests": self.pool.ref_cnt[child.block_ids[0]] - 1,
+                         "age": now - child.last_access, "num_children": len(child.children), "children": []}
+                if max_tokens > 0:
+                    entry["token_ids"] = child.tokens[:max_tokens].tolist()
+                out["children"].append(entry)
+                queue.append((child, entry, depth + 1))
+            shown += len(ranked)
+        return {"num_nodes": self.num_nodes, "num_cached_blocks": self.num_cached_blocks,
+                "num_shown_nodes": shown, "root": root}
 
     def cached_blocks(self) -> dict[int, tuple[int, ...]]:
         """block id -> the tokens its KV holds, for every block in the tree."""
