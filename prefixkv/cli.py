@@ -38,7 +38,7 @@ def _bench(argv: list[str]) -> int:
     return bench_main(argv) or 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefixkv", description="lossless LLM inference engine")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
@@ -60,13 +60,20 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
     serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is aborted")
+    serve.add_argument("--cache-view-text", action="store_true",
+                       help="let the /cache page (GET /v1/cache/summary) show the start of each cached run's text; "
+                            "off by default: the cache view then shows token counts only, never prompt text")
     serve.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                        help="parse tool calls out of free replies: enables tool_choice 'auto' (server/tools.py)")
     add_engine_args(serve)
 
     bench = sub.add_parser("bench", help="benchmarks (see bench/)", add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # everything after `bench` is the benchmark's own command line
         return _bench(argv[1:])

@@ -23,12 +23,15 @@ CHECK = textwrap.dedent("""
     import prefixkv
     from prefixkv import LLM, SamplingParams, cpu_ops
     from prefixkv.attention import cuda
+    from prefixkv.server import webui
     pkg = Path(prefixkv.__file__).parent
     lib = cpu_ops.load()
     out = LLM(max_num_seqs=2, num_kv_blocks=64).generate([[1, 2, 3, 4]], SamplingParams(max_tokens=3, temperature=0.0))
     print(json.dumps(dict(pkg=str(pkg), cu=sorted(p.name for p in cuda.CUDA_SOURCE_DIR.glob("*.cu*")),
                           cuda_dir=str(cuda.CUDA_SOURCE_DIR), csrc=cpu_ops.SOURCE.is_file(),
-                          cpu_kernels=lib is not None, tokens=out[0].outputs[0].token_ids)))
+                          cpu_kernels=lib is not None, tokens=out[0].outputs[0].token_ids,
+                          static=sorted(str(p.relative_to(webui.STATIC_DIR)) for p in webui.STATIC_DIR.rglob("*")
+                                        if p.is_file()))))
 """)
 
 
@@ -58,6 +61,8 @@ def test_wheel_installs_and_finds_its_kernel_sources(tmp_path):
     assert info["pkg"].startswith(str(site)), info  # the installed copy, not the checkout
     assert info["cu"] == ["cache_ops.cu", "common.cuh", "paged_decode.cu", "paged_prefill.cu"]
     assert info["csrc"] and info["cpu_kernels"]
+    assert info["static"] == sorted(str(p.relative_to(ROOT / "prefixkv/server/static"))
+                                    for p in (ROOT / "prefixkv/server/static").rglob("*") if p.is_file())
     assert len(info["tokens"]) == 3
     assert any((tmp_path / "cache" / "kernels").glob("cpu_ops-*.so"))  # built from the installed source
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)

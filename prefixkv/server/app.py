@@ -81,6 +81,7 @@ from prefixkv.server.protocol import (
     prompt_logprobs_wire,
 )
 from prefixkv.server.tools import PARSERS, ToolPlan, ToolStream, plan_tools
+from prefixkv.server.webui import WebUI
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     request_timeout: float = 600.0  # seconds from arrival until the request is aborted
     tool_call_parser: str | None = None  # "hermes" | "llama3_json": tool_choice "auto" (server/tools.py)
+    cache_view_text: bool = False  # /v1/cache/summary (the /cache page) may show the cached runs' text
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
@@ -812,6 +814,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     app.router.add_post("/detokenize", server.detokenize)
     app.router.add_get("/version", server.version)
     app.router.add_get("/metrics", server.metrics_route)
+    WebUI(engine, config.model_name, config.cache_view_text).add_routes(app)
 
     async def on_shutdown(app: web.Application) -> None:
         await engine.shutdown()
@@ -857,7 +860,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(model_name=args.served_model_name or default_model_name(args.model),
                         api_key=args.api_key or os.environ.get("PREFIXKV_API_KEY") or None,
                         max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
-                        tool_call_parser=getattr(args, "tool_call_parser", None))
+                        tool_call_parser=getattr(args, "tool_call_parser", None),
+                        cache_view_text=getattr(args, "cache_view_text", False))
 
 
 def run_server(args: argparse.Namespace) -> int:
