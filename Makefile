@@ -2,11 +2,13 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# the browser tests' Chromium: Debian's package (Playwright's own browser download is not reachable)
+CHROMIUM_STAMP := $(VENV)/.chromium
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: serve test install kernel-check clean
+.PHONY: serve test install chromium kernel-check clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,10 +22,21 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+$(CHROMIUM_STAMP): | $(STAMP)
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  apt-get update -qq || true; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	elif command -v sudo >/dev/null 2>&1; then \
+	  sudo apt-get update -qq || true; sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	else echo "make: the browser tests need Chromium: apt-get install chromium (as root)"; exit 1; fi
+	touch $@
+
+chromium: $(CHROMIUM_STAMP)
+
 serve: $(STAMP)
 	$(VENV)/bin/prefixkv serve --host $(HOST) --port $(PORT)
 
-test: $(STAMP)
+test: $(STAMP) $(CHROMIUM_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 kernel-check:
