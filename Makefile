@@ -23,13 +23,14 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 $(CHROMIUM_STAMP): | $(STAMP)
-	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then touch $@; \
 	elif [ "$$(id -u)" = 0 ]; then \
-	  apt-get update -qq || true; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
-	elif command -v sudo >/dev/null 2>&1; then \
-	  sudo apt-get update -qq || true; sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
-	else echo "make: the browser tests need Chromium: apt-get install chromium (as root)"; exit 1; fi
-	touch $@
+	  apt-get update -qq || true; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium && touch $@; \
+	elif sudo -n true 2>/dev/null; then \
+	  sudo -n apt-get update -qq || true; sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+	    && touch $@; \
+	else echo "make: cannot install Chromium here (not root, no password-less sudo): the browser tests" \
+	          "will skip (and fail under CI=true); install it with: apt-get install chromium"; fi
 
 chromium: $(CHROMIUM_STAMP)
 

@@ -7,6 +7,7 @@ against what the API answers for the same conversation."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -121,7 +122,9 @@ def wait_until(cond, timeout: float = 20.0, what: str = "condition"):
 
 
 def settings(pg, temperature: str = "0", max_tokens: str = "40") -> None:
-    pg.click("#settings summary")
+    """Fill the settings panel (opened if closed), then close it."""
+    if not pg.locator("#temperature").is_visible():
+        pg.click("#settings summary")
     pg.fill("#temperature", temperature)
     pg.fill("#max-tokens", max_tokens)
     pg.dispatch_event("#max-tokens", "change")
@@ -215,8 +218,8 @@ def test_stop_aborts_the_request_and_the_server_frees_its_blocks(server, page):
     text = content.inner_text()
     time.sleep(0.5)
     assert content.inner_text() == text  # nothing more arrives
-    tokens = int(stats.split(" ")[0])
-    assert 0 < tokens < 2000
+    m = re.match(r"^~(\d+) tokens · ", stats)  # no usage chunk after a stop: chunks counted, "~"
+    assert m and 0 < int(m.group(1)) < 2000, stats
     expect(page.locator("#send")).to_be_enabled()
     expect(page.locator("#stop")).to_be_disabled()
 
@@ -253,6 +256,52 @@ def test_html_in_a_reply_renders_as_text(server, browser):
     context.close()
 
 
+HOSTILE = [
+    "<script>window.pwned=1</script>",
+    "<img src=x onerror=window.pwned=1>",
+    "[click](javascript:window.pwned=1)",
+    "![x](javascript:window.pwned=1)",
+    '<a href="javascript:window.pwned=1">a</a>',
+    "- item <svg onload=window.pwned=1></svg>\n- <iframe src=javascript:window.pwned=1></iframe>",
+    '<div style="background:url(javascript:1)" onclick="window.pwned=1">x</div>',
+    "```html\n<script>window.pwned=1</script>\n```",
+    "<details open ontoggle=window.pwned=1>d</details>",
+]
+
+
+def test_the_renderer_keeps_hostile_markdown_inert(server, browser):
+    """The page's own renderMarkdown on fixed hostile replies (no model needed), with the CSP off:
+    no element runs script, no javascript: URL survives, the markup reads as text."""
+    context = browser.new_context(bypass_csp=True)
+    page = context.new_page()
+    page.goto(server.url + "/")
+    for text in HOSTILE:
+        found = page.evaluate("""(text) => {
+            const box = document.createElement('div');
+            renderMarkdown(box, text);
+            document.body.append(box);
+            const bad = [];
+            for (const e of box.querySelectorAll('*')) {
+                if (['SCRIPT', 'IFRAME', 'SVG', 'OBJECT', 'EMBED', 'STYLE'].includes(e.tagName.toUpperCase()))
+                    bad.push(e.tagName);
+                for (const a of e.attributes) {
+                    if (a.name.startsWith('on') || a.name === 'style' || /^\\s*javascript:/i.test(a.value))
+                        bad.push(e.tagName + ' ' + a.name + '=' + a.value);
+                }
+            }
+            return {bad, text: box.textContent, html: box.innerHTML};
+        }""", text)
+        assert found["bad"] == [], (text, found)
+        if "```" not in text and "](" not in text:  # raw HTML: shown as the characters it is
+            assert text.replace("- ", "").replace("\n", "") in found["text"].replace("\n", ""), (text, found)
+    page.wait_for_timeout(200)
+    assert page.evaluate("window.pwned") is None
+    shown = page.evaluate("(t) => { const b = document.createElement('div'); renderMarkdown(b, t); return b.textContent; }",
+                          "Echo: <b>hi</b> & <script>x</script>")
+    assert shown.strip() == "Echo: <b>hi</b> & <script>x</script>"
+    context.close()
+
+
 def test_api_key_is_asked_for_and_sent_only_in_a_header(browser):
     srv = Served("--api-key", KEY)
     try:
@@ -267,8 +316,17 @@ def test_api_key_is_asked_for_and_sent_only_in_a_header(browser):
         page.press("#key-input", "Enter")
         expect(dialog).to_be_hidden()
         expect(page.locator("#model-name")).to_have_text("SmolLM2-135M-Instruct")
+        page.click("#settings summary")
+        page.fill("#system-prompt", "Be brief.")
+        page.fill("#top-p", "0.9")
+        page.fill("#seed", "7")
         settings(page, max_tokens="8")
-        say(page, "Hi!")
+        with page.expect_request("**/v1/chat/completions") as sent:
+            say(page, "Hi!")
+        assert json.loads(sent.value.post_data) == {
+            "model": "SmolLM2-135M-Instruct", "stream": True, "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}],
+            "temperature": 0, "top_p": 0.9, "max_tokens": 8, "seed": 7}
         assert STATS.match(wait_answer(page, 1))
         assert all(KEY not in url for url, _ in requests), requests
         api = [(u, h) for u, h in requests if "/v1/" in u]
@@ -326,8 +384,14 @@ def test_pages_fit_a_phone_screen(server, browser, path):
         page.click("#toggle-sidebar")
         expect(page.locator("#sidebar")).to_be_visible()
         expect(page.locator("#toggle-sidebar")).to_have_attribute("aria-expanded", "true")
-        # the keyboard alone: Tab to "New chat" and press Enter
-        page.focus("#new-chat")
+        # the keyboard alone: the open sidebar has focus on "New chat"; Escape closes it and
+        # returns to its button; Enter opens it again and Enter on "New chat" starts a chat
+        assert page.evaluate("document.activeElement.id") == "new-chat"
+        page.keyboard.press("Escape")
+        expect(page.locator("#sidebar")).to_be_hidden()
+        assert page.evaluate("document.activeElement.id") == "toggle-sidebar"
+        page.keyboard.press("Enter")
+        expect(page.locator("#sidebar")).to_be_visible()
         page.keyboard.press("Enter")
         expect(page.locator("#sidebar")).to_be_hidden()
         assert page.evaluate("document.activeElement.id") == "input"
@@ -343,4 +407,53 @@ def test_pages_fit_a_phone_screen(server, browser, path):
         assert page.locator("#tree .node").count() >= 3
         width = page.evaluate("document.documentElement.scrollWidth")
         assert width <= PHONE_WIDTH, width
+    context.close()
+
+
+def test_switching_reloading_and_deleting_while_an_answer_streams(server, page):
+    page.goto(server.url + "/")
+    settings(page, max_tokens="2000")
+    say(page, "Write a very long story about a dragon.")
+    content = answers(page).nth(0).locator(".content")
+    wait_until(lambda: len(content.inner_text()) > 40, 60, "the story to start")
+    page.click("#new-chat")  # away and back: the answer kept streaming meanwhile
+    expect(page.locator(".msg")).to_have_count(0)
+    n = len(page.evaluate("localStorage.getItem(Object.keys(localStorage).find(k => k.startsWith('prefixkv.conv.') "
+                          "&& localStorage.getItem(k).includes('dragon')))"))
+    page.locator("#conversations .conv", has_text="dragon").click()
+    wait_until(lambda: len(content.inner_text()) > 200, 60, "more of the story")
+    expect(answers(page).nth(0)).to_have_class(re.compile(r"\bstreaming\b"))
+    # saved while it streams: a reload keeps what had come, marked stopped, and the server aborts it
+    wait_until(lambda: len(page.evaluate("JSON.stringify(localStorage)")) > n + 150, 10, "a save while streaming")
+    page.reload()
+    expect(answers(page).nth(0).locator(".stats")).to_contain_text("stopped")
+    assert len(answers(page).nth(0).locator(".content").inner_text()) > 100
+    wait_until(lambda: server.metrics()["prefixkv_kv_blocks_used"] == 0, 10, "the reload to end the request")
+    # the next turn leaves out nothing, and deleting a streaming conversation stops its request
+    say(page, "Go on.")
+    expect(answers(page).nth(1).locator(".content")).not_to_be_empty(timeout=60_000)
+    page.locator("#conversations .delete").first.click()
+    wait_until(lambda: server.metrics()["prefixkv_kv_blocks_used"] == 0, 10, "the delete to end the request")
+    # gone from storage too (the empty chat made above was never saved: nothing to keep)
+    assert page.evaluate("Object.keys(localStorage).filter(k => k.startsWith('prefixkv.conv.')).length") == 0
+    expect(page.locator("#conversations .conv")).to_have_text(["New chat"])
+    expect(page.locator("#send")).to_be_enabled()
+    assert page.evaluate("document.activeElement.id") == "input"
+
+
+def test_two_tabs_keep_each_others_conversations(server, browser):
+    context = browser.new_context()
+    a, b = context.new_page(), context.new_page()
+    for pg in (a, b):
+        pg.goto(server.url + "/")
+        settings(pg, max_tokens="6")
+    say(a, "Hello from tab A")
+    say(b, "Hello from tab B")
+    wait_answer(a, 1)
+    wait_answer(b, 1)
+    for pg in (a, b):  # each tab lists both (the other's arrived by the storage event)
+        expect(pg.locator("#conversations .conv", has_text="tab A")).to_have_count(1)
+        expect(pg.locator("#conversations .conv", has_text="tab B")).to_have_count(1)
+    a.reload()
+    expect(a.locator("#conversations .conv", has_text="tab B")).to_have_count(1)
     context.close()

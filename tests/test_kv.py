@@ -369,3 +369,19 @@ def test_radix_summary_is_bounded_however_wide_the_tree():
     assert [c["num_blocks"] for c in shown] == [7] * 8
     assert [c["age"] for c in shown] == [999 - i for i in (993, 986, 979, 972, 965, 958, 951, 944)]
     assert len(radix.summary(max_nodes=3)["root"]["children"]) == 3
+
+
+def test_radix_summary_work_is_bounded_however_wide_the_tree():
+    """A root with 5000 children: the summary ranks the SUMMARY_CANDIDATES most recently created,
+    so its work does not grow with the tree (counted in visited nodes, not timed)."""
+    from prefixkv.kv.radix import SUMMARY_CANDIDATES
+
+    pool = BlockPool(6000)
+    radix = RadixIndex(pool, 1)
+    for i in range(5000):
+        radix.insert([i], [pool.allocate()])
+    before = radix.num_visits
+    s = radix.summary(max_nodes=64)
+    assert radix.num_visits - before == SUMMARY_CANDIDATES  # the root's candidates; its children are leaves
+    assert s["root"]["num_children"] == 5000 and s["num_shown_nodes"] == 8
+    assert [c["age"] for c in s["root"]["children"]] == list(range(8))  # the newest runs, all one block

@@ -5,6 +5,7 @@ server on a loopback port."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -159,3 +160,31 @@ def test_cli_flag_reaches_the_server_config():
     args = build_parser().parse_args(["serve", "--cache-view-text"])
     assert server_config_from_args(args).cache_view_text is True
     assert server_config_from_args(build_parser().parse_args(["serve"])).cache_view_text is False
+
+
+def test_concurrent_polls_share_one_summary_and_a_dead_engine_answers_503(tiny_llama):
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = AsyncEngine(_engine(tiny_llama))
+    calls = []
+    run = engine.run
+
+    async def counting_run(fn):
+        calls.append(fn)
+        await asyncio.sleep(0.05)  # the engine thread is busy with a step meanwhile
+        return await run(fn)
+
+    engine.run = counting_run
+    with BackgroundServer(engine, ServerConfig("tiny")) as srv:
+        with ThreadPoolExecutor(6) as pool:
+            bodies = list(pool.map(lambda _: summary(srv, key=None), range(6)))
+        assert len(calls) == 1 and all(b["tree"] == bodies[0]["tree"] for b in bodies)
+        time.sleep(0.25)  # older than SUMMARY_MAX_AGE_S: the next poll asks the engine again
+        summary(srv, key=None)
+        assert len(calls) == 2
+        asyncio.run_coroutine_threadsafe(engine.shutdown(), srv._loop).result(30)
+        time.sleep(0.25)
+        status, _, body = get(srv.url + "/v1/cache/summary")
+        err = json.loads(body)["error"]
+        assert status == 503 and err["type"] == "server_error", body

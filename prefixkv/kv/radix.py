@@ -33,6 +33,9 @@ def block_hash(prev_hash: int, tokens: Sequence[int]) -> int:
     return hash((prev_hash, *tokens))
 
 
+SUMMARY_CANDIDATES = 128  # children of a shown node that RadixIndex.summary ranks
+
+
 class RadixNode:
     __slots__ = ("tokens", "block_ids", "hashes", "children", "parent", "last_access", "key")
 
@@ -270,15 +273,17 @@ class RadixIndex:
 
     def summary(self, max_nodes: int = 64, max_children: int = 8, max_depth: int = 6,
                 max_tokens: int = 0) -> dict:
-        """The top of the tree as plain data, for a live view: bounded by ``max_nodes`` however large
-        the tree is (the walk visits only the nodes it returns and ranks each shown node's children).
+        """The top of the tree as plain data, for a live view, bounded in size and in work however
+        large the tree is: it visits at most ``SUMMARY_CANDIDATES`` children of each node it shows
+        (the most recently created ones: a root with 10^5 distinct first blocks costs no more than
+        one with 100), so at most ``(max_nodes + 1) * SUMMARY_CANDIDATES`` nodes.
 
         Each node: ``num_tokens``/``num_blocks`` of its own run, ``num_requests`` holding its first
         block (``ref_cnt`` less the tree's own reference), ``age`` (index operations since it was
-        last matched or inserted; 0 = just now), ``num_children`` and ``children`` (the largest,
-        most recent first, at most ``max_children``, not below ``max_depth``), and ``token_ids``
-        (its first ``max_tokens`` tokens) only when ``max_tokens`` > 0. Breadth first, so the top
-        levels are kept when ``max_nodes`` cuts."""
+        last matched or inserted; 0 = just now), ``num_children`` (exact) and ``children`` (of
+        those visited, the longest runs, the most recent among equals; at most ``max_children``,
+        none below ``max_depth``), and ``token_ids`` (its first ``max_tokens`` tokens) only when
+        ``max_tokens`` > 0. Breadth first, so the top levels are kept when ``max_nodes`` cuts."""
         bs = self.block_size
         now = self.clock
         root = {"num_children": len(self.root.children), "children": []}
@@ -290,7 +295,9 @@ class RadixIndex:
             room = min(max_children, max_nodes - shown)
             if room <= 0:
                 break
-            ranked = heapq.nlargest(room, node.children.values(), key=lambda c: (len(c.block_ids), c.last_access))
+            candidates = itertools.islice(reversed(node.children.values()), SUMMARY_CANDIDATES)
+            ranked = heapq.nlargest(room, candidates, key=lambda c: (len(c.block_ids), c.last_access))
+            self.num_visits += min(len(node.children), SUMMARY_CANDIDATES)
             for child in ranked:
                 entry = {"num_tokens": len(child.block_ids) * bs, "num_blocks": len(child.block_ids),
                          "num_requests": self.pool.ref_cnt[child.block_ids[0]] - 1,

@@ -14,6 +14,7 @@ Policy allows no inline script at all.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from prefixkv.async_engine import AsyncEngine
+from prefixkv.errors import EngineDeadError
 from prefixkv.server.protocol import ProtocolError
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -73,11 +75,30 @@ def summary_payload(engine_summary: dict[str, Any], model_name: str, text_shown:
     }
 
 
+SUMMARY_MAX_AGE_S = 0.2  # one summary serves every poll within this long (several open /cache tabs)
+
+
 class WebUI:
     def __init__(self, engine: AsyncEngine, model_name: str, show_text: bool) -> None:
         self.engine = engine
         self.model_name = model_name
         self.show_text = show_text
+        self._recent: dict[int, tuple[float, asyncio.Future]] = {}  # max_nodes -> (when, its summary)
+
+    async def _summary(self, max_nodes: int) -> dict[str, Any]:
+        """The engine's summary, computed on the engine thread between steps, shared by the polls
+        that arrive within ``SUMMARY_MAX_AGE_S`` of each other (and by those waiting for it)."""
+        now = time.monotonic()
+        hit = self._recent.get(max_nodes)
+        if hit is None or now - hit[0] > SUMMARY_MAX_AGE_S or (hit[1].done() and hit[1].exception()):
+            text_tokens = TEXT_TOKENS if self.show_text else 0
+            future = asyncio.ensure_future(self.engine.run(lambda e: e.cache_summary(max_nodes, text_tokens)))
+            self._recent = {k: v for k, v in self._recent.items() if now - v[0] <= SUMMARY_MAX_AGE_S}
+            self._recent[max_nodes] = hit = (now, future)
+        try:
+            return await asyncio.shield(hit[1])
+        except EngineDeadError as e:
+            raise web.HTTPServiceUnavailable(reason="the engine is not running") from e
 
     async def cache_summary(self, request: web.Request) -> web.Response:
         raw = request.query.get("max_nodes", "64")
@@ -88,8 +109,7 @@ class WebUI:
         if not 1 <= max_nodes <= MAX_SUMMARY_NODES:
             raise ProtocolError(f"max_nodes: must be an integer from 1 to {MAX_SUMMARY_NODES}, got {raw!r}",
                                 param="max_nodes")
-        text_tokens = TEXT_TOKENS if self.show_text else 0
-        summary = await self.engine.run(lambda e: e.cache_summary(max_nodes, text_tokens))
+        summary = await self._summary(max_nodes)
         return web.json_response(summary_payload(summary, self.model_name, self.show_text),
                                  headers={"Cache-Control": "no-store"})
 

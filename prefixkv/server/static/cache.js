@@ -143,28 +143,38 @@ function draw(s) {
   drawTree(s);
 }
 
+// the live region changes only when the state does (a screen reader announces each change)
+function status(text) {
+  if ($("status").textContent !== text) $("status").textContent = text;
+}
+
 async function poll() {
   try {
     const resp = await api("/v1/cache/summary?max_nodes=64", {}, !promptedForKey);
-    if (resp.status === 401) promptedForKey = true;
+    if (resp.status === 401) promptedForKey = true; // asked once; the "API key…" button asks again
     if (!resp.ok) {
-      $("status").textContent = "The server answered: " + (await errorMessage(resp));
+      status("The server answered: " + (await errorMessage(resp)));
     } else {
+      promptedForKey = false;
       const s = await resp.json();
       const d = s.tiers.device;
       samples.push({ t: s.time, queried: s.prefix_cache.queried_tokens, hit: s.prefix_cache.hit_tokens,
                      inUse: d.in_use, total: d.total });
       while (samples.length && s.time - samples[0].t > HISTORY_S) samples.shift();
-      $("status").textContent = "Live · updated " + new Date(s.time * 1000).toLocaleTimeString();
+      status("Live");
+      $("updated").textContent = "· updated " + new Date(s.time * 1000).toLocaleTimeString();
       draw(s);
     }
   } catch (e) {
-    $("status").textContent = "Cannot reach the server: " + (e.message || e);
+    status("Cannot reach the server: " + (e.message || e));
   }
   setTimeout(poll, document.hidden ? 4 * POLL_MS : POLL_MS);
 }
 
 document.addEventListener("DOMContentLoaded", () => {
   setupKeyDialog();
+  $("set-key").addEventListener("click", async () => {
+    if (await askForKey("Enter the server's API key (kept in this browser only).")) promptedForKey = false;
+  });
   poll();
 });

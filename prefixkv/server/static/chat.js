@@ -1,15 +1,17 @@
-// The chat page: conversations kept in localStorage, answers streamed from /v1/chat/completions (SSE),
-// a stop button that aborts the request (the server aborts it when the connection closes), and
-// per-answer figures from the stream's usage chunk. Model text is rendered as markdown with raw HTML
-// escaped, then sanitised by DOMPurify; user text is only ever set as textContent.
+// The chat page: conversations kept in localStorage (one key each, so tabs never overwrite each
+// other's chats), answers streamed from /v1/chat/completions (SSE), a stop button that aborts the
+// request (the server aborts it when the connection closes), and per-answer figures from the
+// stream's usage chunk. Model text is rendered as markdown with raw HTML escaped, then sanitised by
+// DOMPurify; user text is only ever set as textContent.
 "use strict";
 
-const STORE = "prefixkv.conversations";
+const CONV_PREFIX = "prefixkv.conv.";
 const CURRENT = "prefixkv.current";
 const SETTINGS = "prefixkv.settings";
+const SAVE_EVERY_MS = 1000; // a streaming answer is saved this often (a reload keeps what came)
 
 const $ = (id) => document.getElementById(id);
-let conversations = [];
+let conversations = []; // newest first
 let currentId = null;
 let modelName = null;
 let active = null; // {controller, conv, answer} while a request streams
@@ -26,42 +28,90 @@ function newId() {
   return Date.now().toString(36) + Math.random().toString(36).slice(2, 8);
 }
 
-function load() {
-  try {
-    conversations = JSON.parse(localStorage.getItem(STORE) || "[]");
-  } catch (e) {
-    conversations = [];
+function status(text) {
+  $("status").textContent = text;
+}
+
+// ---------------------------------------------------------------- storage
+function validConversation(c) {
+  return c && typeof c.id === "string" && Array.isArray(c.messages)
+    && c.messages.every((m) => m && typeof m.role === "string" && typeof m.content === "string");
+}
+
+function readConversations() {
+  const out = [];
+  for (let i = 0; i < localStorage.length; i++) {
+    const key = localStorage.key(i);
+    if (!key.startsWith(CONV_PREFIX)) continue;
+    try {
+      const c = JSON.parse(localStorage.getItem(key));
+      if (validConversation(c)) out.push(c);
+    } catch (e) { /* a corrupt entry is skipped */ }
   }
-  if (!Array.isArray(conversations)) conversations = [];
-  for (const conv of conversations) {
-    for (const m of conv.messages) {
-      if (m.streaming) { // the page was closed while it streamed
+  for (const c of out) {
+    for (const m of c.messages) {
+      if (m.streaming && !(active && active.answer.id === m.id)) { // its page closed while it streamed
         delete m.streaming;
         m.stopped = true;
       }
     }
   }
+  return out.sort((a, b) => (b.updated || 0) - (a.updated || 0));
+}
+
+function saveConversation(conv) {
+  conv.saved = true; // from now on, a storage event without it means another tab deleted it
+  try {
+    localStorage.setItem(CONV_PREFIX + conv.id, JSON.stringify(conv));
+    localStorage.setItem(CURRENT, currentId);
+  } catch (e) {
+    status("Could not save the conversation in this browser: " + (e.message || e));
+  }
+}
+
+function load() {
+  conversations = readConversations();
   currentId = localStorage.getItem(CURRENT);
   if (!conversations.some((c) => c.id === currentId)) {
     if (!conversations.length) conversations.push(makeConversation());
     currentId = conversations[0].id;
   }
-  const s = JSON.parse(localStorage.getItem(SETTINGS) || "{}");
+  let s = {};
+  try {
+    s = JSON.parse(localStorage.getItem(SETTINGS) || "{}") || {};
+  } catch (e) { /* defaults */ }
   for (const [id, key] of [["temperature", "temperature"], ["top-p", "top_p"], ["max-tokens", "max_tokens"], ["seed", "seed"]]) {
-    if (s[key] !== undefined && s[key] !== null) $(id).value = s[key];
+    if (typeof s[key] === "string") $(id).value = s[key];
   }
 }
 
-function save() {
-  localStorage.setItem(STORE, JSON.stringify(conversations));
-  localStorage.setItem(CURRENT, currentId);
+// another tab changed a conversation: take its version (but never under an answer streaming here)
+function onStorage(ev) {
+  if (ev.key !== null && !ev.key.startsWith(CONV_PREFIX)) return;
+  const fresh = readConversations();
+  // chats of this tab never saved yet (a new, empty one) are this tab's alone: kept
+  for (const c of conversations) {
+    if (!c.saved && !fresh.some((f) => f.id === c.id)) fresh.push(c);
+  }
+  if (active) {
+    const i = fresh.findIndex((c) => c.id === active.conv.id);
+    if (i >= 0) fresh[i] = active.conv;
+    else fresh.unshift(active.conv);
+  }
+  const before = JSON.stringify(current() || null);
+  conversations = fresh.length ? fresh : [makeConversation()];
+  if (!conversations.some((c) => c.id === currentId)) currentId = conversations[0].id;
+  renderConversations();
+  if (JSON.stringify(current()) !== before && !(active && active.conv.id === currentId)) renderMessages();
 }
 
 function saveSettings() {
-  localStorage.setItem(SETTINGS, JSON.stringify({
-    temperature: $("temperature").value, top_p: $("top-p").value,
-    max_tokens: $("max-tokens").value, seed: $("seed").value,
-  }));
+  try {
+    localStorage.setItem(SETTINGS, JSON.stringify({
+      temperature: $("temperature").value, top_p: $("top-p").value,
+      max_tokens: $("max-tokens").value, seed: $("seed").value,
+    }));
+  } catch (e) { /* settings are a convenience */ }
 }
 
 function makeConversation() {
@@ -89,7 +139,7 @@ function renderConversations() {
 }
 
 function statsText(st) {
-  const parts = [st.tokens + " tokens"];
+  const parts = [(st.approx ? "~" : "") + st.tokens + " tokens"];
   if (st.ttft !== null) parts.push("TTFT " + st.ttft.toFixed(2) + " s");
   if (st.tps !== null) parts.push(st.tps.toFixed(1) + " tok/s");
   if (st.cached !== null) parts.push(st.cached + " cached");
@@ -97,10 +147,9 @@ function statsText(st) {
 }
 
 function messageNode(msg) {
-  const node = el("div", { class: "msg " + msg.role, "data-id": msg.id });
+  const node = el("div", { class: "msg " + msg.role, "data-id": msg.id || "" });
   node.append(el("div", { class: "role" }, msg.role === "user" ? "You" : "Assistant"));
-  const body = el("div", { class: "content" });
-  node.append(body, el("div", { class: "stats" }));
+  node.append(el("div", { class: "content" }), el("div", { class: "stats" }));
   fillMessage(node, msg);
   return node;
 }
@@ -121,6 +170,7 @@ function fillMessage(node, msg) {
   stats.textContent = notes.join(" · ");
   node.classList.toggle("error", !!msg.error);
   node.classList.toggle("streaming", !!msg.streaming);
+  node.setAttribute("aria-busy", msg.streaming ? "true" : "false"); // announced once, when complete
 }
 
 function renderMessages() {
@@ -141,15 +191,19 @@ function refreshMessage(msg) {
 }
 
 function setBusy(busy) {
+  const stopHadFocus = document.activeElement === $("stop");
   $("send").disabled = busy;
   $("stop").disabled = !busy;
-  $("status").textContent = busy ? "Generating…" : "";
+  status(busy ? "Generating…" : "");
+  if (!busy && stopHadFocus) $("input").focus(); // a disabled button keeps no focus
 }
 
 // ---------------------------------------------------------------- conversations
 function switchTo(id) {
   currentId = id;
-  save();
+  try {
+    localStorage.setItem(CURRENT, currentId);
+  } catch (e) { /* not fatal */ }
   renderConversations();
   renderMessages();
   closeSidebar();
@@ -159,11 +213,12 @@ function switchTo(id) {
 function remove(id) {
   if (active && active.conv.id === id) stop();
   conversations = conversations.filter((c) => c.id !== id);
+  localStorage.removeItem(CONV_PREFIX + id);
   if (!conversations.length) conversations.push(makeConversation());
   if (currentId === id) currentId = conversations[0].id;
-  save();
   renderConversations();
   renderMessages();
+  $("input").focus(); // the focused button is gone
 }
 
 function newChat() {
@@ -185,7 +240,11 @@ function requestBody(conv) {
   if (conv.system && conv.system.trim()) messages.push({ role: "system", content: conv.system });
   for (const m of conv.messages) {
     if (m.streaming) continue;
-    if (m.role === "assistant" && (m.error || !m.content)) continue;
+    if (m.role === "assistant" && (m.error || !m.content)) {
+      // a turn that produced nothing is left out whole: roles keep alternating
+      if (messages.length && messages[messages.length - 1].role === "user") messages.pop();
+      continue;
+    }
     messages.push({ role: m.role, content: m.content });
   }
   const body = { model: modelName, messages, stream: true, stream_options: { include_usage: true } };
@@ -209,14 +268,15 @@ async function send() {
   const answer = { id: newId(), role: "assistant", content: "", streaming: true };
   conv.messages.push(answer);
   conv.updated = Date.now();
+  conversations = [conv, ...conversations.filter((c) => c !== conv)];
   $("input").value = "";
-  save();
+  active = { controller: new AbortController(), conv, answer };
+  saveConversation(conv);
   renderConversations();
   renderMessages();
-  active = { controller: new AbortController(), conv, answer };
   setBusy(true);
   try {
-    await streamAnswer(body, answer, active.controller.signal);
+    await streamAnswer(body, conv, answer, active.controller.signal);
   } catch (e) {
     if (e.name === "AbortError") answer.stopped = true;
     else answer.error = String(e.message || e);
@@ -225,18 +285,19 @@ async function send() {
     active = null;
     setBusy(false);
     refreshMessage(answer);
-    save();
+    if (conversations.includes(conv)) saveConversation(conv); // not if it was deleted meanwhile
   }
 }
 
-async function streamAnswer(body, answer, signal) {
-  const t0 = performance.now();
+async function streamAnswer(body, conv, answer, signal) {
   let tFirst = null;
   let counted = 0;
   let usage = null;
+  let savedAt = performance.now();
   const resp = await api("/v1/chat/completions", {
     method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal,
   });
+  const t0 = resp.sentAt; // when the request that was answered left (after any key prompt)
   if (!resp.ok) {
     answer.error = await errorMessage(resp);
     return;
@@ -248,7 +309,14 @@ async function streamAnswer(body, answer, signal) {
   const redraw = () => {
     if (pending) return;
     pending = true;
-    requestAnimationFrame(() => { pending = false; refreshMessage(answer); });
+    requestAnimationFrame(() => {
+      pending = false;
+      refreshMessage(answer);
+      if (performance.now() - savedAt > SAVE_EVERY_MS && conversations.includes(conv)) {
+        savedAt = performance.now();
+        saveConversation(conv);
+      }
+    });
   };
   const finish = () => {
     const tEnd = performance.now();
@@ -256,6 +324,7 @@ async function streamAnswer(body, answer, signal) {
     const details = usage && usage.prompt_tokens_details;
     answer.stats = {
       tokens,
+      approx: !usage, // no usage chunk (stopped): content chunks counted, about one token each
       ttft: tFirst === null ? null : (tFirst - t0) / 1000,
       tps: tFirst !== null && tokens > 1 && tEnd > tFirst ? (tokens - 1) / ((tEnd - tFirst) / 1000) : null,
       cached: details ? details.cached_tokens : null,
@@ -311,7 +380,7 @@ function closeSidebar() {
 async function loadModel() {
   const resp = await api("/v1/models");
   if (!resp.ok) {
-    $("status").textContent = "Cannot list models: " + (await errorMessage(resp));
+    status("Cannot list models: " + (await errorMessage(resp)));
     return;
   }
   const body = await resp.json();
@@ -325,6 +394,7 @@ function main() {
   load();
   renderConversations();
   renderMessages();
+  window.addEventListener("storage", onStorage);
   $("composer").addEventListener("submit", (ev) => { ev.preventDefault(); send(); });
   $("input").addEventListener("keydown", (ev) => {
     if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) {
@@ -333,7 +403,11 @@ function main() {
     }
   });
   document.addEventListener("keydown", (ev) => {
-    if (ev.key === "Escape" && active) {
+    if (ev.key !== "Escape" || $("key-dialog").open) return;
+    if ($("sidebar").classList.contains("open")) {
+      closeSidebar();
+      $("toggle-sidebar").focus();
+    } else if (active) {
       ev.preventDefault();
       stop();
     }
@@ -341,11 +415,16 @@ function main() {
   $("stop").addEventListener("click", stop);
   $("new-chat").addEventListener("click", newChat);
   $("set-key").addEventListener("click", () => askForKey("Enter the server's API key (kept in this browser only)."));
-  $("system-prompt").addEventListener("input", () => { current().system = $("system-prompt").value; save(); });
+  $("system-prompt").addEventListener("input", () => {
+    const conv = current();
+    conv.system = $("system-prompt").value;
+    saveConversation(conv);
+  });
   for (const id of ["temperature", "top-p", "max-tokens", "seed"]) $(id).addEventListener("change", saveSettings);
   $("toggle-sidebar").addEventListener("click", () => {
     const open = $("sidebar").classList.toggle("open");
     $("toggle-sidebar").setAttribute("aria-expanded", String(open));
+    if (open) $("new-chat").focus();
   });
   loadModel();
   $("input").focus();

@@ -50,7 +50,9 @@ async function api(path, options = {}, prompt = true) {
     const headers = Object.assign({}, options.headers || {});
     const key = apiKey();
     if (key) headers["Authorization"] = "Bearer " + key;
+    const sentAt = performance.now();
     const resp = await fetch(path, Object.assign({}, options, { headers }));
+    resp.sentAt = sentAt; // when the request that got this answer left
     if (resp.status !== 401 || attempt > 0 || !prompt) return resp;
     const saved = await askForKey(key ? "The API key was refused; enter another." : "This server requires an API key.");
     if (!saved) return resp;
