@@ -52,8 +52,9 @@ class LLMEngine:
                                                 cpu_linear=config.cpu_linear, cpu_ops=config.fused_cpu_ops)
         shape = self.model.shape
         max_len = config.max_model_len or shape.max_position_embeddings
-        if shape.sliding_window:
-            max_len = min(max_len, shape.sliding_window)
+        if shape.has_windows and config.device != "cpu":
+            raise ValueError(f"model: {shape.model_type} has sliding-window layers, which the CUDA kernels do not "
+                             "implement yet; use device 'cpu'")
         bs = config.cache.block_size
         num_blocks = config.cache.num_kv_blocks or max(
             1, self._kv_cache_bytes() // ModelRunner.bytes_per_block(self.model, bs, dtype))
@@ -141,6 +142,8 @@ class LLMEngine:
         if not (cfg.fused_cpu_ops and self.model.model.norm.fused):
             return "needs fused_cpu_ops (the C RMSNorm, RoPE and SiLU kernels)"
         s = self.model.shape
+        if s.has_windows:
+            return "sliding-window layers take the torch attention path (one matmul per sequence)"
         return backend.batch_invariance_blocker(s.num_heads, cfg.cache.block_size, s.head_dim, DTYPES[self.dtype])
 
     def _kv_cache_bytes(self) -> int:

@@ -47,3 +47,13 @@ def tiny_mistral(tmp_path_factory, tokenizer_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory, tokenizer_dir) -> Path:
     return _model_dir(tmp_path_factory, tokenizer_dir, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory, tokenizer_dir) -> Path:
+    return _model_dir(tmp_path_factory, tokenizer_dir, "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_window(tmp_path_factory, tokenizer_dir) -> Path:
+    return _model_dir(tmp_path_factory, tokenizer_dir, "mistral-window")

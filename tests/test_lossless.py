@@ -72,7 +72,7 @@ def test_llama_matrix(tiny_llama, batch, chunk, block_size, prefix):
     assert [o.token_ids for o in outs] == refs
 
 
-@pytest.mark.parametrize("arch", ["tiny_mistral", "tiny_qwen2"])
+@pytest.mark.parametrize("arch", ["tiny_mistral", "tiny_qwen2", "tiny_qwen3", "tiny_mistral_window"])
 @pytest.mark.parametrize("chunk,block_size,prefix", [(7, 1, True), (32, 16, False), (512, 16, True)])
 def test_other_architectures(request, arch, chunk, block_size, prefix):
     model_dir = request.getfixturevalue(arch)
@@ -80,6 +80,31 @@ def test_other_architectures(request, arch, chunk, block_size, prefix):
     refs = hf_reference(model_dir, prompts)
     _, outs = run_engine(model_dir, prompts, chunk=chunk, block_size=block_size, prefix=prefix)
     assert [o.token_ids for o in outs] == refs
+
+
+@pytest.mark.parametrize("arch", ["tiny_qwen3", "tiny_mistral_window"])
+def test_sliding_windows_matter_and_survive_preemption(request, arch, tmp_path):
+    """Prompts of 20-100 tokens against windows of 8: the same tokens as transformers with forced
+    preemption and a warm prefix cache, and different tokens with the window taken away."""
+    import json
+    import shutil
+
+    model_dir = request.getfixturevalue(arch)
+    prompts = make_prompts(384, seed=1)
+    refs = hf_reference(model_dir, prompts, max_tokens=16)
+    llm, outs = run_engine(model_dir, prompts, chunk=48, block_size=4, num_kv_blocks=80, max_tokens=16)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == refs
+    again = llm.generate(prompts[:4], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in again] == refs[:4] and any(o.num_cached_tokens for o in again)
+    unwindowed = tmp_path / "no-window"
+    shutil.copytree(model_dir, unwindowed)
+    cfg = json.loads((unwindowed / "config.json").read_text())
+    cfg["sliding_window"] = None
+    cfg.pop("layer_types", None)
+    (unwindowed / "config.json").write_text(json.dumps(cfg))
+    _, plain = run_engine(unwindowed, prompts, max_tokens=16)
+    assert sum(o.token_ids != r for o, r in zip(plain, refs)) >= 3  # the window changes the outputs
 
 
 @pytest.mark.parametrize("block_size", [1, 16])

@@ -55,9 +55,16 @@ def build_model(path: Path, arch: str, vocab_size: int, seed: int = 0, **overrid
     elif arch == "mistral":
         cfg = transformers.MistralConfig(**common, tie_word_embeddings=True, head_dim=32, sliding_window=None)
         cls = transformers.MistralForCausalLM
+    elif arch == "mistral-window":  # every layer a sliding window of 8 tokens
+        cfg = transformers.MistralConfig(**common, tie_word_embeddings=False, head_dim=32, sliding_window=8)
+        cls = transformers.MistralForCausalLM
     elif arch == "qwen2":
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
         cls = transformers.Qwen2ForCausalLM
+    elif arch == "qwen3":  # layer 0 full attention, layer 1 a sliding window of 8 tokens
+        cfg = transformers.Qwen3Config(**common, tie_word_embeddings=False, head_dim=32, use_sliding_window=True,
+                                       sliding_window=8, max_window_layers=1)
+        cls = transformers.Qwen3ForCausalLM
     else:
         raise ValueError(arch)
     for k, v in overrides.items():

@@ -87,6 +87,10 @@ class AttentionBackend:
     token against its sequence's context read through ``block_tables``. It never writes any slot
     not named in ``slot_mapping`` (copy-on-write relies on that), and the output equals dense
     causal softmax attention in the input dtype, accumulated in at least fp32.
+
+    ``window`` (a sliding-window layer): a query at position p sees keys at p - window < j <= p
+    only. ``softcap``: scores become ``softcap * tanh(score / softcap)`` before the softmax. A
+    backend without them raises ``NotImplementedError`` (the engine refuses such models first).
     """
 
     name = "base"
@@ -99,6 +103,8 @@ class AttentionBackend:
         kv_cache_layer: torch.Tensor,  # [2, num_blocks + 1, num_kv_heads, block_size, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         raise NotImplementedError
 

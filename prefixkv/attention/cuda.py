@@ -476,7 +476,10 @@ class CudaAttentionBackend(AttentionBackend):
         # on CUDA yet; this is its attention half.
         self.batch_invariant = batch_invariant
 
-    def forward(self, q, k, v, kv_cache_layer, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, kv_cache_layer, meta: AttentionMetadata, scale: float,
+                window: int | None = None, softcap: float | None = None):
+        if window is not None or softcap is not None:
+            raise NotImplementedError("the CUDA kernels have no sliding window or soft-capping yet")
         write_kv(k, v, kv_cache_layer, meta.slot_mapping)
         _check_rows("q", q, None, kv_cache_layer)
         if q.shape[0] != k.shape[0]:

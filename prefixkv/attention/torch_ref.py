@@ -98,7 +98,8 @@ def decode_plan(block_tables: torch.Tensor, seq_lens: list[int], block_size: int
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, kv_cache_layer, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, kv_cache_layer, meta: AttentionMetadata, scale: float,
+                window: int | None = None, softcap: float | None = None):
         kvh, bs = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
         nd = meta.num_decode_seqs
         scratch = meta.scratch
@@ -106,11 +107,47 @@ class TorchAttentionBackend(AttentionBackend):
             scratch["rows"] = kv_rows(meta.slot_mapping, kvh, bs)
         write_kv(kv_cache_layer, k, v, meta.slot_mapping, scratch["rows"])
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
+        if window is not None or softcap is not None:  # every row, decode or prefill, one way
+            self._masked_rows(q, kv_cache_layer, meta, scale, window, softcap, out)
+            return out
         if nd:
             self._decode_rows(q[:nd], kv_cache_layer, meta, scale, out[:nd])
         if meta.num_seqs > nd:
             self._prefill_rows(q, kv_cache_layer, meta, scale, out)
         return out
+
+    def _masked_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, window: int | None,
+                     softcap: float | None, out) -> None:
+        """Every sequence's query tokens with a sliding window and/or soft-capped scores: per
+        sequence, scores over the keys its window can reach (only those blocks are read), the
+        mask, the cap, a softmax in the accumulation dtype."""
+        starts = meta.query_start_loc_cpu
+        bs = kv_cache_layer.shape[3]
+        kvh = kv_cache_layer.shape[2]
+        acc = _acc_dtype(q.dtype)
+        for s in range(meta.num_seqs):
+            a, b = starts[s], starts[s + 1]
+            seq_len = meta.seq_lens_cpu[s]
+            first = seq_len - (b - a)  # position of the first query token
+            lo = 0 if window is None else max(0, first - window + 1)  # the first key any query sees
+            b0 = lo // bs
+            blocks = meta.block_tables[s][b0:-(-seq_len // bs)]
+            kk = gather_blocks(kv_cache_layer[0], blocks)[:, lo - b0 * bs:seq_len - b0 * bs]  # [KVH, L, D]
+            vv = gather_blocks(kv_cache_layer[1], blocks)[:, lo - b0 * bs:seq_len - b0 * bs]
+            nq, h, d = b - a, q.shape[1], q.shape[2]
+            qg = q[a:b].view(nq, kvh, h // kvh, d).permute(1, 0, 2, 3).reshape(kvh, -1, d)  # [KVH, Q*G, D]
+            scores = torch.matmul(qg, kk.transpose(-1, -2)).to(acc) * scale  # [KVH, Q*G, L]
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            qpos = torch.arange(first, seq_len, device=q.device).repeat_interleave(h // kvh)  # [Q*G]
+            kpos = torch.arange(lo, seq_len, device=q.device)
+            allowed = kpos[None, :] <= qpos[:, None]
+            if window is not None:
+                allowed &= kpos[None, :] > qpos[:, None] - window
+            scores.masked_fill_(~allowed, float("-inf"))
+            p = torch.softmax(scores, dim=-1).to(q.dtype)
+            o = torch.matmul(p, vv)  # [KVH, Q*G, D]
+            out[a:b] = o.view(kvh, nq, h // kvh, d).permute(1, 0, 2, 3).reshape(nq, h, d)
 
     def _prefill_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out) -> None:
         """The prefill sequences' query tokens (rows from ``query_start_loc[num_decode_seqs]`` on)."""

@@ -1,5 +1,7 @@
-"""Llama-family forward pass over a paged KV cache: Llama (incl. Llama-3 RoPE scaling), Mistral,
-Qwen2 (qkv bias). GQA, tied or untied embeddings, any head_dim, RMSNorm, SwiGLU.
+"""The decoder forward pass over a paged KV cache, for the Llama family and its relatives: Llama
+(incl. Llama-3 RoPE scaling), Mistral (sliding window), Qwen2 (qkv bias, windowed layers), Qwen3
+(q/k RMSNorm per head). GQA, tied or untied embeddings, any head_dim, RMSNorm, SwiGLU; a layer's
+sliding window (``ModelShape.layer_windows``) goes to the attention backend with its query.
 
 The arithmetic mirrors Hugging Face transformers' modeling code op for op (RMSNorm in fp32, RoPE
 cos/sin in fp32 then cast), so that outputs are the model's own, not an approximation of them.
@@ -18,7 +20,7 @@ from prefixkv import cpu_ops
 from prefixkv.attention.base import AttentionBackend, AttentionMetadata
 from prefixkv.model.linear import FusedLinear, Linear
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,15 @@ class ModelShape:
     tie_word_embeddings: bool
     attention_bias: bool
     max_position_embeddings: int
-    sliding_window: int | None
+    sliding_window: int | None  # the window of the windowed layers (None: no layer has one)
+    # per layer: its sliding window (a query at position p sees keys p - W < j <= p) or None
+    layer_windows: tuple[int | None, ...] = ()
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+    o_proj_bias: bool = False
+
+    @property
+    def has_windows(self) -> bool:
+        return any(w is not None for w in self.layer_windows)
 
     @classmethod
     def from_hf_config(cls, cfg) -> "ModelShape":
@@ -48,8 +58,16 @@ class ModelShape:
         if act != "silu":
             raise ValueError(f"model: hidden_act {act!r} is not supported (only silu)")
         window = getattr(cfg, "sliding_window", None)
-        if model_type == "qwen2" and not getattr(cfg, "use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
             window = None
+        types = getattr(cfg, "layer_types", None)
+        if window is None:
+            windows = (None,) * cfg.num_hidden_layers
+        elif types is None:  # Mistral: every layer
+            windows = (window,) * cfg.num_hidden_layers
+        else:
+            windows = tuple(window if t == "sliding_attention" else None for t in types)
+        bias = bool(getattr(cfg, "attention_bias", False))
         return cls(
             model_type=model_type,
             vocab_size=cfg.vocab_size,
@@ -61,9 +79,12 @@ class ModelShape:
             head_dim=head_dim,
             rms_norm_eps=cfg.rms_norm_eps,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+            attention_bias=model_type == "qwen2" or bias,
             max_position_embeddings=cfg.max_position_embeddings,
-            sliding_window=window,
+            sliding_window=window if any(w is not None for w in windows) else None,
+            layer_windows=windows,
+            qk_norm=model_type == "qwen3",
+            o_proj_bias=bias and model_type != "qwen2",  # Qwen2's o_proj never has one
         )
 
 
@@ -126,14 +147,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, s: ModelShape) -> None:
+    def __init__(self, s: ModelShape, layer: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
         # the checkpoint's q/k/v_proj, fused into qkv_proj by LlamaModel.fuse_projections()
         self.q_proj = Linear(s.hidden_size, s.num_heads * s.head_dim, bias=s.attention_bias)
         self.k_proj = Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attention_bias)
         self.v_proj = Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attention_bias)
-        self.o_proj = Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
+        self.o_proj = Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.o_proj_bias)
+        if s.qk_norm:
+            self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
+            self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
+        self.qk_norm = s.qk_norm
+        self.window = s.layer_windows[layer] if s.layer_windows else None
         self.scale = s.head_dim ** -0.5
         self.fused_rope = False  # the C kernel, in place (LlamaModel.use_cpu_ops)
 
@@ -147,6 +173,8 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        if self.qk_norm:  # per head, before RoPE (Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.fused_rope:  # bit-identical to the three torch ops below
             cpu_ops.rope_(q, cos, sin)
             cpu_ops.rope_(k, cos, sin)
@@ -154,7 +182,10 @@ class Attention(nn.Module):
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-        out = backend.forward(q, k, v, kv_cache_layer, meta, self.scale)  # [T, H, D]
+        if self.window is None:
+            out = backend.forward(q, k, v, kv_cache_layer, meta, self.scale)  # [T, H, D]
+        else:
+            out = backend.forward(q, k, v, kv_cache_layer, meta, self.scale, window=self.window)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -179,9 +210,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, s: ModelShape) -> None:
+    def __init__(self, s: ModelShape, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(s)
+        self.self_attn = Attention(s, layer)
         self.mlp = MLP(s)
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
@@ -204,7 +235,7 @@ class LlamaModel(nn.Module):
         self.shape = shape
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(shape, i) for i in range(shape.num_layers))
         self.model.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         if not shape.tie_word_embeddings:
             self.lm_head = Linear(shape.hidden_size, shape.vocab_size, bias=False)
