@@ -52,9 +52,9 @@ class LLMEngine:
                                                 cpu_linear=config.cpu_linear, cpu_ops=config.fused_cpu_ops)
         shape = self.model.shape
         max_len = config.max_model_len or shape.max_position_embeddings
-        if shape.has_windows and config.device != "cpu":
-            raise ValueError(f"model: {shape.model_type} has sliding-window layers, which the CUDA kernels do not "
-                             "implement yet; use device 'cpu'")
+        if shape.masked_attention and config.device != "cpu":
+            raise ValueError(f"model: {shape.model_type}'s sliding-window or soft-capped attention is not in the "
+                             "CUDA kernels yet; use device 'cpu'")
         bs = config.cache.block_size
         num_blocks = config.cache.num_kv_blocks or max(
             1, self._kv_cache_bytes() // ModelRunner.bytes_per_block(self.model, bs, dtype))
@@ -142,8 +142,8 @@ class LLMEngine:
         if not (cfg.fused_cpu_ops and self.model.model.norm.fused):
             return "needs fused_cpu_ops (the C RMSNorm, RoPE and SiLU kernels)"
         s = self.model.shape
-        if s.has_windows:
-            return "sliding-window layers take the torch attention path (one matmul per sequence)"
+        if s.masked_attention:
+            return "sliding-window or soft-capped layers take the torch attention path (one matmul per sequence)"
         return backend.batch_invariance_blocker(s.num_heads, cfg.cache.block_size, s.head_dim, DTYPES[self.dtype])
 
     def _kv_cache_bytes(self) -> int:

@@ -57,3 +57,13 @@ def tiny_qwen3(tmp_path_factory, tokenizer_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mistral_window(tmp_path_factory, tokenizer_dir) -> Path:
     return _model_dir(tmp_path_factory, tokenizer_dir, "mistral-window")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2(tmp_path_factory, tokenizer_dir) -> Path:
+    return _model_dir(tmp_path_factory, tokenizer_dir, "gemma2")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory, tokenizer_dir) -> Path:
+    return _model_dir(tmp_path_factory, tokenizer_dir, "gemma3")

@@ -6,9 +6,11 @@ from __future__ import annotations
 import torch
 
 
-def reference_attention(q, kv_cache_layer, block_tables, seq_lens, query_start_loc, scale, first_seq=0):
+def reference_attention(q, kv_cache_layer, block_tables, seq_lens, query_start_loc, scale, first_seq=0,
+                        window=None, softcap=None):
     """float64 causal attention of every query token, K/V gathered token by token via the block table.
-    Rows of sequences before ``first_seq`` (and of sequences with no context) stay zero."""
+    Rows of sequences before ``first_seq`` (and of sequences with no context) stay zero. ``window``:
+    a query at p sees keys p - window < j <= p; ``softcap``: scores -> softcap * tanh(scores / softcap)."""
     q = q.detach().cpu().double()
     cache = kv_cache_layer.detach().cpu()
     num_heads, (num_kv_heads, block_size) = q.shape[1], cache.shape[2:4]
@@ -21,15 +23,22 @@ def reference_attention(q, kv_cache_layer, block_tables, seq_lens, query_start_l
         q0, q1 = starts[s], starts[s + 1]
         ctx = seq_len - (q1 - q0)
         keys, values = [], []
-        for pos in range(seq_len):
+        lo = 0 if window is None else max(0, ctx - window + 1)  # keys before lo: outside every window
+        for pos in range(lo, seq_len):
             block, offset = tables[s][pos // block_size], pos % block_size
             keys.append(cache[0, block, :, offset])
             values.append(cache[1, block, :, offset])
-        k = torch.stack(keys).double().repeat_interleave(num_heads // num_kv_heads, dim=1)  # [seq_len, H, D]
+        k = torch.stack(keys).double().repeat_interleave(num_heads // num_kv_heads, dim=1)  # [L, H, D]
         v = torch.stack(values).double().repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("nhd,lhd->hnl", q[q0:q1], k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         query_pos = ctx + torch.arange(q1 - q0)[:, None]
-        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
+        key_pos = torch.arange(lo, seq_len)[None, :]
+        hidden = key_pos > query_pos
+        if window is not None:
+            hidden |= key_pos <= query_pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[q0:q1] = torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), v)
     return out
 

@@ -83,3 +83,48 @@ def test_decode_plan_groups_by_exact_leading_blocks():
     # block 5 in common leaves fewer than 2 shared blocks, so nobody takes the shared pass
     tables = torch.tensor([[5, 6, 7, 1], [5, 6, 8, 2], [5, 9, 3, 0]])
     assert decode_plan(tables, [16, 15, 12], 4).prefix_groups == []
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("window,softcap", [(5, None), (1, None), (6, 2.0), (None, 1.5), (64, None)])
+def test_sliding_window_and_softcap(backend, window, softcap):
+    """Decodes and prefill chunks with a window and/or capped scores against the token-by-token
+    reference; the blocks wholly outside every query's window hold NaN, so reading one would show."""
+    from prefixkv.attention.cpu import CpuAttentionBackend
+
+    g = torch.Generator().manual_seed(1)
+    seq_lens, query_lens = [13, 30, 21, 17, 40], [1, 1, 7, 17, 3]
+    num_blocks = 120
+    cache = torch.randn((2, num_blocks + 1, KVH, BS, D), generator=g, dtype=torch.float64)
+    free = iter(torch.randperm(num_blocks, generator=g).tolist())
+    tables = [[next(free) for _ in range(-(-n // BS))] for n in seq_lens]
+    for n, ql, t in zip(seq_lens, query_lens, tables):
+        lo = 0 if window is None else max(0, n - ql - window + 1)
+        for b in t[:lo // BS]:
+            cache[:, b] = float("nan")
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    starts = [0]
+    for ql in query_lens:
+        starts.append(starts[-1] + ql)
+    slots = [tables[s][pos // BS] * BS + pos % BS
+             for s, (n, ql) in enumerate(zip(seq_lens, query_lens)) for pos in range(n - ql, n)]
+    q = torch.randn((starts[-1], KVH * G, D), generator=g, dtype=torch.float64) * 3
+    k = torch.randn((starts[-1], KVH, D), generator=g, dtype=torch.float64)
+    v = torch.randn((starts[-1], KVH, D), generator=g, dtype=torch.float64)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables, num_decode_seqs=2,
+        max_seq_len=max(seq_lens), max_query_len=max(query_lens), seq_lens_cpu=list(seq_lens),
+        query_start_loc_cpu=starts)
+    impl = TorchAttentionBackend() if backend == "torch" else CpuAttentionBackend()
+    out = impl.forward(q, k, v, cache, meta, D ** -0.5, window=window, softcap=softcap)
+    want = reference_attention(q, cache, block_tables, meta.seq_lens, meta.query_start_loc, D ** -0.5,
+                               window=window, softcap=softcap)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    plain = reference_attention(q, cache.nan_to_num(), block_tables, meta.seq_lens, meta.query_start_loc, D ** -0.5)
+    if window == 64:  # wider than every context: plain causal attention
+        torch.testing.assert_close(out, plain, rtol=0, atol=1e-12)
+    else:
+        assert not torch.allclose(out, plain)  # the window / cap is real

@@ -65,6 +65,18 @@ def build_model(path: Path, arch: str, vocab_size: int, seed: int = 0, **overrid
         cfg = transformers.Qwen3Config(**common, tie_word_embeddings=False, head_dim=32, use_sliding_window=True,
                                        sliding_window=8, max_window_layers=1)
         cls = transformers.Qwen3ForCausalLM
+    elif arch in ("gemma2", "gemma3"):  # layers 0 and 2 a sliding window of 4 tokens, layer 1 full attention
+        gemma = dict(common, head_dim=32, sliding_window=4, query_pre_attn_scalar=32, tie_word_embeddings=True)
+        gemma["num_hidden_layers"] = 3
+        if arch == "gemma2":  # soft-capped attention scores (50) and logits (30), the defaults
+            cfg = transformers.Gemma2Config(**gemma)
+            cls = transformers.Gemma2ForCausalLM
+        else:
+            # RoPE per layer type, as Gemma 3 ships: local base 1e4, global base 1e6 scaled linearly by 8
+            cfg = transformers.Gemma3TextConfig(**gemma, sliding_window_pattern=2, rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+            cls = transformers.Gemma3ForCausalLM
     else:
         raise ValueError(arch)
     for k, v in overrides.items():
@@ -72,8 +84,10 @@ def build_model(path: Path, arch: str, vocab_size: int, seed: int = 0, **overrid
     torch.manual_seed(seed)
     model = cls(cfg)
     with torch.no_grad():  # larger weights than the 0.02 init: peaked, diverse next-token choices
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.25)
+            elif arch.startswith("gemma") and name.endswith("norm.weight"):  # (1 + w): zeros would hide w
+                p.normal_(0.0, 0.3)
     model.save_pretrained(str(path), safe_serialization=True)
     return path

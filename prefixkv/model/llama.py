@@ -20,7 +20,8 @@ from prefixkv import cpu_ops
 from prefixkv.attention.base import AttentionBackend, AttentionMetadata
 from prefixkv.model.linear import FusedLinear, Linear
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+GEMMA = ("gemma2", "gemma3_text")
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,25 @@ class ModelShape:
     sliding_window: int | None  # the window of the windowed layers (None: no layer has one)
     # per layer: its sliding window (a query at position p sees keys p - W < j <= p) or None
     layer_windows: tuple[int | None, ...] = ()
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over head_dim on q and k, before RoPE
     o_proj_bias: bool = False
+    # Gemma 2 / 3: (1 + weight) RMSNorms, four per layer (post-attention and post-MLP ones on the
+    # branch outputs), embeddings scaled by sqrt(hidden), GeGLU, their own attention scale
+    gemma: bool = False
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh"
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
+    layer_rope: tuple[str, ...] = ()  # per layer: which RoPE table ("default", or a layer type)
 
     @property
     def has_windows(self) -> bool:
         return any(w is not None for w in self.layer_windows)
+
+    @property
+    def masked_attention(self) -> bool:
+        """Some layer's attention has a sliding window or capped scores (the torch path's)."""
+        return self.has_windows or self.attn_softcap is not None
 
     @classmethod
     def from_hf_config(cls, cfg) -> "ModelShape":
@@ -54,9 +68,13 @@ class ModelShape:
             raise ValueError(f"model: architecture {model_type!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"model: hidden_act {act!r} is not supported (only silu)")
+        gemma = model_type in GEMMA
+        act = (getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)) if gemma else \
+            getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"model: hidden_act {act!r} is not supported (silu, gelu_pytorch_tanh)")
+        if gemma and getattr(cfg, "use_bidirectional_attention", None):
+            raise ValueError("model: use_bidirectional_attention (non-causal Gemma) is not supported")
         window = getattr(cfg, "sliding_window", None)
         if model_type in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
             window = None
@@ -68,6 +86,9 @@ class ModelShape:
         else:
             windows = tuple(window if t == "sliding_attention" else None for t in types)
         bias = bool(getattr(cfg, "attention_bias", False))
+        params = getattr(cfg, "rope_parameters", None) or {}
+        per_type = types is not None and all(t in params for t in set(types))  # Gemma 3: a table per type
+        rope = tuple(types) if per_type else ("default",) * cfg.num_hidden_layers
         return cls(
             model_type=model_type,
             vocab_size=cfg.vocab_size,
@@ -83,14 +104,25 @@ class ModelShape:
             max_position_embeddings=cfg.max_position_embeddings,
             sliding_window=window if any(w is not None for w in windows) else None,
             layer_windows=windows,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             o_proj_bias=bias and model_type != "qwen2",  # Qwen2's o_proj never has one
+            gemma=gemma,
+            hidden_act=act,
+            attn_scale=cfg.query_pre_attn_scalar ** -0.5 if gemma else None,
+            # Gemma 3's config carries attn_logit_softcapping, but its attention never applies it
+            attn_softcap=getattr(cfg, "attn_logit_softcapping", None) if model_type == "gemma2" else None,
+            final_softcap=getattr(cfg, "final_logit_softcapping", None) if gemma else None,
+            layer_rope=rope,
         )
 
 
-def rope_inv_freq(cfg, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling exactly as transformers computes them."""
+def rope_inv_freq(cfg, head_dim: int, layer_type: str = "default") -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling exactly as transformers computes them; for a
+    config with a RoPE table per layer type (Gemma 3), that of ``layer_type``."""
     params = getattr(cfg, "rope_parameters", None) or {}
+    typed = layer_type != "default"
+    if typed:
+        params = params[layer_type]
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
@@ -98,7 +130,7 @@ def rope_inv_freq(cfg, head_dim: int) -> tuple[torch.Tensor, float]:
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu", **({"layer_type": layer_type} if typed else {}))
     return inv_freq.float(), float(scaling)
 
 
@@ -141,6 +173,31 @@ class RMSNorm(nn.Module):
         return self(h), h
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's: ``(1 + weight)``, the normalisation and the scaling both in float32, one cast at
+    the end (a float64 model's norms run in float32 too, as transformers')."""
+
+    fused = False
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x if residual is None else x + residual
+        return self(h), h
+
+
+def make_norm(s: "ModelShape", size: int) -> nn.Module:
+    return GemmaRMSNorm(size, s.rms_norm_eps) if s.gemma else RMSNorm(size, s.rms_norm_eps)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -156,11 +213,12 @@ class Attention(nn.Module):
         self.v_proj = Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attention_bias)
         self.o_proj = Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.o_proj_bias)
         if s.qk_norm:
-            self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
-            self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
+            self.q_norm = make_norm(s, s.head_dim)
+            self.k_norm = make_norm(s, s.head_dim)
         self.qk_norm = s.qk_norm
         self.window = s.layer_windows[layer] if s.layer_windows else None
-        self.scale = s.head_dim ** -0.5
+        self.softcap = s.attn_softcap
+        self.scale = s.attn_scale if s.attn_scale is not None else s.head_dim ** -0.5
         self.fused_rope = False  # the C kernel, in place (LlamaModel.use_cpu_ops)
 
     def fuse(self) -> None:
@@ -182,10 +240,10 @@ class Attention(nn.Module):
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-        if self.window is None:
+        if self.window is None and self.softcap is None:
             out = backend.forward(q, k, v, kv_cache_layer, meta, self.scale)  # [T, H, D]
         else:
-            out = backend.forward(q, k, v, kv_cache_layer, meta, self.scale, window=self.window)
+            out = backend.forward(q, k, v, kv_cache_layer, meta, self.scale, window=self.window, softcap=self.softcap)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -196,6 +254,7 @@ class MLP(nn.Module):
         self.gate_proj = Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.up_proj = Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.down_proj = Linear(s.intermediate_size, s.hidden_size, bias=False)
+        self.gelu = s.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma)
         self.fused_act = False  # SiLU-and-mul in C (float32 on CPU; LlamaModel.use_cpu_ops)
 
     def fuse(self) -> None:
@@ -206,7 +265,8 @@ class MLP(nn.Module):
         if self.fused_act:
             return self.down_proj(cpu_ops.silu_mul(self.gate_up_proj.whole(x)))
         gate, up = self.gate_up_proj(x)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
@@ -214,15 +274,23 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(s, layer)
         self.mlp = MLP(s)
-        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.input_layernorm = make_norm(s, s.hidden_size)
+        self.post_attention_layernorm = make_norm(s, s.hidden_size)
+        self.sandwich = s.gemma
+        if s.gemma:
+            self.pre_feedforward_layernorm = make_norm(s, s.hidden_size)
+            self.post_feedforward_layernorm = make_norm(s, s.hidden_size)
 
     def forward(self, x, residual, cos, sin, kv_cache_layer, meta, backend):
         """Returns (this layer's MLP output, the residual stream before it): the residual add that
         ends the layer happens in the next norm (``add_forward``), as in vLLM. The values are
-        transformers' ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+        transformers' ``h = x + attn(norm(x)); out = h + mlp(norm(h))``; Gemma's also normalise
+        each branch's output: ``h = x + norm(attn(norm(x))); out = h + norm(mlp(norm(h)))``."""
         normed, residual = self.input_layernorm.add_forward(x, residual)
         attn = self.self_attn(normed, cos, sin, kv_cache_layer, meta, backend)
+        if self.sandwich:
+            h = residual + self.post_attention_layernorm(attn)
+            return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))), h
         normed, residual = self.post_attention_layernorm.add_forward(attn, residual)
         return self.mlp(normed), residual
 
@@ -230,18 +298,27 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Parameter names follow Hugging Face's (``model.layers.0.self_attn.q_proj.weight`` ...)."""
 
-    def __init__(self, shape: ModelShape, inv_freq: torch.Tensor, rope_scaling: float) -> None:
+    def __init__(self, shape: ModelShape, ropes: dict[str, tuple[torch.Tensor, float]]) -> None:
         super().__init__()
         self.shape = shape
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.model.layers = nn.ModuleList(DecoderLayer(shape, i) for i in range(shape.num_layers))
-        self.model.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.model.norm = make_norm(shape, shape.hidden_size)
         if not shape.tie_word_embeddings:
             self.lm_head = Linear(shape.hidden_size, shape.vocab_size, bias=False)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
-        self.rope_scaling = rope_scaling
+        self.layer_rope = shape.layer_rope or ("default",) * shape.num_layers
+        self.set_rope(ropes)
         self.packed_lm_head: Linear | None = None
+
+    def set_rope(self, ropes: dict[str, tuple[torch.Tensor, float]], device: str | None = None) -> None:
+        """The RoPE tables by kind (``rope_inv_freq``): inverse frequencies (fp32, as in
+        transformers) and the attention scaling of each."""
+        self.ropes = {k: (f.float().to(device) if device else f.float(), scale) for k, (f, scale) in ropes.items()}
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return self.ropes["default"][0] if "default" in self.ropes else next(iter(self.ropes.values()))[0]
 
     def fuse_projections(self) -> None:
         """q/k/v and gate/up as one GEMM each (after the checkpoint's weights are loaded)."""
@@ -291,10 +368,11 @@ class LlamaModel(nn.Module):
             return self.packed_lm_head(h)
         return lm_head(h, self.lm_head_weight())
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2] fp32
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, kind: str = "default") -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq, scaling = self.ropes[kind]
+        freqs = positions[:, None].float() * inv_freq[None, :]  # [T, D/2] fp32
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
+        return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
     @torch.inference_mode()
     def forward(
@@ -307,10 +385,16 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor,  # [S] rows of the batch whose logits are needed
     ) -> torch.Tensor:  # [S, vocab] float32 (float64 models: float64)
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rope(positions, h.dtype)  # [T, D] each
+        if self.shape.gemma:  # sqrt(hidden) as a tensor of the model's dtype, as transformers'
+            h = h * torch.tensor(self.shape.hidden_size ** 0.5, dtype=h.dtype)
+        tables = {k: self.rope(positions, h.dtype, k) for k in self.ropes}  # [T, D] cos, sin each
         residual = None
         for i, layer in enumerate(self.model.layers):
+            cos, sin = tables[self.layer_rope[i]]
             h, residual = layer(h, residual, cos, sin, kv_cache[i], meta, backend)
         h, _ = self.model.norm.add_forward(h[logits_indices], residual[logits_indices])  # [S, hidden]
         logits = self.logits(h)
+        if self.shape.final_softcap is not None:
+            cap = self.shape.final_softcap
+            logits = torch.tanh(logits / cap) * cap
         return logits if logits.dtype == torch.float64 else logits.float()

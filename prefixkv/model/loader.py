@@ -228,9 +228,9 @@ def load_model(path: Path, dtype: str, device: str, cpu_linear: str = "auto",
     cfg = load_hf_config(path)
     dtype = resolve_dtype(dtype, device, cfg)
     shape = ModelShape.from_hf_config(cfg)
-    inv_freq, scaling = rope_inv_freq(cfg, shape.head_dim)
+    ropes = {kind: rope_inv_freq(cfg, shape.head_dim, kind) for kind in dict.fromkeys(shape.layer_rope)}
     with torch.device("meta"):
-        model = LlamaModel(shape, inv_freq, scaling)
+        model = LlamaModel(shape, ropes)
     expected = set(model.state_dict())
     seen: set[str] = set()
     for name, t in _iter_weights(path, device, DTYPES[dtype]):
@@ -244,7 +244,7 @@ def load_model(path: Path, dtype: str, device: str, cpu_linear: str = "auto",
     missing = expected - seen
     if missing:
         raise ValueError(f"model: the checkpoint lacks {sorted(missing)[:5]}")
-    model.inv_freq = inv_freq.float().to(device)  # stays fp32 as in transformers
+    model.set_rope(ropes, device)  # stays fp32 as in transformers
     model.fuse_projections()
     if device == "cpu" and DTYPES[dtype] == torch.float32:
         kind = resolve_cpu_linear(cpu_linear)
