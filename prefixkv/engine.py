@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import random
 from array import array
 from typing import Any, Sequence
@@ -25,6 +26,8 @@ from prefixkv.sampling_params import SamplingParams, generation_config_defaults
 from prefixkv.scheduler import Scheduler
 from prefixkv.structured_outputs import GrammarCompiler
 from prefixkv.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 PromptType = str | Sequence[int]
 
@@ -52,6 +55,15 @@ class LLMEngine:
                                                 cpu_linear=config.cpu_linear, cpu_ops=config.fused_cpu_ops)
         shape = self.model.shape
         max_len = config.max_model_len or shape.max_position_embeddings
+        if shape.longrope_short_max is not None and max_len > shape.longrope_short_max:
+            # past its original length transformers' LongRoPE switches every position to the long
+            # factors (recomputing the cache): outputs that a paged cache cannot reproduce yet
+            if config.max_model_len is not None:
+                raise ValueError(f"max_model_len: {shape.model_type}'s LongRoPE is served up to its original "
+                                 f"{shape.longrope_short_max} tokens (the short factors); got {config.max_model_len}")
+            logger.warning("max_model_len: %s's LongRoPE is served up to its original %d tokens (the short "
+                           "factors), not %d", shape.model_type, shape.longrope_short_max, max_len)
+            max_len = shape.longrope_short_max
         if shape.masked_attention and config.device != "cpu":
             raise ValueError(f"model: {shape.model_type}'s sliding-window or soft-capped attention is not in the "
                              "CUDA kernels yet; use device 'cpu'")
@@ -133,6 +145,8 @@ class LLMEngine:
         from prefixkv.model.linear import Linear
 
         cfg = self.config
+        if self.model.shape.masked_attention:
+            return "sliding-window or soft-capped layers take the torch attention path (one matmul per sequence)"
         if cfg.device != "cpu" or self.dtype != "float32":
             return f"is implemented for device 'cpu' in float32 (got {cfg.device!r}, {self.dtype})"
         if backend.name != "cpu":
@@ -142,8 +156,6 @@ class LLMEngine:
         if not (cfg.fused_cpu_ops and self.model.model.norm.fused):
             return "needs fused_cpu_ops (the C RMSNorm, RoPE and SiLU kernels)"
         s = self.model.shape
-        if s.masked_attention:
-            return "sliding-window or soft-capped layers take the torch attention path (one matmul per sequence)"
         return backend.batch_invariance_blocker(s.num_heads, cfg.cache.block_size, s.head_dim, DTYPES[self.dtype])
 
     def _kv_cache_bytes(self) -> int:

@@ -67,3 +67,23 @@ def tiny_gemma2(tmp_path_factory, tokenizer_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_gemma3(tmp_path_factory, tokenizer_dir) -> Path:
     return _model_dir(tmp_path_factory, tokenizer_dir, "gemma3")
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3(tmp_path_factory, tokenizer_dir) -> Path:
+    return _model_dir(tmp_path_factory, tokenizer_dir, "phi3")
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_longrope(tmp_path_factory, tokenizer_dir) -> Path:
+    return _model_dir(tmp_path_factory, tokenizer_dir, "phi3-longrope")
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory, tokenizer_dir) -> Path:
+    return _model_dir(tmp_path_factory, tokenizer_dir, "mixtral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory, tokenizer_dir) -> Path:
+    return _model_dir(tmp_path_factory, tokenizer_dir, "qwen3-moe")

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,7 +42,10 @@ def hf_reference(model_dir, prompts: list[list[int]], max_tokens: int = MAX_TOKE
 
     key = (str(model_dir), tuple(map(tuple, prompts)), max_tokens, stop_on_eos)
     if key not in _REF_CACHE:
-        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float64)
+        # MoE models: the eager experts (transformers' grouped_mm refuses float64)
+        moe = any(k in json.loads((Path(model_dir) / "config.json").read_text()) for k in ("num_experts", "num_local_experts"))
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float64,
+                                                  **({"experts_implementation": "eager"} if moe else {}))
         refs = []
         for p in prompts:
             out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
@@ -72,14 +77,28 @@ def test_llama_matrix(tiny_llama, batch, chunk, block_size, prefix):
     assert [o.token_ids for o in outs] == refs
 
 
-@pytest.mark.parametrize("arch", ["tiny_mistral", "tiny_qwen2", "tiny_qwen3", "tiny_mistral_window", "tiny_gemma2",
-                                  "tiny_gemma3"])
-@pytest.mark.parametrize("chunk,block_size,prefix", [(7, 1, True), (32, 16, False), (512, 16, True)])
-def test_other_architectures(request, arch, chunk, block_size, prefix):
+FAMILIES = ["tiny_mistral", "tiny_qwen2", "tiny_qwen3", "tiny_mistral_window", "tiny_gemma2", "tiny_gemma3",
+            "tiny_phi3", "tiny_phi3_longrope", "tiny_mixtral", "tiny_qwen3_moe"]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("batch", [1, 17])
+@pytest.mark.parametrize("chunk,block_size,prefix", [(7, 1, True), (32, 16, False), (512, 16, True), (64, 1, False)])
+def test_other_architectures(request, arch, batch, chunk, block_size, prefix):
     model_dir = request.getfixturevalue(arch)
     prompts = make_prompts(384, seed=1)
     refs = hf_reference(model_dir, prompts)
-    _, outs = run_engine(model_dir, prompts, chunk=chunk, block_size=block_size, prefix=prefix)
+    _, outs = run_engine(model_dir, prompts[:batch], chunk=chunk, block_size=block_size, prefix=prefix)
+    assert [o.token_ids for o in outs] == refs[:batch]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_other_architectures_under_preemption(request, arch):
+    model_dir = request.getfixturevalue(arch)
+    prompts = make_prompts(384, seed=1)
+    refs = hf_reference(model_dir, prompts, max_tokens=16)
+    llm, outs = run_engine(model_dir, prompts, chunk=48, block_size=4, num_kv_blocks=80, max_tokens=16)
+    assert llm.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == refs
 
 

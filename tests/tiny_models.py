@@ -65,6 +65,24 @@ def build_model(path: Path, arch: str, vocab_size: int, seed: int = 0, **overrid
         cfg = transformers.Qwen3Config(**common, tie_word_embeddings=False, head_dim=32, use_sliding_window=True,
                                        sliding_window=8, max_window_layers=1)
         cls = transformers.Qwen3ForCausalLM
+    elif arch in ("phi3", "phi3-longrope"):  # fused qkv/gate_up in the checkpoint; half of each head turns
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+        if arch == "phi3-longrope":  # Phi-4-mini's kind: LongRoPE, its short factors below 256 tokens
+            rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                    "short_factor": [1.0 + 0.1 * i for i in range(4)], "long_factor": [2.0 + i for i in range(4)],
+                    "original_max_position_embeddings": 256}
+        cfg = transformers.Phi3Config(**common, tie_word_embeddings=False, rope_parameters=rope,
+                                      original_max_position_embeddings=256 if arch == "phi3-longrope" else 4096)
+        cls = transformers.Phi3ForCausalLM
+    elif arch == "mixtral":  # 16 experts, top 2 (always renormalised)
+        cfg = transformers.MixtralConfig(**dict(common, intermediate_size=48), num_local_experts=16,
+                                         num_experts_per_tok=2, tie_word_embeddings=False, sliding_window=None)
+        cls = transformers.MixtralForCausalLM
+    elif arch == "qwen3-moe":  # 32 experts, top 4, renormalised; layer 1 a dense MLP
+        cfg = transformers.Qwen3MoeConfig(**common, head_dim=32, moe_intermediate_size=24, num_experts=32,
+                                          num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[1],
+                                          tie_word_embeddings=False)
+        cls = transformers.Qwen3MoeForCausalLM
     elif arch in ("gemma2", "gemma3"):  # layers 0 and 2 a sliding window of 4 tokens, layer 1 full attention
         gemma = dict(common, head_dim=32, sliding_window=4, query_pre_attn_scalar=32, tie_word_embeddings=True)
         gemma["num_hidden_layers"] = 3

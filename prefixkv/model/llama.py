@@ -20,7 +20,8 @@ from prefixkv import cpu_ops
 from prefixkv.attention.base import AttentionBackend, AttentionMetadata
 from prefixkv.model.linear import FusedLinear, Linear
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
+                           "phi3")
 GEMMA = ("gemma2", "gemma3_text")
 
 
@@ -51,6 +52,17 @@ class ModelShape:
     attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
     layer_rope: tuple[str, ...] = ()  # per layer: which RoPE table ("default", or a layer type)
+    # sparse MoE (Mixtral, Qwen3-MoE): per layer whether its MLP is routed experts (model/moe.py)
+    moe_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_renormalize: bool = True  # the top-k weights divided by their sum
+    moe_weights_in_fp32: bool = False
+    rotary_dim: int = 0  # Phi-3 / Phi-4-mini partial rotary: RoPE on the first rotary_dim dims (0: all)
+    # LongRoPE (Phi-3): transformers uses the short factors while a sequence fits this many tokens
+    # and recomputes everything with the long ones past it; prefixkv serves the short regime only
+    longrope_short_max: int | None = None
 
     @property
     def has_windows(self) -> bool:
@@ -86,8 +98,29 @@ class ModelShape:
         else:
             windows = tuple(window if t == "sliding_attention" else None for t in types)
         bias = bool(getattr(cfg, "attention_bias", False))
+        moe: dict = {}
+        if model_type == "mixtral":
+            n = cfg.num_local_experts
+            moe = dict(moe_layers=(True,) * cfg.num_hidden_layers, num_experts=n,
+                       num_experts_per_tok=cfg.num_experts_per_tok, moe_intermediate_size=cfg.intermediate_size,
+                       moe_renormalize=True, moe_weights_in_fp32=True)
+        elif model_type == "qwen3_moe":
+            dense = set(getattr(cfg, "mlp_only_layers", None) or ())
+            step = getattr(cfg, "decoder_sparse_step", 1) or 1
+            moe = dict(moe_layers=tuple(cfg.num_experts > 0 and i not in dense and (i + 1) % step == 0
+                                        for i in range(cfg.num_hidden_layers)),
+                       num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                       moe_intermediate_size=cfg.moe_intermediate_size,
+                       moe_renormalize=bool(getattr(cfg, "norm_topk_prob", False)), moe_weights_in_fp32=False)
+        if model_type == "qwen3_moe" and not getattr(cfg, "use_sliding_window", False):
+            windows = (None,) * cfg.num_hidden_layers
         params = getattr(cfg, "rope_parameters", None) or {}
         per_type = types is not None and all(t in params for t in set(types))  # Gemma 3: a table per type
+        partial = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) if not per_type else 1.0
+        rotary_dim = int(head_dim * partial)
+        longrope = None
+        if not per_type and params.get("rope_type") in ("longrope", "su"):
+            longrope = params.get("original_max_position_embeddings") or cfg.original_max_position_embeddings
         rope = tuple(types) if per_type else ("default",) * cfg.num_hidden_layers
         return cls(
             model_type=model_type,
@@ -104,7 +137,7 @@ class ModelShape:
             max_position_embeddings=cfg.max_position_embeddings,
             sliding_window=window if any(w is not None for w in windows) else None,
             layer_windows=windows,
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             o_proj_bias=bias and model_type != "qwen2",  # Qwen2's o_proj never has one
             gemma=gemma,
             hidden_act=act,
@@ -113,6 +146,9 @@ class ModelShape:
             attn_softcap=getattr(cfg, "attn_logit_softcapping", None) if model_type == "gemma2" else None,
             final_softcap=getattr(cfg, "final_logit_softcapping", None) if gemma else None,
             layer_rope=rope,
+            rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
+            longrope_short_max=longrope,
+            **moe,
         )
 
 
@@ -126,7 +162,8 @@ def rope_inv_freq(cfg, head_dim: int, layer_type: str = "default") -> tuple[torc
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        dim = int(head_dim * params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -218,6 +255,7 @@ class Attention(nn.Module):
         self.qk_norm = s.qk_norm
         self.window = s.layer_windows[layer] if s.layer_windows else None
         self.softcap = s.attn_softcap
+        self.rotary_dim = s.rotary_dim  # 0: every dim
         self.scale = s.attn_scale if s.attn_scale is not None else s.head_dim ** -0.5
         self.fused_rope = False  # the C kernel, in place (LlamaModel.use_cpu_ops)
 
@@ -233,7 +271,11 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         if self.qk_norm:  # per head, before RoPE (Qwen3)
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.fused_rope:  # bit-identical to the three torch ops below
+        if self.rotary_dim:  # the first rotary_dim dims of each head turn, the rest pass (Phi-3)
+            cos, sin, r = cos.unsqueeze(1), sin.unsqueeze(1), self.rotary_dim
+            q = torch.cat((q[..., :r] * cos + _rotate_half(q[..., :r]) * sin, q[..., r:]), dim=-1)
+            k = torch.cat((k[..., :r] * cos + _rotate_half(k[..., :r]) * sin, k[..., r:]), dim=-1)
+        elif self.fused_rope:  # bit-identical to the three torch ops below
             cpu_ops.rope_(q, cos, sin)
             cpu_ops.rope_(k, cos, sin)
         else:
@@ -273,7 +315,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, s: ModelShape, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(s, layer)
-        self.mlp = MLP(s)
+        if s.moe_layers and s.moe_layers[layer]:
+            from prefixkv.model.moe import SparseMoE
+
+            self.mlp = SparseMoE(s.hidden_size, s.moe_intermediate_size, s.num_experts, s.num_experts_per_tok,
+                                 s.moe_renormalize, s.moe_weights_in_fp32)
+        else:
+            self.mlp = MLP(s)
         self.input_layernorm = make_norm(s, s.hidden_size)
         self.post_attention_layernorm = make_norm(s, s.hidden_size)
         self.sandwich = s.gemma
@@ -336,9 +384,10 @@ class LlamaModel(nn.Module):
         f32 = ok and dtype == torch.float32
         for layer in self.model.layers:
             layer.self_attn.fused_rope = rope
-            layer.mlp.fused_act = f32
-            layer.input_layernorm.fused = layer.post_attention_layernorm.fused = f32
-        self.model.norm.fused = f32
+            layer.mlp.fused_act = f32 and not getattr(layer.mlp, "gelu", False)  # the C kernel is SiLU's
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.fused = f32 and isinstance(norm, RMSNorm)
+        self.model.norm.fused = f32 and isinstance(self.model.norm, RMSNorm)
         return rope
 
     def prepack(self, kind: str) -> bool:

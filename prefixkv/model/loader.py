@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import pickle
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -218,6 +219,51 @@ def load_hf_config(path: Path):
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
+# Mixtral's expert and router names -> ours (model/moe.py: mlp.experts.{e}.gate_proj/up_proj/down_proj)
+_MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_MIXTRAL = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.(gate\.weight|experts\.(\d+)\.(w[123])\.weight)$")
+_FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def checkpoint_tensors(name: str, t: torch.Tensor, shape: ModelShape):
+    """(our parameter name, tensor) for one checkpoint tensor: most map one to one; Mixtral's
+    ``block_sparse_moe`` names are renamed; fused expert tensors ([E, 2I, H] gate and up, [E, H, I]
+    down, as transformers 5 holds them) are split per expert."""
+    m = _MIXTRAL.match(name)
+    if m:
+        layer, what, e, w = m.groups()
+        if e is None:
+            yield f"{layer}.mlp.gate.weight", t
+        else:
+            yield f"{layer}.mlp.experts.{e}.{_MIXTRAL_NAMES[w]}.weight", t
+        return
+    if shape.model_type == "phi3" and name.endswith((".self_attn.qkv_proj.weight", ".mlp.gate_up_proj.weight")):
+        base = name.rsplit(".", 2)[0]
+        if name.endswith("qkv_proj.weight"):  # rows: q (H * D), k (KVH * D), v (KVH * D)
+            q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv])):
+                yield f"{base}.{part}.weight", rows.contiguous()
+        else:  # rows: gate, then up
+            gate, up = t.chunk(2, dim=0)
+            yield f"{base}.gate_proj.weight", gate.contiguous()
+            yield f"{base}.up_proj.weight", up.contiguous()
+        return
+    m = _FUSED_EXPERTS.match(name)
+    if m:
+        layer, what = m.groups()
+        if t.dim() != 3 or t.shape[0] != shape.num_experts:
+            raise ValueError(f"model: {name} has shape {tuple(t.shape)}, not [num_experts, ...]")
+        inter = shape.moe_intermediate_size
+        for e in range(t.shape[0]):
+            if what == "gate_up_proj":
+                yield f"{layer}.mlp.experts.{e}.gate_proj.weight", t[e, :inter].contiguous()
+                yield f"{layer}.mlp.experts.{e}.up_proj.weight", t[e, inter:].contiguous()
+            else:
+                yield f"{layer}.mlp.experts.{e}.down_proj.weight", t[e].contiguous()
+        return
+    yield name, t
+
+
 def load_model(path: Path, dtype: str, device: str, cpu_linear: str = "auto",
                cpu_ops: bool = True) -> tuple[LlamaModel, object]:
     """Build the model from a local directory; returns (model, Hugging Face config). Projections
@@ -233,14 +279,15 @@ def load_model(path: Path, dtype: str, device: str, cpu_linear: str = "auto",
         model = LlamaModel(shape, ropes)
     expected = set(model.state_dict())
     seen: set[str] = set()
-    for name, t in _iter_weights(path, device, DTYPES[dtype]):
-        if name.endswith("rotary_emb.inv_freq") or (shape.tie_word_embeddings and name == "lm_head.weight"):
+    for stored, tensor in _iter_weights(path, device, DTYPES[dtype]):
+        if stored.endswith("rotary_emb.inv_freq") or (shape.tie_word_embeddings and stored == "lm_head.weight"):
             continue
-        if name not in expected:
-            raise ValueError(f"model: unexpected tensor {name!r} in the checkpoint")
-        module_name, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(module_name), leaf, torch.nn.Parameter(t, requires_grad=False))
-        seen.add(name)
+        for name, t in checkpoint_tensors(stored, tensor, shape):
+            if name not in expected:
+                raise ValueError(f"model: unexpected tensor {stored!r} in the checkpoint")
+            module_name, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(module_name), leaf, torch.nn.Parameter(t, requires_grad=False))
+            seen.add(name)
     missing = expected - seen
     if missing:
         raise ValueError(f"model: the checkpoint lacks {sorted(missing)[:5]}")

@@ -1,0 +1,119 @@
+"""Per-family pieces against transformers' own modules (the end-to-end greedy identity of every
+family is in tests/test_lossless.py): the sparse MoE block bit for bit, with many experts and tied
+router scores, renormalised or not; checkpoints whose experts are fused tensors; Phi-3's LongRoPE
+limits; the refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from prefixkv import LLM, SamplingParams
+from prefixkv.model.loader import load_model
+
+
+def _hf(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float64, experts_implementation="eager")
+
+
+@pytest.mark.parametrize("arch,renormalize", [("tiny_mixtral", True), ("tiny_qwen3_moe", True),
+                                              ("tiny_qwen3_moe", False)])
+def test_moe_block_is_bitwise_transformers_with_tied_router_scores(request, arch, renormalize):
+    model_dir = request.getfixturevalue(arch)
+    hf = _hf(model_dir)
+    ours, _ = load_model(model_dir, "float64", "cpu")
+    hf_block, our_block = hf.model.layers[0].mlp, ours.model.layers[0].mlp
+    n = our_block.num_experts
+    assert n >= 16 and len(our_block.experts) == n
+    # experts 3 and 11 get the same router row: every token scores them equally (a tie in top-k)
+    w = hf_block.gate.weight.detach().clone()
+    w[11] = w[3]
+    hf_block.gate.weight.data.copy_(w)
+    our_block.gate.weight.data.copy_(w)
+    if arch == "tiny_qwen3_moe":
+        hf_block.gate.norm_topk_prob = renormalize
+        our_block.renormalize = renormalize
+    x = torch.randn(53, w.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    _, hf_weights, hf_ids = hf_block.gate(x)
+    weights, ids = our_block.route(x)
+    assert torch.equal(ids, hf_ids)
+    assert torch.equal(weights.to(torch.float64), hf_weights.to(torch.float64))
+    tied = ((ids == 3) | (ids == 11)).sum(dim=-1) == 2
+    assert tied.any()  # some tokens picked both tied experts
+    want = hf_block(x[None])[0]  # [53, hidden]
+    assert torch.equal(our_block(x), want)
+    if renormalize:
+        torch.testing.assert_close(weights.double().sum(-1), torch.ones(53, dtype=torch.float64))
+
+
+def test_fused_expert_tensors_load_the_same(tiny_qwen3_moe, tmp_path):
+    """transformers 5 holds a layer's experts as [E, 2I, H] gate_up and [E, H, I] down tensors; a
+    checkpoint saved that way loads into the same model."""
+    fused = tmp_path / "fused"
+    shutil.copytree(tiny_qwen3_moe, fused)
+    (st,) = fused.glob("*.safetensors")
+    tensors = load_file(str(st))
+    cfg = json.loads((fused / "config.json").read_text())
+    out = {}
+    for name, t in tensors.items():
+        if ".mlp.experts." not in name:
+            out[name] = t
+    layers = {name.split(".mlp.experts.")[0] for name in tensors if ".mlp.experts." in name}
+    for layer in layers:
+        e = range(cfg.get("num_experts") or cfg["num_local_experts"])  # (saved as num_local_experts)
+        gate = [tensors[f"{layer}.mlp.experts.{i}.gate_proj.weight"] for i in e]
+        up = [tensors[f"{layer}.mlp.experts.{i}.up_proj.weight"] for i in e]
+        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+        out[f"{layer}.mlp.experts.down_proj"] = torch.stack([tensors[f"{layer}.mlp.experts.{i}.down_proj.weight"]
+                                                            for i in e])
+    st.unlink()
+    save_file(out, str(st), metadata={"format": "pt"})
+    a, _ = load_model(tiny_qwen3_moe, "float64", "cpu")
+    b, _ = load_model(fused, "float64", "cpu")
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    prompt = [[5, 17, 99, 3, 250, 7, 11]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert (LLM(model=str(fused), dtype="float64").generate(prompt, params)[0].token_ids
+            == LLM(model=str(tiny_qwen3_moe), dtype="float64").generate(prompt, params)[0].token_ids)
+
+
+def test_phi3_longrope_is_served_in_its_short_regime(tiny_phi3_longrope, caplog):
+    with caplog.at_level("WARNING"):
+        llm = LLM(model=str(tiny_phi3_longrope), dtype="float64")
+    assert llm.engine.info.max_model_len == 256  # its original length, not max_position_embeddings (1024)
+    assert "served up to its original 256 tokens" in caplog.text
+    assert LLM(model=str(tiny_phi3_longrope), dtype="float64", max_model_len=200).engine.info.max_model_len == 200
+    with pytest.raises(ValueError, match=r"^max_model_len: phi3's LongRoPE is served up to its original 256 tokens"):
+        LLM(model=str(tiny_phi3_longrope), dtype="float64", max_model_len=512)
+    shape = llm.engine.model.shape
+    assert shape.rotary_dim == 8 and shape.head_dim == 16  # partial rotary: half of each head turns
+
+
+def test_unsupported_variants_are_refused(tiny_gemma2, tmp_path):
+    bidi = tmp_path / "bidi"
+    shutil.copytree(tiny_gemma2, bidi)
+    cfg = json.loads((bidi / "config.json").read_text())
+    cfg["use_bidirectional_attention"] = True
+    (bidi / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"^model: use_bidirectional_attention"):
+        LLM(model=str(bidi), dtype="float64")
+    act = tmp_path / "act"
+    shutil.copytree(tiny_gemma2, act)
+    cfg["use_bidirectional_attention"] = None
+    cfg["hidden_activation"] = "relu"
+    (act / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"^model: hidden_act 'relu' is not supported"):
+        LLM(model=str(act), dtype="float64")
+
+
+def test_windowed_and_capped_models_refuse_cuda_and_batch_invariance(tiny_gemma2):
+    with pytest.raises(ValueError, match=r"^batch_invariant: sliding-window or soft-capped layers"):
+        LLM(model=str(tiny_gemma2), dtype="float32", batch_invariant=True)
+    assert LLM(model=str(tiny_gemma2), dtype="float32").engine.batch_invariant is False
