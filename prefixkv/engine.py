@@ -64,9 +64,6 @@ class LLMEngine:
             logger.warning("max_model_len: %s's LongRoPE is served up to its original %d tokens (the short "
                            "factors), not %d", shape.model_type, shape.longrope_short_max, max_len)
             max_len = shape.longrope_short_max
-        if shape.masked_attention and config.device != "cpu":
-            raise ValueError(f"model: {shape.model_type}'s sliding-window or soft-capped attention is not in the "
-                             "CUDA kernels yet; use device 'cpu'")
         bs = config.cache.block_size
         num_blocks = config.cache.num_kv_blocks or max(
             1, self._kv_cache_bytes() // ModelRunner.bytes_per_block(self.model, bs, dtype))

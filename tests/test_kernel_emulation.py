@@ -77,6 +77,8 @@ def emulator() -> KernelEmulator:
         for dtype in (BF16, F32):
             _per_token(dtype, *_INVARIANT_LAYOUT, [(0, 1)], [(2, (9, 1))])
         _prefill((F32, 64, 16, 2, 2, "simt", [(5, 5)]))
+        for case in WINDOW_CASES:
+            _windowed(case)
     return KernelEmulator.for_names(names)
 
 
@@ -362,3 +364,75 @@ def test_invariant_attention_is_bitwise_the_same_in_any_batch_chunking_and_grid(
                                full["query_start_loc"], 1 / math.sqrt(layout[0]))
     for (s, p), o in batch.items():
         torch.testing.assert_close(o.double(), want[starts[s] + p], atol=TOL[dtype], rtol=TOL[dtype])
+
+
+
+# ---- sliding windows and soft-capping (issue 15: Mistral, Gemma 2 / 3, Qwen windowed layers) ----
+WINDOW_CASES = [
+    # kind, dtype, head_dim, block_size, num_kv_heads, queries_per_kv, window, softcap, [(seq_len, query_len)]
+    ("decode", BF16, 128, 16, 2, 4, 40, None, [(1, 1), (39, 1), (40, 1), (41, 1), (300, 1)]),
+    ("decode-split", BF16, 128, 16, 1, 8, 100, None, [(90, 1), (600, 1), (1100, 1), (1025, 1)]),  # partitions
+    ("decode-split", F32, 64, 32, 2, 2, 1, None, [(5, 1), (700, 1)]),  # a window of one token: itself
+    ("decode", F16, 256, 16, 1, 2, 70, 50.0, [(20, 1), (200, 1)]),  # Gemma 2's shape
+    ("decode", F32, 64, 16, 2, 2, None, 1.5, [(9, 1), (130, 1)]),  # capping alone, a strong one
+    ("simt", BF16, 256, 16, 1, 2, 48, 50.0, [(40, 40), (300, 70), (120, 1)]),  # Gemma: head_dim 256
+    ("simt", F32, 64, 16, 2, 4, 17, None, [(100, 100), (260, 33)]),
+    ("mma", F16, 128, 16, 2, 4, 33, None, [(150, 150), (400, 90), (64, 1)]),
+    ("mma", BF16, 64, 32, 1, 7, 64, 30.0, [(200, 65), (70, 70)]),
+    ("per-token", BF16, 64, 16, 1, 3, 25, 20.0, [(45, 45), (530, 40), (9, 9)]),
+]
+
+
+def _windowed(case, seed=0):
+    """One launch with a window / soft-cap; the blocks wholly before every query's window hold NaN
+    (a kernel that reads one, even to multiply it by zero, shows it)."""
+    from prefixkv.attention import cuda as kernels
+    from prefixkv.attention.base import AttentionMetadata
+
+    kind, dtype, head_dim, block_size, num_kv_heads, qpk, window, softcap, specs = case
+    b = make_batch(dtype, head_dim, block_size, num_kv_heads, qpk, specs, seed)
+    if window is not None:
+        for s, (seq_len, query_len) in enumerate(specs):
+            first_seen = max(0, seq_len - query_len - window + 1)
+            for j in range(first_seen // block_size):
+                b["cache"][:, b["block_tables"][s, j]] = float("nan")
+    scale = 1 / math.sqrt(head_dim)
+    if kind.startswith("decode"):
+        out = kernels.paged_decode_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], scale,
+                                             b["max_seq_len"], split_k=kind == "decode-split", window=window,
+                                             softcap=softcap)
+    elif kind == "per-token":
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(len(b["q"]), dtype=torch.int64), query_start_loc=b["query_start_loc"],
+            seq_lens=b["seq_lens"], block_tables=b["block_tables"], num_decode_seqs=0,
+            max_seq_len=b["max_seq_len"], max_query_len=b["max_query_len"],
+            query_start_loc_cpu=b["query_start_loc"].tolist())
+        out = kernels.paged_attention_per_token(b["q"], b["cache"], meta, scale, window=window, softcap=softcap)
+    else:
+        out = kernels.paged_prefill_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"],
+                                              b["query_start_loc"], scale, b["max_query_len"], impl=kind,
+                                              window=window, softcap=softcap)
+    return b, out, scale
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-d{c[2]}-w{c[6]}-cap{c[7]}")
+def test_window_and_softcap_match_reference(emulator, case):
+    with emulated(emulator, num_sms=132):
+        b, out, scale = _windowed(case)
+    window, softcap = case[6], case[7]
+    want = reference_attention(b["q"], b["cache"].nan_to_num(), b["block_tables"], b["seq_lens"],
+                               b["query_start_loc"], scale, window=window, softcap=softcap)
+    _assert_close(out, want, case[1])
+    plain = reference_attention(b["q"], b["cache"].nan_to_num(), b["block_tables"], b["seq_lens"],
+                                b["query_start_loc"], scale)
+    assert not torch.allclose(out.double(), plain, atol=TOL[case[1]], rtol=TOL[case[1]])  # the option is real
+
+
+def test_window_and_softcap_arguments_are_checked():
+    from prefixkv.attention import cuda as kernels
+
+    with pytest.raises(ValueError, match=r"^window: must be >= 1, got 0"):
+        kernels._window_softcap(0, None)
+    with pytest.raises(ValueError, match=r"^softcap: must be > 0, got -1.0"):
+        kernels._window_softcap(None, -1.0)
+    assert kernels._window_softcap(None, None) == (0, 0.0)

@@ -19,6 +19,10 @@ Kernels (see the sources for layouts and launch configurations):
 * ``paged_prefill_mma_kernel`` (fp16/bf16, head_dim <= 128, sm_80+: tensor cores) and
   ``paged_prefill_kernel`` (SIMT fp32 math, any dtype): ragged query chunks with a cached prefix.
 * ``write_kv_kernel``, ``copy_blocks_kernel``.
+
+The attention kernels take a sliding ``window`` (a query at p sees keys p - window < j <= p;
+keys before are never read, so a window's past blocks may hold anything) and a ``softcap``
+(Gemma 2: scores -> softcap * tanh(score / softcap)), as arguments, not template parameters.
 """
 
 from __future__ import annotations
@@ -300,10 +304,20 @@ def _decode_group(queries_per_kv: int) -> int:
     return 8
 
 
+def _window_softcap(window: int | None, softcap: float | None) -> tuple[np.int32, np.float32]:
+    """The kernels' window (0: none) and soft-cap in log2 units (0: none) arguments."""
+    if window is not None and window < 1:
+        raise ValueError(f"window: must be >= 1, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap: must be > 0, got {softcap}")
+    return _i32(window or 0), np.float32(softcap * _LOG2E if softcap else 0.0)
+
+
 def _decode(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
             seq_lens: torch.Tensor, num_seqs: int, scale: float, max_seq_len: int,
-            split_k: bool | None) -> None:
+            split_k: bool | None, window: int | None = None, softcap: float | None = None) -> None:
     """Decode attention for sequences 0 .. num_seqs-1, whose query is row s of ``q``."""
+    win, cap = _window_softcap(window, softcap)
     _, _, num_kv_heads, block_size, head_dim = cache.shape
     num_heads = q.shape[1]
     queries_per_kv = _gqa(num_heads, cache)
@@ -326,20 +340,22 @@ def _decode(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, block_table
         part_out = torch.empty((num_seqs, num_heads, num_parts, head_dim), dtype=torch.float32, device=q.device)
     args = (_ptr(out), _ptr(part_max), _ptr(part_sum), _ptr(part_out), _ptr(q), _ptr(cache), _ptr(cache[1]),
             _ptr(block_tables), _ptr(seq_lens), _i32(num_heads), _i32(num_kv_heads), _i32(block_tables.stride(0)),
-            _i32(num_parts), _i64(q.stride(0)), _i64(out.stride(0)), np.float32(scale * _LOG2E))
+            _i32(num_parts), _i64(q.stride(0)), _i64(out.stride(0)), np.float32(scale * _LOG2E), win, cap)
     grid = (num_kv_heads * num_chunks, num_seqs, num_parts)
     _launch("paged_decode.cu", name, grid, _DECODE_THREADS, args, cache.device)
     if split_k:
         args = (_ptr(out), _ptr(part_max), _ptr(part_sum), _ptr(part_out), _ptr(seq_lens), _i32(num_heads),
-                _i32(num_parts), _i64(out.stride(0)))
+                _i32(num_parts), _i64(out.stride(0)), win)
         name = _decode_reduce_name(q.dtype, head_dim)
         _launch("paged_decode.cu", name, (num_heads, num_seqs, 1), head_dim, args, cache.device)
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, max_seq_len: int, *,
-                           out: torch.Tensor | None = None, split_k: bool | None = None) -> torch.Tensor:
-    """Attention of one query token per sequence against its whole context.
+                           out: torch.Tensor | None = None, split_k: bool | None = None,
+                           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence against its whole context (``window``: only its
+    last ``window`` tokens; ``softcap``: scores capped to softcap * tanh(score / softcap)).
 
     q: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_blocks_per_seq] int32;
     seq_lens: [num_seqs] int32 (context incl. the query token, already in the cache);
@@ -353,7 +369,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_
     _check_index("seq_lens", seq_lens, torch.int32, 1, q.device, num_seqs)
     out = _out_like(q, out, kv_cache_layer)
     if num_seqs > 0:
-        _decode(out, q, kv_cache_layer, block_tables, seq_lens, num_seqs, scale, max_seq_len, split_k)
+        _decode(out, q, kv_cache_layer, block_tables, seq_lens, num_seqs, scale, max_seq_len, split_k,
+                window, softcap)
     return out
 
 
@@ -386,8 +403,10 @@ def _prefill_block_m(impl: str, dtype: torch.dtype, head_dim: int) -> int:
 
 def _prefill(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
              seq_lens: torch.Tensor, query_start_loc: torch.Tensor, first_seq: int, num_seqs: int,
-             scale: float, max_query_len: int, impl: str) -> None:
+             scale: float, max_query_len: int, impl: str, window: int | None = None,
+             softcap: float | None = None) -> None:
     """Prefill attention for sequences first_seq .. num_seqs-1 (rows of q via query_start_loc)."""
+    win, cap = _window_softcap(window, softcap)
     _, _, num_kv_heads, block_size, head_dim = cache.shape
     num_heads = q.shape[1]
     queries_per_kv = _gqa(num_heads, cache)
@@ -406,14 +425,15 @@ def _prefill(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, block_tabl
     args = (_ptr(out), _ptr(q), _ptr(cache), _ptr(cache[1]), _ptr(block_tables), _ptr(seq_lens),
             _ptr(query_start_loc), _i32(first_seq), _i32(num_heads), _i32(num_kv_heads),
             _i32(block_tables.stride(0)), _i32(heads_per_cta), _i64(q.stride(0)), _i64(out.stride(0)),
-            np.float32(scale * _LOG2E))
+            np.float32(scale * _LOG2E), win, cap)
     _launch("paged_prefill.cu", name, grid, _PREFILL_THREADS, args, cache.device)
 
 
 def paged_prefill_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                             max_query_len: int, *, first_seq: int = 0, out: torch.Tensor | None = None,
-                            impl: str = "auto") -> torch.Tensor:
+                            impl: str = "auto", window: int | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """Causal attention of ragged query chunks against their sequences' cached context.
 
     q: [num_tokens, num_heads, head_dim], sequence s owning rows query_start_loc[s] ..
@@ -434,7 +454,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block
         raise ValueError(f"first_seq {first_seq} outside [0, {num_seqs}]")
     out = _out_like(q, out, kv_cache_layer)
     _prefill(out, q, kv_cache_layer, block_tables, seq_lens, query_start_loc, first_seq, num_seqs, scale,
-             max_query_len, impl)
+             max_query_len, impl, window, softcap)
     return out
 
 
@@ -478,8 +498,6 @@ class CudaAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache_layer, meta: AttentionMetadata, scale: float,
                 window: int | None = None, softcap: float | None = None):
-        if window is not None or softcap is not None:
-            raise NotImplementedError("the CUDA kernels have no sliding window or soft-capping yet")
         write_kv(k, v, kv_cache_layer, meta.slot_mapping)
         _check_rows("q", q, None, kv_cache_layer)
         if q.shape[0] != k.shape[0]:
@@ -488,32 +506,31 @@ class CudaAttentionBackend(AttentionBackend):
             _check_meta(meta, q.shape[0], q.device)
             meta.scratch["cuda_meta_checked"] = True
         if self.batch_invariant:
-            return self._forward_per_token(q, kv_cache_layer, meta, scale)
+            return paged_attention_per_token(q, kv_cache_layer, meta, scale, window=window, softcap=softcap)
         num_seqs = meta.num_seqs
         num_decodes = meta.num_decode_seqs
         out = _out_like(q, None, kv_cache_layer)
         if num_decodes > 0:
             _decode(out, q, kv_cache_layer, meta.block_tables, meta.seq_lens, num_decodes, scale,
-                    meta.max_seq_len, self.split_k)
+                    meta.max_seq_len, self.split_k, window, softcap)
         if num_seqs > num_decodes:
             _prefill(out, q, kv_cache_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                     num_decodes, num_seqs, scale, meta.max_query_len, self.prefill_impl)
+                     num_decodes, num_seqs, scale, meta.max_query_len, self.prefill_impl, window, softcap)
         return out
-
-    def _forward_per_token(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float):
-        return paged_attention_per_token(q, kv_cache_layer, meta, scale)
 
     def copy_blocks(self, kv_cache: torch.Tensor, src_dst: torch.Tensor) -> None:
         copy_blocks(kv_cache, src_dst)
 
 
 def paged_attention_per_token(q: torch.Tensor, kv_cache_layer: torch.Tensor, meta: AttentionMetadata,
-                              scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                              scale: float, out: torch.Tensor | None = None, window: int | None = None,
+                              softcap: float | None = None) -> torch.Tensor:
     """The batch-invariant attention (CudaAttentionBackend(batch_invariant=True)): every query
     token of ``meta`` (decodes and prefill chunks alike) through the split-K decode kernel with its
     own context length. The K/V of the step must already be in the cache."""
     tables, lens = token_rows(meta)
     out = _out_like(q, out, kv_cache_layer)
     if lens.shape[0]:
-        _decode(out, q, kv_cache_layer, tables, lens, lens.shape[0], scale, meta.max_seq_len, split_k=True)
+        _decode(out, q, kv_cache_layer, tables, lens, lens.shape[0], scale, meta.max_seq_len, split_k=True,
+                window=window, softcap=softcap)
     return out

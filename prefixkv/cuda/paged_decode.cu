@@ -11,6 +11,11 @@
 //
 // At the end the NUM_WARPS partial (max, sum, acc) triples are merged through shared memory.
 //
+// Sliding window (window > 0: Mistral, Gemma, Qwen windowed layers): the query at position
+// seq_len - 1 sees keys seq_len - window .. seq_len - 1 only; keys before are never read (their
+// blocks may be gone). Soft-capping (softcap_log2 > 0: Gemma 2): a score s, in log2 units, becomes
+// softcap_log2 * tanh(s / softcap_log2), i.e. cap * tanh(x / cap) of the natural-unit score x.
+//
 // Split-K (PARTITIONED): blockIdx.z picks a DECODE_PARTITION_SIZE-token partition of the context;
 // the CTA writes its normalized partial output plus (max, sum) and paged_decode_reduce_kernel
 // combines the partitions. Partitions past a sequence's end exit at once, so the grid may be
@@ -38,7 +43,8 @@ __global__ void __launch_bounds__(DECODE_NUM_THREADS, 3) paged_decode_kernel(
     const int* __restrict__ block_tables,  // [num_seqs, max_blocks_per_seq]
     const int* __restrict__ seq_lens,      // [num_seqs], context length incl. the query token
     const int num_heads, const int num_kv_heads, const int max_blocks_per_seq, const int max_parts,
-    const long long q_stride, const long long out_stride, const float scale_log2) {
+    const long long q_stride, const long long out_stride, const float scale_log2, const int window,
+    const float softcap_log2) {
   static_assert(HEAD_DIM == 32 || HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256,
                 "HEAD_DIM must be 32, 64, 128 or 256");
   static_assert(GROUP >= 1 && GROUP <= 8, "GROUP must be in [1, 8]");
@@ -65,12 +71,15 @@ __global__ void __launch_bounds__(DECODE_NUM_THREADS, 3) paged_decode_kernel(
   const int seq = blockIdx.y;
   const int seq_len = seq_lens[seq];
 
-  int start = 0;
+  const int lo = window > 0 ? max(0, seq_len - window) : 0;  // the first key the query sees
+  int start = lo;
   int end = seq_len;
   if constexpr (PARTITIONED) {
     start = blockIdx.z * DECODE_PARTITION_SIZE;
-    if (start >= seq_len) return;  // nothing to do; the reduce kernel ignores this partition
+    // nothing to do past the end or wholly before the window; the reduce kernel ignores it
+    if (start >= seq_len || start + DECODE_PARTITION_SIZE <= lo) return;
     end = min(seq_len, start + DECODE_PARTITION_SIZE);
+    start = max(start, lo);
   } else if (seq_len <= 0) {
     for (int i = tid; i < num_active * HEAD_DIM; i += NT)
       out[seq * out_stride + static_cast<long long>(head0) * HEAD_DIM + i] = from_float<T>(0.f);
@@ -130,7 +139,9 @@ __global__ void __launch_bounds__(DECODE_NUM_THREADS, 3) paged_decode_kernel(
     }
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
-      const float s = valid ? score[g] : neg_inf();
+      float s = score[g];
+      if (softcap_log2 > 0.f) s = softcap_log2 * tanhf(s / softcap_log2);
+      s = valid ? s : neg_inf();
       const float m_new = fmaxf(m[g], warp_max<WARP_SIZE>(s));  // finite: lane 0 is always valid
       const float corr = exp2f(m[g] - m_new);
       const float p = valid ? exp2f(s - m_new) : 0.f;
@@ -208,19 +219,21 @@ __global__ void __launch_bounds__(HEAD_DIM) paged_decode_reduce_kernel(
     const float* __restrict__ part_sum,    // [num_seqs, num_heads, max_parts]
     const float* __restrict__ part_out,    // [num_seqs, num_heads, max_parts, HEAD_DIM]
     const int* __restrict__ seq_lens,      // [num_seqs]
-    const int num_heads, const int max_parts, const long long out_stride) {
+    const int num_heads, const int max_parts, const long long out_stride, const int window) {
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
   const int d = threadIdx.x;
   const int seq_len = seq_lens[seq];
   const int num_parts =
       seq_len > 0 ? min(max_parts, (seq_len + DECODE_PARTITION_SIZE - 1) / DECODE_PARTITION_SIZE) : 0;
+  // partitions wholly before the window were not written
+  const int first = window > 0 && seq_len > 0 ? max(0, seq_len - window) / DECODE_PARTITION_SIZE : 0;
   const long long base = (static_cast<long long>(seq) * num_heads + head) * max_parts;
   float m_all = neg_inf();
-  for (int p = 0; p < num_parts; ++p) m_all = fmaxf(m_all, part_max[base + p]);
+  for (int p = first; p < num_parts; ++p) m_all = fmaxf(m_all, part_max[base + p]);
   float l_all = 0.f;
   float o = 0.f;
-  for (int p = 0; p < num_parts; ++p) {
+  for (int p = first; p < num_parts; ++p) {
     const float w = part_sum[base + p] * exp2f(part_max[base + p] - m_all);
     l_all += w;
     o = fmaf(w, part_out[(base + p) * HEAD_DIM + d], o);
@@ -235,10 +248,10 @@ __global__ void __launch_bounds__(HEAD_DIM) paged_decode_reduce_kernel(
 #define PREFIXKV_INST_DECODE(T, D, BS, G, P)                                                       \
   template __global__ void prefixkv::paged_decode_kernel<T, D, BS, G, P>(                          \
       T*, float*, float*, float*, const T*, const T*, const T*, const int*, const int*, int, int, \
-      int, int, long long, long long, float);
+      int, int, long long, long long, float, int, float);
 #define PREFIXKV_INST_DECODE_REDUCE(T, D)                                                      \
   template __global__ void prefixkv::paged_decode_reduce_kernel<T, D>(                         \
-      T*, const float*, const float*, const float*, const int*, int, int, long long);
+      T*, const float*, const float*, const float*, const int*, int, int, long long, int);
 // The offline compile check (tools/kernel_check) builds these: every dtype x head_dim {64, 128} x
 // block size {16, 32}, the plain kernel for a GQA group of 4 and split-K for 8, plus the extremes
 // (head_dim 256, GROUP 1). At run time CuPy instantiates exactly what a model needs.

@@ -7,6 +7,10 @@
 //             [ cached prefix / earlier chunks ] [ this chunk's queries  ]
 //     query i sees keys [0, ctx + i]           ^ causal diagonal
 //
+// Sliding window (window > 0): query i sees keys ctx + i - window < j <= ctx + i only, and a CTA
+// starts at the first key tile its earliest row's window reaches. Soft-capping (softcap_log2 > 0):
+// a score s (log2 units) becomes softcap_log2 * tanh(s / softcap_log2), before the mask.
+//
 // GQA: one CTA serves heads_per_cta query heads of one kv head, packing (token, head) pairs as
 // its BLOCK_M rows: row r = (token tok0 + r / heads_per_cta, head head0 + r % heads_per_cta). Each
 // K/V tile read from the cache is reused by all BLOCK_M rows.
@@ -33,7 +37,8 @@ struct PrefillTile {
   int ctx;                 // positions before the first query token
   int tok0;                // first query token (within the sequence) of this CTA
   int num_tok;             // query tokens of this CTA
-  int kv_end;              // keys [0, kv_end) are visible to some row of this CTA
+  int kv_begin;            // keys [kv_begin, kv_end) are visible to some row of this CTA
+  int kv_end;
   int kv_head;
   int head0;               // first query head of this CTA
   int num_heads;           // query heads of this CTA (<= heads_per_cta)
@@ -54,7 +59,8 @@ struct PrefillTile {
 template <int BLOCK_M>
 __device__ __forceinline__ bool prefill_tile(PrefillTile& t, const int* block_tables, const int* seq_lens,
                                              const int* query_start_loc, int first_seq, int num_heads,
-                                             int num_kv_heads, int max_blocks_per_seq, int heads_per_cta) {
+                                             int num_kv_heads, int max_blocks_per_seq, int heads_per_cta,
+                                             int window) {
   const int seq = first_seq + blockIdx.z;
   t.q_begin = query_start_loc[seq];
   const int q_len = query_start_loc[seq + 1] - t.q_begin;
@@ -64,6 +70,7 @@ __device__ __forceinline__ bool prefill_tile(PrefillTile& t, const int* block_ta
   t.num_tok = min(tokens_per_cta, q_len - t.tok0);
   t.ctx = seq_lens[seq] - q_len;
   t.kv_end = t.ctx + t.tok0 + t.num_tok;
+  t.kv_begin = window > 0 ? max(0, t.ctx + t.tok0 - window + 1) : 0;
   const int qpk = num_heads / num_kv_heads;
   const int num_chunks = (qpk + heads_per_cta - 1) / heads_per_cta;
   t.kv_head = blockIdx.y / num_chunks;
@@ -106,7 +113,7 @@ __device__ __forceinline__ void load_kv_tile(T (*dst)[SROW], const T* cache, con
     const int n = i / CPR;
     const int c = (i % CPR) * VEC;
     const int pos = kv0 + n;
-    const bool valid = pos < t.kv_end;
+    const bool valid = pos >= t.kv_begin && pos < t.kv_end;  // zeros outside (a window's past included)
     const T* src = cache;
     if (valid) {
       const long long block = t.block_table[pos / BLOCK_SIZE];
@@ -150,7 +157,8 @@ __global__ void __launch_bounds__(PREFILL_NUM_THREADS, 2) paged_prefill_kernel(
     const int* __restrict__ query_start_loc, // [num_seqs + 1]
     const int first_seq,                    // sequences before it (decodes) are not touched
     const int num_heads, const int num_kv_heads, const int max_blocks_per_seq, const int heads_per_cta,
-    const long long q_stride, const long long out_stride, const float scale_log2) {
+    const long long q_stride, const long long out_stride, const float scale_log2, const int window,
+    const float softcap_log2) {
   using C = PrefillSimtConfig<T, HEAD_DIM>;
   constexpr int RM = C::RM;
   constexpr int RN = C::RN;
@@ -166,7 +174,7 @@ __global__ void __launch_bounds__(PREFILL_NUM_THREADS, 2) paged_prefill_kernel(
 
   PrefillTile t;
   if (!prefill_tile<C::BLOCK_M>(t, block_tables, seq_lens, query_start_loc, first_seq, num_heads,
-                                num_kv_heads, max_blocks_per_seq, heads_per_cta))
+                                num_kv_heads, max_blocks_per_seq, heads_per_cta, window))
     return;
   const int tr = threadIdx.x / TC;
   const int tc = threadIdx.x % TC;
@@ -177,7 +185,8 @@ __global__ void __launch_bounds__(PREFILL_NUM_THREADS, 2) paged_prefill_kernel(
 
   load_q_tile<T, HEAD_DIM, C::BLOCK_M, C::SROW>(q_s, q, t, q_stride);
   cp_async_commit();
-  load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, BLOCK_N, C::SROW>(k_s, k_cache, t, num_kv_heads, 0);
+  const int first_tile = t.kv_begin / BLOCK_N;
+  load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, BLOCK_N, C::SROW>(k_s, k_cache, t, num_kv_heads, first_tile * BLOCK_N);
   cp_async_commit();
 
   float m[RM];  // running row max (log2 units), equal across the row's TC threads
@@ -192,7 +201,7 @@ __global__ void __launch_bounds__(PREFILL_NUM_THREADS, 2) paged_prefill_kernel(
   }
 
   const int num_tiles = (t.kv_end + BLOCK_N - 1) / BLOCK_N;
-  for (int it = 0; it < num_tiles; ++it) {
+  for (int it = first_tile; it < num_tiles; ++it) {
     const int kv0 = it * BLOCK_N;
     load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, BLOCK_N, C::SROW>(v_s, v_cache, t, num_kv_heads, kv0);
     cp_async_commit();
@@ -226,7 +235,10 @@ __global__ void __launch_bounds__(PREFILL_NUM_THREADS, 2) paged_prefill_kernel(
 #pragma unroll
       for (int j = 0; j < RN; ++j) {
         const int pos = kv0 + tc + TC * j;
-        s[i][j] = pos <= qpos[i] ? s[i][j] * scale_log2 : neg_inf();
+        float x = s[i][j] * scale_log2;
+        if (softcap_log2 > 0.f) x = softcap_log2 * tanhf(x / softcap_log2);
+        const bool seen = pos <= qpos[i] && (window <= 0 || pos > qpos[i] - window);
+        s[i][j] = seen ? x : neg_inf();
         row_max = fmaxf(row_max, s[i][j]);
       }
       const float m_new = fmaxf(m[i], warp_max<TC>(row_max));
@@ -310,7 +322,8 @@ __global__ void __launch_bounds__(PREFILL_NUM_THREADS) paged_prefill_mma_kernel(
     const int* __restrict__ query_start_loc, // [num_seqs + 1]
     const int first_seq,                    // sequences before it (decodes) are not touched
     const int num_heads, const int num_kv_heads, const int max_blocks_per_seq, const int heads_per_cta,
-    const long long q_stride, const long long out_stride, const float scale_log2) {
+    const long long q_stride, const long long out_stride, const float scale_log2, const int window,
+    const float softcap_log2) {
   static_assert(sizeof(T) == 2, "tensor-core path is for half_t / bf16_t");
   static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= 128, "HEAD_DIM must be a multiple of 16, <= 128");
   constexpr int BM = PREFILL_MMA_BLOCK_M;
@@ -325,7 +338,7 @@ __global__ void __launch_bounds__(PREFILL_NUM_THREADS) paged_prefill_mma_kernel(
 
   PrefillTile t;
   if (!prefill_tile<BM>(t, block_tables, seq_lens, query_start_loc, first_seq, num_heads, num_kv_heads,
-                        max_blocks_per_seq, heads_per_cta))
+                        max_blocks_per_seq, heads_per_cta, window))
     return;
   const int lane = threadIdx.x % WARP_SIZE;
   const int warp = threadIdx.x / WARP_SIZE;
@@ -349,7 +362,8 @@ __global__ void __launch_bounds__(PREFILL_NUM_THREADS) paged_prefill_mma_kernel(
     qf[kb][3] = *reinterpret_cast<const unsigned int*>(&k_s[row0 + 8][kb * 16 + 8 + 2 * qd]);
   }
   __syncthreads();  // Q fragments are in registers; k_s is free for K
-  load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, BN, SROW>(k_s, k_cache, t, num_kv_heads, 0);
+  const int first_tile = t.kv_begin / BN;
+  load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, BN, SROW>(k_s, k_cache, t, num_kv_heads, first_tile * BN);
   cp_async_commit();
 
   float m[2] = {neg_inf(), neg_inf()};  // running max of rows row0, row0 + 8 (log2 units)
@@ -359,7 +373,7 @@ __global__ void __launch_bounds__(PREFILL_NUM_THREADS) paged_prefill_mma_kernel(
   for (int j = 0; j < DTILE; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
 
   const int num_tiles = (t.kv_end + BN - 1) / BN;
-  for (int it = 0; it < num_tiles; ++it) {
+  for (int it = first_tile; it < num_tiles; ++it) {
     const int kv0 = it * BN;
     load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, BN, SROW>(v_s, v_cache, t, num_kv_heads, kv0);
     cp_async_commit();
@@ -390,7 +404,9 @@ __global__ void __launch_bounds__(PREFILL_NUM_THREADS) paged_prefill_mma_kernel(
         for (int e = 0; e < 2; ++e) {
           const int pos = kv0 + j * 8 + 2 * qd + e;
           float& x = s[j][2 * h + e];
-          x = pos <= qpos[h] ? x * scale_log2 : neg_inf();
+          float y = x * scale_log2;
+          if (softcap_log2 > 0.f) y = softcap_log2 * tanhf(y / softcap_log2);
+          x = pos <= qpos[h] && (window <= 0 || pos > qpos[h] - window) ? y : neg_inf();
           row_max = fmaxf(row_max, x);
         }
       const float m_new = fmaxf(m[h], warp_max<4>(row_max));
@@ -457,7 +473,7 @@ __global__ void __launch_bounds__(PREFILL_NUM_THREADS) paged_prefill_mma_kernel(
 #ifdef PREFIXKV_INSTANTIATE
 #define PREFIXKV_PREFILL_PARAMS(T)                                                                    \
   (T*, const T*, const T*, const T*, const int*, const int*, const int*, int, int, int, int, int, \
-   long long, long long, float)
+   long long, long long, float, int, float)
 #define PREFIXKV_INST_PREFILL(T, D, BS) \
   template __global__ void prefixkv::paged_prefill_kernel<T, D, BS> PREFIXKV_PREFILL_PARAMS(T);
 #define PREFIXKV_INST_PREFILL_MMA(T, D, BS) \

@@ -151,3 +151,19 @@ def test_torch_attention_backend_on_cuda_equals_transformers(gpu_model):
               max_num_seqs=8)
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == refs
+
+
+@pytest.mark.parametrize("arch,head_dim", [("gemma2", 256), ("mistral-window", 64), ("gemma3", 128)])
+def test_gpu_windowed_and_capped_models_equal_transformers(tmp_path, arch, head_dim):
+    """Issue 15: sliding-window layers (windows of 4 and 8) and Gemma 2's soft-capped scores and
+    logits through the CUDA kernels (head_dim 256: the SIMT prefill tiles), greedy against
+    transformers on the GPU, chunked and not."""
+    vocab = build_tokenizer(tmp_path)
+    build_model(tmp_path, arch, vocab, head_dim=head_dim)
+    prompts = _prompts(7, seed=5)
+    refs = _hf_greedy(tmp_path, prompts, 12)
+    for chunk in (512, 24):
+        llm = LLM(model=str(tmp_path), device="cuda", dtype="float32", block_size=16, max_num_batched_tokens=chunk,
+                  num_kv_blocks=256, max_num_seqs=16)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        assert [o.token_ids for o in outs] == refs, chunk

@@ -238,3 +238,35 @@ def test_wrapper_rejects_bad_shapes_with_clear_messages():
     with pytest.raises(ValueError, match="impl"):
         kernels.paged_prefill_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], b["query_start_loc"],
                                         1.0, 1, impl="fast")
+
+
+WINDOW_CASES = [
+    # kind, dtype, head_dim, block_size, num_kv_heads, queries_per_kv, window, softcap, specs
+    ("decode", BF16, 256, 16, 1, 2, 70, 50.0, [(20, 1), (200, 1), (1500, 1)]),
+    ("decode-split", BF16, 128, 16, 2, 8, 600, None, [(90, 1), (1100, 1), (2000, 1)]),
+    ("simt", BF16, 256, 16, 1, 2, 48, 50.0, [(40, 40), (300, 70), (120, 1)]),
+    ("mma", F16, 128, 16, 2, 4, 33, None, [(150, 150), (400, 90), (64, 1)]),
+    ("mma", BF16, 64, 32, 1, 7, 512, 30.0, [(900, 300), (70, 70)]),
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-d{c[2]}-w{c[6]}-cap{c[7]}")
+def test_window_and_softcap(case):
+    """Sliding windows and soft-capped scores (issue 15) on the device, against the reference."""
+    kind, dtype, head_dim, block_size, num_kv_heads, qpk, window, softcap, specs = case
+    b = make_batch(dtype, head_dim, block_size, num_kv_heads, qpk, specs)
+    scale = 1 / math.sqrt(head_dim)
+    if kind.startswith("decode"):
+        out = kernels.paged_decode_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], scale,
+                                             b["max_seq_len"], split_k=kind == "decode-split", window=window,
+                                             softcap=softcap)
+    else:
+        out = kernels.paged_prefill_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"],
+                                              b["query_start_loc"], scale, b["max_query_len"], impl=kind,
+                                              window=window, softcap=softcap)
+    torch.cuda.synchronize()
+    want = reference_attention(b["q"], b["cache"].nan_to_num(), b["block_tables"], b["seq_lens"],
+                               b["query_start_loc"], scale, window=window, softcap=softcap)
+    got = out.double().cpu()
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
