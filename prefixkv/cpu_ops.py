@@ -80,10 +80,10 @@ def load() -> ctypes.CDLL | None:
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     for suffix, scalar in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
         fn = getattr(lib, f"paged_decode_attention_{suffix}")
-        fn.argtypes = [p, i64, p, p, p, p, i32, i32, i32, i32, i32, i32, i64, scalar]
+        fn.argtypes = [p, i64, p, p, p, p, i32, i32, i32, i32, i32, i32, i64, scalar, i32, scalar]
         fn.restype = None
     lib.paged_prefill_attention_f32.argtypes = [p, i64, p, p, p, p, p, i32, i32, i32, i32, i32, i32, i64,
-                                                ctypes.c_float]
+                                                ctypes.c_float, i32, ctypes.c_float]
     lib.paged_prefill_attention_f32.restype = i32
     lib.add_rmsnorm_f32.argtypes = [p, i64, p, i64, p, i64, p, p, i64, i32, i32, ctypes.c_float]
     lib.rope_f32.argtypes = [p, i64, p, p, i32, i32, i32]
@@ -166,11 +166,12 @@ def supports_prefill(q: torch.Tensor, kv_cache_layer: torch.Tensor) -> bool:
 
 def paged_prefill_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                            out: torch.Tensor) -> bool:
+                            out: torch.Tensor, window: int | None = None, softcap: float | None = None) -> bool:
     """Causal attention of prefill chunks: q [T, H, D] (rows may be strided) holds the query tokens
     of S sequences, ``query_start_loc`` [S + 1] int32 (from 0) delimits them; sequence s's queries
     are its last ``qlen`` positions of ``seq_lens[s]``. Writes out [T, H, D] (contiguous). False
-    when the library has no kernel for these shapes (nothing written)."""
+    when the library has no kernel for these shapes (nothing written). ``window``: a query at p sees
+    keys p - window < j <= p only; ``softcap``: scores -> softcap * tanh(score / softcap)."""
     t, h, d = q.shape
     _, nb1, kvh, bs, _ = kv_cache_layer.shape
     s = seq_lens.shape[0]
@@ -180,13 +181,16 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block
     block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
     return bool(load().paged_prefill_attention_f32(
         q.data_ptr(), q.stride(0), kv_cache_layer.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-        query_start_loc.data_ptr(), out.data_ptr(), s, h, kvh, d, bs, block_tables.shape[1], nb1, scale))
+        query_start_loc.data_ptr(), out.data_ptr(), s, h, kvh, d, bs, block_tables.shape[1], nb1, scale,
+        window or 0, softcap or 0.0))
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                           seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q [B, H, D] (one query per sequence, at its last position; rows may be strided, heads
-    contiguous) -> out [B, H, D] (contiguous; allocated when not given).
+    contiguous) -> out [B, H, D] (contiguous; allocated when not given). ``window``: the query sees
+    its last ``window`` keys only (earlier blocks are not read); ``softcap``: scores capped.
 
     kv_cache_layer [2, num_blocks + 1, KVH, BS, D]; block_tables [B, max_blocks] int32;
     seq_lens [B] int32 (context length including the query token). Call ``supports_decode`` first."""
@@ -202,7 +206,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_
     assert out.shape == (b, h, d) and out.is_contiguous() and out.dtype == q.dtype
     fn = getattr(load(), f"paged_decode_attention_{_SUFFIX[q.dtype]}")
     fn(q.data_ptr(), q.stride(0), kv_cache_layer.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-       out.data_ptr(), b, h, kvh, d, bs, block_tables.shape[1], nb1, scale)
+       out.data_ptr(), b, h, kvh, d, bs, block_tables.shape[1], nb1, scale, window or 0, softcap or 0.0)
     return out
 
 

@@ -142,8 +142,8 @@ class LLMEngine:
         from prefixkv.model.linear import Linear
 
         cfg = self.config
-        if self.model.shape.masked_attention:
-            return "sliding-window or soft-capped layers take the torch attention path (one matmul per sequence)"
+        if self.model.shape.gemma:
+            return "Gemma's (1 + weight) RMSNorms run in torch, not in the C kernels the mode needs"
         if cfg.device != "cpu" or self.dtype != "float32":
             return f"is implemented for device 'cpu' in float32 (got {cfg.device!r}, {self.dtype})"
         if backend.name != "cpu":

@@ -226,3 +226,77 @@ def test_prefill_kernel_result_of_a_query_does_not_depend_on_its_chunk():
                                             torch.tensor([0, c], dtype=torch.int32), 0.125, out)
             assert torch.equal(out, whole[pos:pos + c]), (cuts, pos)
             pos += c
+
+
+# ------------------------------------------------------------- sliding windows and soft-capping
+def _nan_before_windows(b, specs, window, block_size):
+    """NaN in every block wholly before every query's window: a kernel that reads one shows."""
+    for s, (seq_len, qlen) in enumerate(specs):
+        first_seen = max(0, seq_len - qlen - window + 1)
+        for j in range(first_seen // block_size):
+            b["cache"][:, b["block_tables"][s, j]] = float("nan")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("head_dim,block_size,group", [(64, 16, 3), (128, 16, 2), (64, 32, 2), (32, 4, 1)])
+@pytest.mark.parametrize("window,softcap", [(1, None), (5, None), (17, 30.0), (None, 2.0), (1000, None)])
+def test_decode_kernel_window_and_softcap(dtype, head_dim, block_size, group, window, softcap):
+    b = make_batch(dtype, head_dim, block_size, 2, group, SPECS, seed=7)
+    if window is not None:
+        _nan_before_windows(b, SPECS, window, block_size)
+    seq_lens = torch.tensor([s for s, _ in SPECS], dtype=torch.int32)
+    scale = head_dim ** -0.5
+    out = cpu_ops.paged_decode_attention(b["q"] * 4, b["cache"], b["block_tables"], seq_lens, scale,
+                                         window=window, softcap=softcap)
+    qsl = torch.arange(len(SPECS) + 1, dtype=torch.int32)
+    ref = reference_attention(b["q"] * 4, b["cache"].nan_to_num(), b["block_tables"], seq_lens, qsl, scale,
+                              window=window, softcap=softcap)
+    assert not out.isnan().any()
+    # q scaled by 4: larger scores, so float32 rounding a little above the plain tests' 2e-6
+    assert (out.double() - ref).abs().max().item() < (1e-12 if dtype == torch.float64 else 1e-5)
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 16), (64, 1)])
+@pytest.mark.parametrize("window,softcap", [(1, None), (9, None), (40, 25.0), (None, 3.0)])
+def test_prefill_kernel_window_and_softcap(head_dim, block_size, window, softcap):
+    b = make_batch(torch.float32, head_dim, block_size, 2, 2, PREFILL_SPECS, seed=3)
+    if window is not None:
+        _nan_before_windows(b, PREFILL_SPECS, window, block_size)
+    out = torch.empty_like(b["q"])
+    q = b["q"] * 4
+    if not cpu_ops.paged_prefill_attention(q, b["cache"], b["block_tables"], b["seq_lens"], b["query_start_loc"],
+                                           head_dim ** -0.5, out, window=window, softcap=softcap):
+        pytest.skip("no AVX-512 on this CPU: prefill chunks keep the torch path")
+    ref = reference_attention(q, b["cache"].nan_to_num(), b["block_tables"], b["seq_lens"], b["query_start_loc"],
+                              head_dim ** -0.5, window=window, softcap=softcap)
+    assert not out.isnan().any() and (out.double() - ref).abs().max().item() < 1e-5
+
+
+def test_windowed_backend_uses_the_kernels_and_equals_the_torch_path():
+    """CpuAttentionBackend with a window and a cap (decodes and prefill chunks in one step) equals
+    the torch path's masked attention to float32 rounding, and in batch-invariant mode each
+    token's output is bitwise that of the token decoded alone."""
+    from prefixkv.attention.base import AttentionMetadata
+
+    specs = [(40, 1), (130, 1), (90, 33), (20, 20)]
+    b = make_batch(torch.float32, 64, 16, 2, 3, specs, seed=11)
+    qsl = b["query_start_loc"]
+    t = int(qsl[-1])
+    k = torch.randn(t, 2, 64)
+    v = torch.randn(t, 2, 64)
+    slots = torch.full((t,), b["cache"].shape[1] * 16 - 1, dtype=torch.int64)  # the dummy block's last slot
+    meta = lambda: AttentionMetadata(  # noqa: E731
+        slot_mapping=slots, query_start_loc=qsl, seq_lens=b["seq_lens"], block_tables=b["block_tables"],
+        num_decode_seqs=2, max_seq_len=b["max_seq_len"], max_query_len=b["max_query_len"],
+        seq_lens_cpu=b["seq_lens"].tolist(), query_start_loc_cpu=qsl.tolist())
+    cpu, ref = get_backend("cpu"), get_backend("torch")
+    got = cpu.forward(b["q"], k, v, b["cache"], meta(), 0.125, window=24, softcap=20.0)
+    want = ref.forward(b["q"], k, v, b["cache"], meta(), 0.125, window=24, softcap=20.0)
+    assert (got - want).abs().max().item() < 2e-6
+    cpu.batch_invariant = True
+    inv = cpu.forward(b["q"], k, v, b["cache"], meta(), 0.125, window=24, softcap=20.0)
+    assert (inv - want).abs().max().item() < 2e-6
+    alone = cpu_ops.paged_decode_attention(b["q"][2:3], b["cache"], b["block_tables"][2:3],
+                                           torch.tensor([90 - 33 + 1], dtype=torch.int32), 0.125,
+                                           window=24, softcap=20.0)  # the first prefill token, as a decode
+    assert torch.equal(inv[2:3], alone)

@@ -113,7 +113,9 @@ def test_unsupported_variants_are_refused(tiny_gemma2, tmp_path):
         LLM(model=str(act), dtype="float64")
 
 
-def test_windowed_and_capped_models_refuse_cuda_and_batch_invariance(tiny_gemma2):
-    with pytest.raises(ValueError, match=r"^batch_invariant: sliding-window or soft-capped layers"):
+def test_gemma_refuses_batch_invariance_windowed_models_do_not(tiny_gemma2, tiny_mistral_window):
+    with pytest.raises(ValueError, match=r"^batch_invariant: Gemma's \(1 \+ weight\) RMSNorms run in torch"):
         LLM(model=str(tiny_gemma2), dtype="float32", batch_invariant=True)
     assert LLM(model=str(tiny_gemma2), dtype="float32").engine.batch_invariant is False
+    # windows are in the C kernels: on by default (tests/test_batch_invariance.py checks it holds)
+    assert LLM(model=str(tiny_mistral_window), dtype="float32").engine.batch_invariant is True

@@ -54,11 +54,13 @@ float softmax_expf_scalar(float x) { return softmax_expf(x); }  /* for the tests
 #define MAXH 64
 #define MAXBS 64
 #define MAXD 256
-#define DEFINE_DECODE(T, SUFFIX, EXP, EXPV)                                                            \
+/* window > 0: the query (at position len - 1) sees keys len - window .. len - 1 only, and blocks
+ * before the window are never read; softcap > 0: scores -> softcap * tanh(score / softcap). */
+#define DEFINE_DECODE(T, SUFFIX, EXP, EXPV, TANH)                                                      \
 void paged_decode_attention_##SUFFIX(const T *q, int64_t ldq, const T *kv_layer,               \
                                      const int32_t *block_tables, const int32_t *seq_lens, T *out,\
                                      int B, int H, int KVH, int D, int BS, int max_blocks,       \
-                                     int64_t nb1, T scale) {                                     \
+                                     int64_t nb1, T scale, int window, T softcap) {              \
     const int G = H / KVH;                                                                       \
     const int64_t half = nb1 * (int64_t)KVH * BS * D; /* elements in the K (or V) half */        \
     const int64_t blk_elems = (int64_t)KVH * BS * D;                                             \
@@ -70,9 +72,10 @@ void paged_decode_attention_##SUFFIX(const T *q, int64_t ldq, const T *kv_layer,
         const int32_t *table = block_tables + (int64_t)b * max_blocks;                           \
         const int len = seq_lens[b];                                                             \
         const int nblocks = (len + BS - 1) / BS;                                                 \
+        const int lo = window > 0 && len > window ? len - window : 0; /* first key it sees */    \
         for (int h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0; }                              \
         memset(acc, 0, sizeof(T) * H * D);                                                       \
-        for (int j = 0; j < nblocks; j++) {                                                      \
+        for (int j = lo / BS; j < nblocks; j++) {                                                \
             const T *kb = kv_layer + (int64_t)table[j] * blk_elems;                              \
             const T *vb = kb + half;                                                             \
             if (j + 1 < nblocks) {                                                               \
@@ -84,16 +87,19 @@ void paged_decode_attention_##SUFFIX(const T *q, int64_t ldq, const T *kv_layer,
                 }                                                                                \
             }                                                                                    \
             const int n = len - j * BS < BS ? len - j * BS : BS;                                 \
+            const int t0 = lo > j * BS ? lo - j * BS : 0; /* keys before the window: skipped */  \
             for (int kh = 0; kh < KVH; kh++) {                                                   \
                 const T *kh_k = kb + (int64_t)kh * BS * D;                                       \
-                for (int t = 0; t < n; t++) {                                                    \
+                for (int t = t0; t < n; t++) {                                                   \
                     const T *kt = kh_k + (int64_t)t * D;                                         \
                     for (int g = 0; g < G; g++) {                                                \
                         const T *qh = qb + (int64_t)(kh * G + g) * D;                            \
                         T dot = 0;                                                               \
                         _Pragma("omp simd reduction(+:dot)")                                     \
                         for (int d = 0; d < D; d++) dot += qh[d] * kt[d];                        \
-                        s[(kh * G + g) * MAXBS + t] = dot * scale;                               \
+                        T x = dot * scale;                                                       \
+                        if (softcap > 0) x = softcap * TANH(x / softcap);                        \
+                        s[(kh * G + g) * MAXBS + t] = x;                                         \
                     }                                                                            \
                 }                                                                                \
             }                                                                                    \
@@ -101,12 +107,12 @@ void paged_decode_attention_##SUFFIX(const T *q, int64_t ldq, const T *kv_layer,
                 T *sh = s + h * MAXBS;                                                           \
                 T bm = m[h];                                                                     \
                 _Pragma("omp simd reduction(max:bm)")                                            \
-                for (int t = 0; t < n; t++) bm = sh[t] > bm ? sh[t] : bm;                        \
+                for (int t = t0; t < n; t++) bm = sh[t] > bm ? sh[t] : bm;                       \
                 const T alpha = EXP(m[h] - bm); /* 0 on the first block (m = -inf) */            \
                 T lsum = 0;                                                                      \
                 _Pragma("omp simd")                                                              \
-                for (int t = 0; t < n; t++) sh[t] = EXPV(sh[t] - bm);                            \
-                for (int t = 0; t < n; t++) lsum += sh[t];                                       \
+                for (int t = t0; t < n; t++) sh[t] = EXPV(sh[t] - bm);                           \
+                for (int t = t0; t < n; t++) lsum += sh[t];                                      \
                 T *ah = acc + (int64_t)h * D;                                                    \
                 _Pragma("omp simd")                                                              \
                 for (int d = 0; d < D; d++) ah[d] *= alpha;                                      \
@@ -115,7 +121,7 @@ void paged_decode_attention_##SUFFIX(const T *q, int64_t ldq, const T *kv_layer,
             }                                                                                    \
             for (int kh = 0; kh < KVH; kh++) {                                                   \
                 const T *kh_v = vb + (int64_t)kh * BS * D;                                       \
-                for (int t = 0; t < n; t++) {                                                    \
+                for (int t = t0; t < n; t++) {                                                   \
                     const T *vt = kh_v + (int64_t)t * D;                                         \
                     for (int g = 0; g < G; g++) {                                                \
                         const int h = kh * G + g;                                                \
@@ -135,8 +141,8 @@ void paged_decode_attention_##SUFFIX(const T *q, int64_t ldq, const T *kv_layer,
     }                                                                                            \
 }
 
-DEFINE_DECODE(float, generic_f32, expf, softmax_expf)
-DEFINE_DECODE(double, f64, exp, exp)
+DEFINE_DECODE(float, generic_f32, expf, softmax_expf, tanhf)
+DEFINE_DECODE(double, f64, exp, exp, tanh)
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -184,9 +190,16 @@ static inline __m512 hsum16(const __m512 *v) {
  * then the P.V update of all GB heads together: each V row is loaded once, and GB * ND accumulator
  * chains run side by side (a head's own chain order is t = 0 .. n - 1 as before). */
 #define DECODE_GB 3
+static inline __attribute__((always_inline)) __m512 softcap16(__m512 x, float softcap) {
+    float v[16] __attribute__((aligned(64)));
+    _mm512_store_ps(v, x);
+    for (int i = 0; i < 16; i++) v[i] = softcap * tanhf(v[i] / softcap);
+    return _mm512_load_ps(v);
+}
+
 static inline __attribute__((always_inline)) void decode_block_heads(
         const int GB, const int ND, const float *qb, int h0, const float *kt, const float *vt, int n,
-        __mmask16 valid, float scale, float *m, float *l, float *acc) {
+        __mmask16 valid, float scale, float softcap, float *m, float *l, float *acc) {
     const int D = 16 * ND;
     float p[DECODE_GB][16] __attribute__((aligned(64)));
     __m512 alpha[DECODE_GB];
@@ -204,8 +217,9 @@ static inline __attribute__((always_inline)) void decode_block_heads(
                 dot[t] = _mm512_setzero_ps();
             }
         }
-        const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
-                                             _mm512_mul_ps(hsum16(dot), _mm512_set1_ps(scale)));
+        __m512 raw = _mm512_mul_ps(hsum16(dot), _mm512_set1_ps(scale));
+        if (softcap > 0) raw = softcap16(raw, softcap);
+        const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, raw);
         const float bm = fmaxf(m[h], _mm512_reduce_max_ps(sv));
         const float a = expf(m[h] - bm); /* 0 on the first block (m = -inf) */
         const __m512 pv = _mm512_maskz_mov_ps(valid, softmax_expf16(_mm512_sub_ps(sv, _mm512_set1_ps(bm))));
@@ -233,7 +247,7 @@ static inline __attribute__((always_inline)) void decode_block_heads(
  * block's [BS, D] rows were fetched once for the first head of the group). */
 static inline __attribute__((always_inline)) void decode_seq_avx512(
         const float *qb, const float *kv_layer, const int32_t *table, int len, float *ob, int H, int KVH,
-        int BS, int64_t half, float scale, const int ND) {
+        int BS, int64_t half, float scale, int window, float softcap, const int ND) {
     const int D = 16 * ND, G = H / KVH;
     const int64_t blk_elems = (int64_t)KVH * BS * D;
     float m[MAXH], l[MAXH];
@@ -241,7 +255,8 @@ static inline __attribute__((always_inline)) void decode_seq_avx512(
     for (int h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0; }
     memset(acc, 0, sizeof(float) * H * D);
     const int nblocks = (len + BS - 1) / BS;
-    for (int j = 0; j < nblocks; j++) {
+    const int lo = window > 0 && len > window ? len - window : 0;  /* the first key the query sees */
+    for (int j = lo / BS; j < nblocks; j++) {
         const float *kb = kv_layer + (int64_t)table[j] * blk_elems;
         const float *vb = kb + half;
         if (j + 1 < nblocks) {
@@ -253,15 +268,16 @@ static inline __attribute__((always_inline)) void decode_seq_avx512(
             }
         }
         const int n = len - j * BS < BS ? len - j * BS : BS;
-        const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+        const int skip = lo > j * BS ? lo - j * BS : 0;  /* keys of the block before the window */
+        const __mmask16 valid = (__mmask16)(((1u << n) - 1u) & ~((1u << skip) - 1u));
         for (int kh = 0; kh < KVH; kh++) {
             const float *kt = kb + (int64_t)kh * BS * D, *vt = vb + (int64_t)kh * BS * D;
             for (int h0 = kh * G; h0 < (kh + 1) * G; h0 += DECODE_GB) {
                 const int gb = (kh + 1) * G - h0 < DECODE_GB ? (kh + 1) * G - h0 : DECODE_GB;
                 switch (gb) {
-                case 1: decode_block_heads(1, ND, qb, h0, kt, vt, n, valid, scale, m, l, acc); break;
-                case 2: decode_block_heads(2, ND, qb, h0, kt, vt, n, valid, scale, m, l, acc); break;
-                default: decode_block_heads(3, ND, qb, h0, kt, vt, n, valid, scale, m, l, acc); break;
+                case 1: decode_block_heads(1, ND, qb, h0, kt, vt, n, valid, scale, softcap, m, l, acc); break;
+                case 2: decode_block_heads(2, ND, qb, h0, kt, vt, n, valid, scale, softcap, m, l, acc); break;
+                default: decode_block_heads(3, ND, qb, h0, kt, vt, n, valid, scale, softcap, m, l, acc); break;
                 }
             }
         }
@@ -286,7 +302,8 @@ static inline __attribute__((always_inline)) void decode_seq_avx512(
  * running max unchanged, alpha exactly 1), so a query's result is the same in any tile or chunk. */
 static inline __attribute__((always_inline)) void prefill_tile_avx512(
         const float *q, int64_t ldq, const float *kv_layer, const int32_t *table, int ctx, int qlen, int i0,
-        float *out, int H, int KVH, int kh, int BS, int64_t half, float scale, const int ND) {
+        float *out, int H, int KVH, int kh, int BS, int64_t half, float scale, int window, float softcap,
+        const int ND) {
     const int D = 16 * ND, G = H / KVH;
     const int64_t blk_elems = (int64_t)KVH * BS * D;
     const int nq = qlen - i0 < 16 ? qlen - i0 : 16;
@@ -298,6 +315,9 @@ static inline __attribute__((always_inline)) void prefill_tile_avx512(
     int32_t qpos[16];
     for (int lane = 0; lane < 16; lane++) qpos[lane] = lane < nq ? ctx + i0 + lane : -1;  /* -1: padding */
     const __m512i vpos = _mm512_loadu_si512(qpos);
+    /* window: lane i sees keys qpos - window < j <= qpos; the tile starts at its first lane's window */
+    const __m512i vlow = _mm512_sub_epi32(vpos, _mm512_set1_epi32(window > 0 ? window : 1 << 30));
+    const int first_key = window > 0 && ctx + i0 - window + 1 > 0 ? ctx + i0 - window + 1 : 0;
     const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
         const int h = kh * G + g;
@@ -306,7 +326,7 @@ static inline __attribute__((always_inline)) void prefill_tile_avx512(
                 qt[d * 16 + lane] = lane < nq ? q[(int64_t)(i0 + lane) * ldq + (int64_t)h * D + d] : 0.0f;
         __m512 m = ninf, l = zero;
         memset(acc, 0, sizeof(float) * 16 * D);
-        for (int j = 0; j < nblocks; j++) {
+        for (int j = first_key / BS; j < nblocks; j++) {
             const float *kt = kv_layer + (int64_t)table[j] * blk_elems + (int64_t)kh * BS * D;
             const float *vt = kt + half;
             const int n = last_pos - j * BS + 1 < BS ? last_pos - j * BS + 1 : BS;
@@ -326,7 +346,9 @@ static inline __attribute__((always_inline)) void prefill_tile_avx512(
                 }
                 __m512 sc = _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3));
                 sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
-                const __mmask16 visible = _mm512_cmpge_epi32_mask(vpos, _mm512_set1_epi32(j * BS + t));
+                if (softcap > 0) sc = softcap16(sc, softcap);
+                const __m512i key = _mm512_set1_epi32(j * BS + t);
+                const __mmask16 visible = _mm512_cmpge_epi32_mask(vpos, key) & _mm512_cmplt_epi32_mask(vlow, key);
                 sc = _mm512_mask_blend_ps(visible, ninf, sc);
                 _mm512_store_ps(pbuf + t * 16, sc);
                 bmax = _mm512_max_ps(bmax, sc);
@@ -338,7 +360,8 @@ static inline __attribute__((always_inline)) void prefill_tile_avx512(
             __m512 lsum = zero;
             for (int t = 0; t < n; t++) {
                 const __m512 pt = _mm512_maskz_mov_ps(live, softmax_expf16(_mm512_sub_ps(_mm512_load_ps(pbuf + t * 16), base)));
-                const __mmask16 vis = _mm512_cmpge_epi32_mask(vpos, _mm512_set1_epi32(j * BS + t));
+                const __m512i key = _mm512_set1_epi32(j * BS + t);
+                const __mmask16 vis = _mm512_cmpge_epi32_mask(vpos, key) & _mm512_cmplt_epi32_mask(vlow, key);
                 const __m512 p = _mm512_maskz_mov_ps(vis, pt);  /* masked keys: exactly 0 */
                 _mm512_store_ps(pbuf + t * 16, p);
                 lsum = _mm512_add_ps(lsum, p);
@@ -384,7 +407,8 @@ static inline __attribute__((always_inline)) void prefill_tile_avx512(
 /* Returns 0 when these shapes have no kernel here (the caller keeps the torch path). */
 int paged_prefill_attention_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
                                 const int32_t *seq_lens, const int32_t *query_start_loc, float *out, int S,
-                                int H, int KVH, int D, int BS, int max_blocks, int64_t nb1, float scale) {
+                                int H, int KVH, int D, int BS, int max_blocks, int64_t nb1, float scale,
+                                int window, float softcap) {
     if (!(D == 64 || D == 128) || BS > MAXBS || H > MAXH) return 0;
     const int64_t half = nb1 * (int64_t)KVH * BS * D;
     int num_items = 0;
@@ -404,26 +428,28 @@ int paged_prefill_attention_f32(const float *q, int64_t ldq, const float *kv_lay
         const int ctx = seq_lens[s] - qlen;
         if (D == 64)
             prefill_tile_avx512(qs, ldq, kv_layer, block_tables + (int64_t)s * max_blocks, ctx, qlen, 16 * tile, os,
-                                H, KVH, kh, BS, half, scale, 4);
+                                H, KVH, kh, BS, half, scale, window, softcap, 4);
         else
             prefill_tile_avx512(qs, ldq, kv_layer, block_tables + (int64_t)s * max_blocks, ctx, qlen, 16 * tile, os,
-                                H, KVH, kh, BS, half, scale, 8);
+                                H, KVH, kh, BS, half, scale, window, softcap, 8);
     }
     return 1;
 }
 #else
 int paged_prefill_attention_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
                                 const int32_t *seq_lens, const int32_t *query_start_loc, float *out, int S,
-                                int H, int KVH, int D, int BS, int max_blocks, int64_t nb1, float scale) {
+                                int H, int KVH, int D, int BS, int max_blocks, int64_t nb1, float scale,
+                                int window, float softcap) {
     (void)q; (void)ldq; (void)kv_layer; (void)block_tables; (void)seq_lens; (void)query_start_loc; (void)out;
     (void)S; (void)H; (void)KVH; (void)D; (void)BS; (void)max_blocks; (void)nb1; (void)scale;
+    (void)window; (void)softcap;
     return 0;
 }
 #endif
 
 void paged_decode_attention_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
                                 const int32_t *seq_lens, float *out, int B, int H, int KVH, int D, int BS,
-                                int max_blocks, int64_t nb1, float scale) {
+                                int max_blocks, int64_t nb1, float scale, int window, float softcap) {
 #if defined(__AVX512F__)
     if (BS <= 16 && (D == 64 || D == 128)) {
         const int64_t half = nb1 * (int64_t)KVH * BS * D;
@@ -433,15 +459,15 @@ void paged_decode_attention_f32(const float *q, int64_t ldq, const float *kv_lay
             const int32_t *table = block_tables + (int64_t)b * max_blocks;
             float *ob = out + (int64_t)b * H * D;
             if (D == 64)
-                decode_seq_avx512(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, 4);
+                decode_seq_avx512(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 4);
             else
-                decode_seq_avx512(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, 8);
+                decode_seq_avx512(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 8);
         }
         return;
     }
 #endif
     paged_decode_attention_generic_f32(q, ldq, kv_layer, block_tables, seq_lens, out, B, H, KVH, D, BS,
-                                       max_blocks, nb1, scale);
+                                       max_blocks, nb1, scale, window, softcap);
 }
 
 /* The limits the fixed-size scratch above assumes (checked by the Python wrapper too). */
