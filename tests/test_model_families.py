@@ -119,3 +119,36 @@ def test_gemma_refuses_batch_invariance_windowed_models_do_not(tiny_gemma2, tiny
     assert LLM(model=str(tiny_gemma2), dtype="float32").engine.batch_invariant is False
     # windows are in the C kernels: on by default (tests/test_batch_invariance.py checks it holds)
     assert LLM(model=str(tiny_mistral_window), dtype="float32").engine.batch_invariant is True
+
+
+
+@pytest.mark.slow
+def test_qwen3_gguf_loads_through_the_one_loader_and_equals_transformers(tmp_path, monkeypatch):
+    """A Qwen3 GGUF (written by the gguf package as llama.cpp lays it out, head_dim 32 where the
+    config class's default is 128) converts through transformers' GGUF mapping and generates what
+    transformers generates from the HF original."""
+    from tiny_models import build_model, write_gguf
+
+    monkeypatch.setenv("PREFIXKV_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "src"
+    src.mkdir()
+    # as Qwen3 ships (no windowed layers: llama.cpp's GGUF keys have none for qwen3)
+    build_model(src, "qwen3", 49152, use_sliding_window=False, sliding_window=None,
+                layer_types=["full_attention", "full_attention"])
+    (tmp_path / "gguf").mkdir()
+    gguf_file = write_gguf(src, tmp_path / "gguf" / "tiny-qwen3.gguf", "qwen3")
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float64)
+    prompt = [5, 17, 99, 3, 250, 7, 11, 4000, 31000, 12]
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                       pad_token_id=0)[0, len(prompt):].tolist()
+    llm = LLM(model=str(gguf_file), dtype="float64")
+    assert llm.engine.model.shape.model_type == "qwen3" and llm.engine.model.shape.head_dim == 32
+    out = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == want
+    # the GGUF's own tokenizer came with it (SmolLM2's, here)
+    from transformers import AutoTokenizer
+
+    smol = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    assert llm.tokenizer.encode("Hello world, héllo") == smol.encode("Hello world, héllo")

@@ -109,3 +109,50 @@ def build_model(path: Path, arch: str, vocab_size: int, seed: int = 0, **overrid
                 p.normal_(0.0, 0.3)
     model.save_pretrained(str(path), safe_serialization=True)
     return path
+
+
+def write_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
+    """A GGUF file of a tiny HF model (float32 tensors under llama.cpp's names, the config as GGUF
+    keys, the embedded SmolLM2's tokenizer, so the model's vocabulary must be its 49152), written
+    with the gguf package: what llama.cpp's converter would write for these architectures."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    from prefixkv.model.loader import embedded_gguf_path
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tensors = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg["num_hidden_layers"])
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_vocab_size(cfg["vocab_size"])
+    fields = gguf.GGUFReader(str(embedded_gguf_path())).fields
+    w.add_tokenizer_model(fields["tokenizer.ggml.model"].contents())
+    w.add_tokenizer_pre(fields["tokenizer.ggml.pre"].contents())
+    w.add_token_list(fields["tokenizer.ggml.tokens"].contents())
+    w.add_token_types(fields["tokenizer.ggml.token_type"].contents())
+    w.add_token_merges(fields["tokenizer.ggml.merges"].contents())
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(2)
+    w.add_chat_template(fields["tokenizer.chat_template"].contents())
+    for name, t in tensors.items():
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), t.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

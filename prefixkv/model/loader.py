@@ -92,6 +92,37 @@ _GGUF_NAMES = {
 }
 
 
+# GGUF architectures converted through transformers' own GGUF mapping (names, config keys, the
+# dequantization), for families whose llama.cpp layout prefixkv's converter below does not know.
+# Only what a test converts end to end is listed (transformers maps more: phi3, gemma2/3, qwen3moe,
+# each with its own llama.cpp quirks, e.g. Gemma's norms stored as 1 + w; not verified here yet).
+_GGUF_VIA_TRANSFORMERS = ("qwen3",)
+
+
+def _convert_gguf_with_transformers(gguf_path: Path, out: Path, reader, arch: str) -> None:
+    """transformers' GGUF reader (``load_gguf_checkpoint``) into a plain HF directory: config,
+    float32 safetensors, tokenizer. Its Qwen3 config mapping drops ``attention.key_length``
+    (head_dim then falls back to the config class's default): taken from the file here."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    cfg = dict(load_gguf_checkpoint(str(gguf_path))["config"])
+    key_length = reader.fields.get(f"{arch}.attention.key_length")
+    if key_length is not None:
+        cfg["head_dim"] = int(key_length.contents())
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    if getattr(config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+    save_file({k: v.float().contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt", "source": gguf_path.name})
+    config.save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(out))
+
+
 def _convert_gguf_into(gguf_path: Path, out: Path) -> None:
     import gguf
     from safetensors.torch import save_file
@@ -103,8 +134,11 @@ def _convert_gguf_into(gguf_path: Path, out: Path) -> None:
         return default if f is None else f.contents()
 
     arch = field("general.architecture")
+    if arch in _GGUF_VIA_TRANSFORMERS:
+        return _convert_gguf_with_transformers(gguf_path, out, reader, arch)
     if arch not in ("llama", "qwen2"):
-        raise ValueError(f"model: GGUF architecture {arch!r} is not supported (llama, qwen2)")
+        raise ValueError(f"model: GGUF architecture {arch!r} is not supported "
+                         f"(llama, qwen2, {', '.join(_GGUF_VIA_TRANSFORMERS)})")
     n_head = int(field(f"{arch}.attention.head_count"))
     n_kv = int(field(f"{arch}.attention.head_count_kv", n_head))
     hidden = int(field(f"{arch}.embedding_length"))
