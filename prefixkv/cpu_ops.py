@@ -89,6 +89,8 @@ def load() -> ctypes.CDLL | None:
     lib.rope_f32.argtypes = [p, i64, p, p, i32, i32, i32]
     lib.rope_f64.argtypes = [p, i64, p, p, i32, i32, i32]
     lib.silu_mul_f32.argtypes = [p, i64, p, i64, i32, i32]
+    lib.gelu_tanh_mul_f32.argtypes = [p, i64, p, i64, i32, i32]
+    lib.softcap_f32.argtypes = [p, i64, ctypes.c_float]
     lib.gemm_pack_f32.argtypes = [p, i64, i32, i32, p]
     lib.gemm_f32.argtypes = [p, i64, p, p, p, i64, i32, i32, i32]
     lib.gemm_f32.restype = i32
@@ -241,6 +243,23 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     assert cos.dtype == sin.dtype == x.dtype and x.dtype in _SUFFIX
     getattr(load(), f"rope_{_SUFFIX[x.dtype]}")(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
                                                 t, heads, d)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """float32 gate_up [T, 2 * I] (gate, then up) -> gelu_tanh(gate) * up [T, I] (Gemma's GeGLU),
+    each element computed on its own (a row's result does not depend on the other rows)."""
+    assert gate_up.dtype == torch.float32
+    t, n2 = gate_up.shape
+    out = torch.empty((t, n2 // 2), dtype=gate_up.dtype)
+    load().gelu_tanh_mul_f32(gate_up.data_ptr(), _rows(gate_up), out.data_ptr(), n2 // 2, t, n2 // 2)
+    return out
+
+
+def softcap_(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """In place on a contiguous float32 tensor: x = cap * tanh(x / cap), element by element."""
+    assert x.dtype == torch.float32 and x.is_contiguous()
+    load().softcap_f32(x.data_ptr(), x.numel(), cap)
+    return x
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -88,7 +88,8 @@ def run_case(model_dir, prompts, case: str, block_size: int, batch_invariant: bo
 
 @needs_the_mode
 @pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_mistral", "tiny_qwen2", "tiny_mistral_window", "tiny_qwen3"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_mistral", "tiny_qwen2", "tiny_mistral_window", "tiny_qwen3",
+                                  "tiny_gemma2", "tiny_gemma3", "tiny_phi3", "tiny_mixtral", "tiny_qwen3_moe"])
 def test_batch_invariant_outputs_are_bitwise_the_prompt_alone(request, arch, block_size):
     model_dir = request.getfixturevalue(arch)
     prompts = make_prompts(384, seed=block_size)

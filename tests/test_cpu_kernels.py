@@ -300,3 +300,23 @@ def test_windowed_backend_uses_the_kernels_and_equals_the_torch_path():
                                            torch.tensor([90 - 33 + 1], dtype=torch.int32), 0.125,
                                            window=24, softcap=20.0)  # the first prefill token, as a decode
     assert torch.equal(inv[2:3], alone)
+
+
+def test_gelu_tanh_mul_and_softcap_match_torch_and_ignore_their_neighbours():
+    """Gemma's GeGLU and final-logit cap in C: within float32 rounding of the torch ops, and a row's
+    result bitwise the same alone or inside a larger batch (torch's vectorized tanh is not: a value
+    in a vector body and in a scalar tail can round differently)."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(37, 2 * 75, generator=g) * 3
+    out = cpu_ops.gelu_tanh_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=1)
+    want = F.gelu(gate.double(), approximate="tanh") * up.double()
+    assert (out.double() - want).abs().max().item() < 1e-5
+    for r in (0, 5, 36):
+        assert torch.equal(cpu_ops.gelu_tanh_mul(gate_up[r:r + 1].clone()), out[r:r + 1])
+    logits = torch.randn(7, 1001, generator=g) * 40
+    capped = cpu_ops.softcap_(logits.clone(), 30.0)
+    assert (capped.double() - torch.tanh(logits.double() / 30) * 30).abs().max().item() < 1e-4
+    assert torch.equal(cpu_ops.softcap_(logits[3:4].clone(), 30.0), capped[3:4])

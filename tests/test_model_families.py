@@ -22,12 +22,18 @@ def _hf(model_dir):
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float64, experts_implementation="eager")
 
 
-@pytest.mark.parametrize("arch,renormalize", [("tiny_mixtral", True), ("tiny_qwen3_moe", True),
-                                              ("tiny_qwen3_moe", False)])
-def test_moe_block_is_bitwise_transformers_with_tied_router_scores(request, arch, renormalize):
+@pytest.mark.parametrize("arch,renormalize,dtype", [("tiny_mixtral", True, "float64"), ("tiny_qwen3_moe", True, "float64"),
+                                                    ("tiny_qwen3_moe", False, "float64"),
+                                                    # bfloat16: where Mixtral's float32 weights and
+                                                    # Qwen3-MoE's cast-first differ in the bits
+                                                    ("tiny_mixtral", True, "bfloat16"),
+                                                    ("tiny_qwen3_moe", True, "bfloat16")])
+def test_moe_block_is_bitwise_transformers_with_tied_router_scores(request, arch, renormalize, dtype):
     model_dir = request.getfixturevalue(arch)
-    hf = _hf(model_dir)
-    ours, _ = load_model(model_dir, "float64", "cpu")
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype), experts_implementation="eager")
+    ours, _ = load_model(model_dir, dtype, "cpu")
     hf_block, our_block = hf.model.layers[0].mlp, ours.model.layers[0].mlp
     n = our_block.num_experts
     assert n >= 16 and len(our_block.experts) == n
@@ -39,7 +45,7 @@ def test_moe_block_is_bitwise_transformers_with_tied_router_scores(request, arch
     if arch == "tiny_qwen3_moe":
         hf_block.gate.norm_topk_prob = renormalize
         our_block.renormalize = renormalize
-    x = torch.randn(53, w.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(53, w.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(w.dtype)
     _, hf_weights, hf_ids = hf_block.gate(x)
     weights, ids = our_block.route(x)
     assert torch.equal(ids, hf_ids)
@@ -49,7 +55,8 @@ def test_moe_block_is_bitwise_transformers_with_tied_router_scores(request, arch
     want = hf_block(x[None])[0]  # [53, hidden]
     assert torch.equal(our_block(x), want)
     if renormalize:
-        torch.testing.assert_close(weights.double().sum(-1), torch.ones(53, dtype=torch.float64))
+        torch.testing.assert_close(weights.double().sum(-1), torch.ones(53, dtype=torch.float64),
+                                   atol=1e-2 if dtype == "bfloat16" else 1e-6, rtol=0)  # renormalised in float32
 
 
 def test_fused_expert_tensors_load_the_same(tiny_qwen3_moe, tmp_path):
@@ -113,12 +120,11 @@ def test_unsupported_variants_are_refused(tiny_gemma2, tmp_path):
         LLM(model=str(act), dtype="float64")
 
 
-def test_gemma_refuses_batch_invariance_windowed_models_do_not(tiny_gemma2, tiny_mistral_window):
-    with pytest.raises(ValueError, match=r"^batch_invariant: Gemma's \(1 \+ weight\) RMSNorms run in torch"):
-        LLM(model=str(tiny_gemma2), dtype="float32", batch_invariant=True)
-    assert LLM(model=str(tiny_gemma2), dtype="float32").engine.batch_invariant is False
-    # windows are in the C kernels: on by default (tests/test_batch_invariance.py checks it holds)
-    assert LLM(model=str(tiny_mistral_window), dtype="float32").engine.batch_invariant is True
+def test_batch_invariance_is_on_by_default_for_the_new_families(tiny_gemma2, tiny_mistral_window, tiny_mixtral):
+    """Windows and caps in the C kernels, Gemma's norms and GeGLU in C: nothing row-dependent is
+    left (tests/test_batch_invariance.py checks bitwise that it holds for every family)."""
+    for model_dir in (tiny_gemma2, tiny_mistral_window, tiny_mixtral):
+        assert LLM(model=str(model_dir), dtype="float32").engine.batch_invariant is True, model_dir
 
 
 
@@ -152,3 +158,59 @@ def test_qwen3_gguf_loads_through_the_one_loader_and_equals_transformers(tmp_pat
 
     smol = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
     assert llm.tokenizer.encode("Hello world, héllo") == smol.encode("Hello world, héllo")
+
+
+
+def _hf_next_logprobs(model_dir, prompt, dtype):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0, -1].double()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def test_gemma2_soft_caps_bind_and_match_transformers(tiny_gemma2, tmp_path):
+    """Gemma 2's attention and final-logit caps (3 and 5 in the tiny model) change the
+    distribution, and prefixkv's next-token logprobs equal transformers' with them."""
+    prompt = list(range(5, 60))
+    want = _hf_next_logprobs(tiny_gemma2, prompt, torch.float64)
+    out = LLM(model=str(tiny_gemma2), dtype="float64").generate(
+        [prompt], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))[0].outputs[0]
+    got = out.logprobs[0]
+    assert len(got) == 5
+    for tok, lp in got.items():  # (transformers' eager attention takes its softmax in float32: ~1e-7 apart)
+        assert abs(lp.logprob - want[tok].item()) < 1e-6, (tok, lp.logprob, want[tok].item())
+    uncapped = tmp_path / "uncapped"
+    shutil.copytree(tiny_gemma2, uncapped)
+    cfg = json.loads((uncapped / "config.json").read_text())
+    cfg["attn_logit_softcapping"] = cfg["final_logit_softcapping"] = None
+    (uncapped / "config.json").write_text(json.dumps(cfg))
+    plain = _hf_next_logprobs(uncapped, prompt, torch.float64)
+    assert (plain - want).abs().max().item() > 1e-2  # the caps are not idle
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "mistral-window"])
+def test_float32_head_dim_64_families_through_the_avx512_kernels(arch, tmp_path):
+    """float32, head_dim 64, block size 16: the C kernels' window / soft-cap paths (AVX-512 decode
+    and prefill), the fused C norms incl. Gemma's (1 + w) and GeGLU, against transformers in
+    float32: greedy ids equal and next-token logprobs within float32 rounding."""
+    from tiny_models import build_model, build_tokenizer
+
+    vocab = build_tokenizer(tmp_path)
+    build_model(tmp_path, arch, vocab, head_dim=64)
+    llm = LLM(model=str(tmp_path), dtype="float32", block_size=16, max_num_batched_tokens=24)
+    assert llm.engine.model.model.norm.fused and llm.engine.batch_invariant
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    rng = __import__("random").Random(3)
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (9, 40, 70)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1))
+    for p, o in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(p):].tolist()
+        assert o.outputs[0].token_ids == ref
+        want = _hf_next_logprobs(tmp_path, p, torch.float32)
+        first = o.outputs[0].logprobs[0][ref[0]].logprob
+        assert abs(first - want[ref[0]].item()) < 1e-4

@@ -84,10 +84,11 @@ def build_model(path: Path, arch: str, vocab_size: int, seed: int = 0, **overrid
                                           tie_word_embeddings=False)
         cls = transformers.Qwen3MoeForCausalLM
     elif arch in ("gemma2", "gemma3"):  # layers 0 and 2 a sliding window of 4 tokens, layer 1 full attention
-        gemma = dict(common, head_dim=32, sliding_window=4, query_pre_attn_scalar=32, tie_word_embeddings=True)
+        # query_pre_attn_scalar 24, not head_dim: a scale read from the wrong field shows
+        gemma = dict(common, head_dim=32, sliding_window=4, query_pre_attn_scalar=24, tie_word_embeddings=True)
         gemma["num_hidden_layers"] = 3
-        if arch == "gemma2":  # soft-capped attention scores (50) and logits (30), the defaults
-            cfg = transformers.Gemma2Config(**gemma)
+        if arch == "gemma2":  # soft caps small enough to bind (the real ones: 50 and 30)
+            cfg = transformers.Gemma2Config(**gemma, attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
             cls = transformers.Gemma2ForCausalLM
         else:
             # RoPE per layer type, as Gemma 3 ships: local base 1e4, global base 1e6 scaled linearly by 8

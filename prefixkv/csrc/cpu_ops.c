@@ -550,6 +550,28 @@ void silu_mul_f32(const float *gate_up, int64_t ld_in, float *out, int64_t ld_ou
         silu_mul_row(gate_up + r * ld_in, gate_up + r * ld_in + n, out + r * ld_out, n);
 }
 
+/* GeGLU (Gemma): gelu_tanh(gate) * up, each element on its own (scalar tanhf: the same result at
+ * any position, unlike a vectorized body with a scalar tail), as F.gelu(approximate="tanh"):
+ *     0.5 * g * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 * g^3)))                                  */
+void gelu_tanh_mul_f32(const float *gate_up, int64_t ld_in, float *out, int64_t ld_out, int rows, int n) {
+    const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+    #pragma omp parallel for schedule(static) if (rows >= 8)
+    for (int r = 0; r < rows; r++) {
+        const float *g = gate_up + r * ld_in, *u = g + n;
+        float *o = out + r * ld_out;
+        for (int i = 0; i < n; i++) {
+            const float x = g[i];
+            o[i] = 0.5f * x * (1.0f + tanhf(k0 * (x + k1 * x * x * x))) * u[i];
+        }
+    }
+}
+
+/* In place: x = cap * tanh(x / cap) (Gemma 2's final logits), element by element. */
+void softcap_f32(float *x, int64_t n, float cap) {
+    #pragma omp parallel for schedule(static) if (n >= 65536)
+    for (int64_t i = 0; i < n; i++) x[i] = cap * tanhf(x[i] / cap);
+}
+
 /* ----------------------------------------------------------------------------------------------
  * Dense GEMM of the decoder's projections, float32:  y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]).
  *

@@ -65,17 +65,15 @@ class ModelShape:
     longrope_short_max: int | None = None
 
     @property
-    def has_windows(self) -> bool:
-        return any(w is not None for w in self.layer_windows)
-
-    @property
-    def masked_attention(self) -> bool:
-        """Some layer's attention has a sliding window or capped scores (the torch path's)."""
-        return self.has_windows or self.attn_softcap is not None
+    def is_moe(self) -> bool:
+        return any(self.moe_layers)
 
     @classmethod
     def from_hf_config(cls, cfg) -> "ModelShape":
         model_type = getattr(cfg, "model_type", "llama")
+        if model_type == "gemma3" and getattr(cfg, "text_config", None) is not None:
+            raise ValueError("model: this Gemma 3 checkpoint is the multimodal one (Gemma3ForConditionalGeneration); "
+                             "prefixkv serves text-only gemma3_text checkpoints (Gemma3ForCausalLM)")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"model: architecture {model_type!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
@@ -83,8 +81,9 @@ class ModelShape:
         gemma = model_type in GEMMA
         act = (getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)) if gemma else \
             getattr(cfg, "hidden_act", "silu")
-        if act not in ("silu", "gelu_pytorch_tanh"):
-            raise ValueError(f"model: hidden_act {act!r} is not supported (silu, gelu_pytorch_tanh)")
+        if act not in ("silu", "gelu_pytorch_tanh") or (act != "silu" and model_type in ("mixtral", "qwen3_moe")):
+            raise ValueError(f"model: hidden_act {act!r} is not supported for {model_type} "
+                             f"({'silu' if model_type in ('mixtral', 'qwen3_moe') else 'silu, gelu_pytorch_tanh'})")
         if gemma and getattr(cfg, "use_bidirectional_attention", None):
             raise ValueError("model: use_bidirectional_attention (non-causal Gemma) is not supported")
         window = getattr(cfg, "sliding_window", None)
@@ -116,7 +115,9 @@ class ModelShape:
             windows = (None,) * cfg.num_hidden_layers
         params = getattr(cfg, "rope_parameters", None) or {}
         per_type = types is not None and all(t in params for t in set(types))  # Gemma 3: a table per type
-        partial = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) if not per_type else 1.0
+        # partial rotary: Phi-3's (transformers' other families ignore the field in their RoPE)
+        partial = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) \
+            if model_type == "phi3" else 1.0
         rotary_dim = int(head_dim * partial)
         longrope = None
         if not per_type and params.get("rope_type") in ("longrope", "su"):
@@ -162,7 +163,9 @@ def rope_inv_freq(cfg, head_dim: int, layer_type: str = "default") -> tuple[torc
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        dim = int(head_dim * params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)))
+        partial = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) \
+            if getattr(cfg, "model_type", None) == "phi3" else 1.0
+        dim = int(head_dim * partial)
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -196,6 +199,8 @@ class RMSNorm(nn.Module):
         self.fused = False  # the C kernel (float32 on CPU; LlamaModel.use_cpu_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:  # the C kernel (rows of the last dim: [T, N], or q/k heads [T, H, D])
+            return cpu_ops.add_rmsnorm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps)[0].view(x.shape)
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -212,21 +217,34 @@ class RMSNorm(nn.Module):
 
 class GemmaRMSNorm(nn.Module):
     """Gemma's: ``(1 + weight)``, the normalisation and the scaling both in float32, one cast at
-    the end (a float64 model's norms run in float32 too, as transformers')."""
-
-    fused = False
+    the end (a float64 model's norms run in float32 too, as transformers'). Fused (float32 on
+    CPU): the C RMSNorm kernel with ``1 + weight`` as its weight (the same product), which also
+    makes a row's result independent of the other rows (batch invariance)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden_size))
         self.eps = eps
+        self._fused_weight: torch.Tensor | None = None  # 1 + weight in float32, while fused
+
+    @property
+    def fused(self) -> bool:
+        return self._fused_weight is not None
+
+    @fused.setter
+    def fused(self, on: bool) -> None:
+        self._fused_weight = (1.0 + self.weight.detach().float()).contiguous() if on else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused_weight is not None:
+            return cpu_ops.add_rmsnorm(x.reshape(-1, x.shape[-1]), None, self._fused_weight, self.eps)[0].view(x.shape)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).type_as(x)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._fused_weight is not None:
+            return cpu_ops.add_rmsnorm(x, residual, self._fused_weight, self.eps)
         h = x if residual is None else x + residual
         return self(h), h
 
@@ -305,7 +323,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_act:
-            return self.down_proj(cpu_ops.silu_mul(self.gate_up_proj.whole(x)))
+            gate_up = self.gate_up_proj.whole(x)
+            return self.down_proj(cpu_ops.gelu_tanh_mul(gate_up) if self.gelu else cpu_ops.silu_mul(gate_up))
         gate, up = self.gate_up_proj(x)  # [T, I] each
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(act * up)
@@ -384,10 +403,10 @@ class LlamaModel(nn.Module):
         f32 = ok and dtype == torch.float32
         for layer in self.model.layers:
             layer.self_attn.fused_rope = rope
-            layer.mlp.fused_act = f32 and not getattr(layer.mlp, "gelu", False)  # the C kernel is SiLU's
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                norm.fused = f32 and isinstance(norm, RMSNorm)
-        self.model.norm.fused = f32 and isinstance(self.model.norm, RMSNorm)
+            layer.mlp.fused_act = f32  # SiLU-and-mul or GeGLU in C
+        for m in self.modules():  # every norm: the layers', q/k per head, Gemma's (1 + w) ones, the final
+            if isinstance(m, (RMSNorm, GemmaRMSNorm)):
+                m.fused = f32
         return rope
 
     def prepack(self, kind: str) -> bool:
@@ -445,5 +464,8 @@ class LlamaModel(nn.Module):
         logits = self.logits(h)
         if self.shape.final_softcap is not None:
             cap = self.shape.final_softcap
-            logits = torch.tanh(logits / cap) * cap
+            if self.model.norm.fused and logits.is_contiguous():  # element by element in C: row-invariant
+                cpu_ops.softcap_(logits, cap)
+            else:
+                logits = torch.tanh(logits / cap) * cap
         return logits if logits.dtype == torch.float64 else logits.float()

@@ -153,11 +153,11 @@ def test_torch_attention_backend_on_cuda_equals_transformers(gpu_model):
     assert [o.token_ids for o in outs] == refs
 
 
-@pytest.mark.parametrize("arch,head_dim", [("gemma2", 256), ("mistral-window", 64), ("gemma3", 128)])
+@pytest.mark.parametrize("arch,head_dim", [("gemma2", 256), ("mistral-window", 64), ("gemma3", 128), ("mixtral", 64)])
 def test_gpu_windowed_and_capped_models_equal_transformers(tmp_path, arch, head_dim):
     """Issue 15: sliding-window layers (windows of 4 and 8) and Gemma 2's soft-capped scores and
-    logits through the CUDA kernels (head_dim 256: the SIMT prefill tiles), greedy against
-    transformers on the GPU, chunked and not."""
+    logits through the CUDA kernels (head_dim 256: the SIMT prefill tiles), and sparse MoE (eager:
+    no CUDA graphs for it), greedy against transformers on the GPU, chunked and not."""
     vocab = build_tokenizer(tmp_path)
     build_model(tmp_path, arch, vocab, head_dim=head_dim)
     prompts = _prompts(7, seed=5)
