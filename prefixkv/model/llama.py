@@ -1,7 +1,10 @@
-"""The decoder forward pass over a paged KV cache, for the Llama family and its relatives: Llama
-(incl. Llama-3 RoPE scaling), Mistral (sliding window), Qwen2 (qkv bias, windowed layers), Qwen3
-(q/k RMSNorm per head). GQA, tied or untied embeddings, any head_dim, RMSNorm, SwiGLU; a layer's
-sliding window (``ModelShape.layer_windows``) goes to the attention backend with its query.
+"""The decoder forward pass over a paged KV cache, one decoder for the families prefixkv serves,
+their differences read from the HF config into ``ModelShape``: Llama (incl. Llama-3 RoPE
+scaling), Mistral (sliding window), Qwen2 (qkv bias, windowed layers), Qwen3 (q/k RMSNorm per
+head), Gemma 2 / 3 ((1 + w) norms around each branch, scaled embeddings, GeGLU, soft-capping,
+RoPE per layer type), Phi-3 (partial rotary, LongRoPE), and sparse MoE MLPs (``model/moe.py``:
+Mixtral, Qwen3-MoE). GQA, tied or untied embeddings, any head_dim; a layer's sliding window
+(``ModelShape.layer_windows``) and score cap go to the attention backend with its query.
 
 The arithmetic mirrors Hugging Face transformers' modeling code op for op (RMSNorm in fp32, RoPE
 cos/sin in fp32 then cast), so that outputs are the model's own, not an approximation of them.
