@@ -1,0 +1,768 @@
+"""The OpenAI-compatible API, transport-independent: request bodies in, ``Reply`` objects out.
+
+``OpenAIServing`` parses and validates requests (msgspec), renders chat templates and tokenizes off
+the event loop, builds ``SamplingParams``, adds requests to the ``AsyncEngine`` and turns its outputs
+into OpenAI's wire objects: a JSON body, or an SSE byte stream (``data: {json}\n\n`` ...
+``data: [DONE]\n\n``). It knows no HTTP library: ``server/app.py`` (aiohttp) adapts it, and any
+other front end (a Ray Serve ingress) can, with the same routes, errors and streams.
+
+One request, start to end::
+
+    body (the adapter enforces max_body_bytes: 413) -> msgspec decode (400 + field path) -> model
+    check (404) -> SamplingParams (400, param = the field) -> [chat template off the loop]
+    -> AsyncEngine.add_request (400 prompt too long, 503 queue full)      <- nothing sent yet
+    -> Reply(body) | Reply(stream)                                         <- 200 from here on
+    closing the stream early (client disconnect, timeout, shutdown) aborts the request in the
+    engine, which frees its KV blocks.
+
+Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` (``ApiError``); bad
+input never yields a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hmac
+import logging
+import re
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgspec
+
+from prefixkv.async_engine import AsyncEngine, RequestAbortedError, RequestStream
+from prefixkv.errors import EngineDeadError, EngineFatalError
+from prefixkv.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from prefixkv.sampling_params import SamplingParams
+from prefixkv.server.metrics import ServerMetrics
+from prefixkv.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorBody,
+    ErrorResponse,
+    FunctionCall,
+    ModelCard,
+    ModelList,
+    ProtocolError,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenText,
+    ToolCallOut,
+    Usage,
+    VersionResponse,
+    chat_logprobs,
+    completion_logprobs,
+    decode_request,
+    encode,
+    make_usage,
+    prompt_list,
+    prompt_logprobs_wire,
+)
+from prefixkv.server.tools import PARSERS, ToolPlan, ToolStream, plan_tools
+
+logger = logging.getLogger(__name__)
+
+_PARAM = re.compile(r"[A-Za-z_][\w.\[\]]*")
+_SSE_DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+if sys.version_info >= (3, 11):
+    _timeout_at = asyncio.timeout_at
+else:  # Python 3.10: the same contract, without Task.uncancel
+    @contextlib.asynccontextmanager
+    async def _timeout_at(when: float):
+        task = asyncio.current_task()
+        fired = False
+
+        def fire() -> None:
+            nonlocal fired
+            fired = True
+            task.cancel()
+
+        handle = asyncio.get_running_loop().call_at(when, fire)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if fired:
+                raise TimeoutError from None
+            raise
+        finally:
+            handle.cancel()
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    request_timeout: float = 600.0  # seconds from arrival until the request is aborted
+    tool_call_parser: str | None = None  # "hermes" | "llama3_json": tool_choice "auto" (server/tools.py)
+    cache_view_text: bool = False  # /v1/cache/summary (the /cache page) may show the cached runs' text
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser: must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes: must be positive, got {self.max_body_bytes}")
+        if not self.request_timeout > 0:
+            raise ValueError(f"request_timeout: must be positive, got {self.request_timeout}")
+
+
+# ---------------------------------------------------------------------- what a route answers
+@dataclass
+class Reply:
+    """A route's answer, for the transport to send: a body, or (``stream``) an SSE byte stream."""
+
+    status: int = 200
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: dict[str, str] | None = None
+    stream: EventStream | None = None
+
+
+class EventStream:
+    """The SSE bytes of a streamed completion. The transport iterates it and must ``aclose()`` it
+    however it ends (finished, client gone, cancelled): that aborts the engine requests behind it
+    (a no-op for those already finished), started or not."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], streams: list[RequestStream]) -> None:
+        self._chunks = chunks
+        self._streams = streams
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._chunks
+
+    async def aclose(self) -> None:
+        try:
+            await self._chunks.aclose()
+        finally:
+            for s in self._streams:
+                s.abort()
+
+
+def json_reply(obj: object, status: int = 200) -> Reply:
+    return Reply(status, encode(obj))
+
+
+# ---------------------------------------------------------------------- errors
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(ErrorBody(self.message, self.type, self.param, self.code))
+
+    def reply(self) -> Reply:
+        return Reply(self.status, encode(self.body()), headers=self.headers)
+
+
+def bad_request(e: ValueError, aliases: dict[str, str] | None = None) -> ApiError:
+    """400 from a ``ValueError("field: message")``: param is the field (renamed through ``aliases``)."""
+    if isinstance(e, ProtocolError):
+        return ApiError(400, e.message, param=e.param)
+    msg = str(e)
+    head, sep, rest = msg.partition(": ")
+    param = head if sep and _PARAM.fullmatch(head) else None
+    if param and aliases and param in aliases:  # a whole path renamed
+        param = aliases[param]
+        msg = f"{param}: {rest}"
+    elif param and aliases:
+        root = re.split(r"[.\[]", param, maxsplit=1)[0]
+        if root in aliases:  # name the field the client sent, in the message too
+            param = aliases[root] + param[len(root):]
+            msg = f"{param}: {rest}"
+    return ApiError(400, msg, param=param)
+
+
+def _engine_error(e: BaseException) -> ApiError:
+    if isinstance(e, TimeoutError):
+        return ApiError(504, "the request took longer than the server's request timeout and was aborted",
+                        type="server_error", code="request_timeout")
+    if isinstance(e, EngineFatalError):
+        return ApiError(503, f"the engine is dead and the server is exiting: {e}", type="server_error",
+                        code="engine_dead")
+    if isinstance(e, EngineDeadError):
+        return ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
+    if isinstance(e, RequestAbortedError):
+        return ApiError(503, str(e), type="server_error", code="aborted")
+    logger.error("request failed in the engine", exc_info=e)
+    return ApiError(500, f"internal error in the engine: {type(e).__name__}: {e}", type="server_error",
+                    code="internal_error")
+
+
+# ---------------------------------------------------------------------- token texts for logprobs
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenTexts:
+    """token id -> (text, raw bytes) of that token alone, cached. Byte-level BPE pieces map back to
+    their exact bytes (a piece can be part of a UTF-8 character); sentencepiece byte pieces
+    ``<0xNN>`` to that byte. Uses only read-only tokenizer lookups."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, tuple[str, bytes]] = {}
+        decoder = getattr(getattr(getattr(tokenizer, "hf", None), "backend_tokenizer", None), "decoder", None)
+        self._byte_level = ({c: b for b, c in _bytes_to_unicode().items()}
+                            if type(decoder).__name__ == "ByteLevel" else None)
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            raw = self._raw(token_id)
+            hit = self._cache[token_id] = (raw.decode("utf-8", errors="replace"), raw)
+        return hit
+
+    def _raw(self, token_id: int) -> bytes:
+        piece = self._tok.convert_ids_to_tokens([token_id])[0] or ""
+        if self._byte_level is not None and piece and all(c in self._byte_level for c in piece):
+            return bytes(self._byte_level[c] for c in piece)
+        m = _BYTE_PIECE.fullmatch(piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        if "\u2581" in piece:  # sentencepiece word boundary
+            return piece.replace("\u2581", " ").encode()
+        return self._tok.decode([token_id], skip_special_tokens=False).encode()
+
+
+# ---------------------------------------------------------------------- response formats
+@dataclass
+class _ChoiceState:
+    num_sent_chars: int = 0
+    finished: bool = False
+
+
+@dataclass
+class _Format:
+    """One endpoint's wire objects (stream chunks, the full response) built from engine outputs.
+    A subclass gives the object types, the choice shapes and the logprobs format."""
+
+    id_prefix: ClassVar[str]
+    chunk_type: ClassVar[type]
+    response_type: ClassVar[type]
+    # (index, text, logprobs, finish_reason, stop_reason) -> one choice of a response / of a stream chunk
+    _choice: ClassVar[Callable[..., msgspec.Struct]]
+    _delta_choice: ClassVar[Callable[..., msgspec.Struct]]
+    id: str
+    created: int
+    model: str
+    num_top_logprobs: int
+    token_text: TokenText
+
+    def start_chunks(self, num_choices: int) -> list[msgspec.Struct]:
+        return []
+
+    def delta_chunk(self, index: int, text: str, lps: list[TokenLogprob] | None, text_offset: int,
+                    finish_reason: str | None, stop_reason: int | str | None = None) -> msgspec.Struct:
+        choice = self._delta_choice(index, text, self._logprobs_or_none(lps, text_offset), finish_reason, stop_reason)
+        return self.chunk_type(self.id, self.created, self.model, [choice])
+
+    def usage_chunk(self, usage: Usage) -> msgspec.Struct:
+        return self.chunk_type(self.id, self.created, self.model, [], usage)
+
+    def response(self, choices: list[tuple[int, CompletionOutput]], usage: Usage) -> msgspec.Struct:
+        out = [self._choice(index, co.text, self._logprobs_or_none(co.token_logprobs, 0), co.finish_reason, co.stop_reason)
+               for index, co in choices]
+        return self.response_type(self.id, self.created, self.model, out, usage)
+
+    def _logprobs_or_none(self, lps: list[TokenLogprob] | None, text_offset: int) -> msgspec.Struct | None:
+        return None if lps is None else self._logprobs(lps, text_offset)
+
+    def _logprobs(self, lps: list[TokenLogprob], text_offset: int) -> msgspec.Struct:
+        raise NotImplementedError
+
+
+@dataclass
+class _ChatFormat(_Format):
+    id_prefix = "chatcmpl"
+    chunk_type = ChatCompletionChunk
+    response_type = ChatCompletionResponse
+    tools: ToolPlan | None = None  # the reply holds tool calls (server/tools.py)
+    _tool_streams: dict[int, ToolStream] = field(default_factory=dict)  # choice index -> its stream
+
+    def response(self, choices: list[tuple[int, CompletionOutput]], usage: Usage) -> msgspec.Struct:
+        if self.tools is None:
+            return super().response(choices, usage)
+        out = []
+        for index, co in choices:
+            stream = self.tools.stream()
+            stream.feed(co.text)
+            stream.close()
+            calls = [ToolCallOut(c.id, FunctionCall(c.name, c.arguments)) for c in stream.calls] or None
+            finish = self.tools.calls_finish_reason if calls and co.finish_reason == "stop" else co.finish_reason
+            out.append(ChatChoice(index, ChatMessageOut("assistant", stream.content, calls),
+                                  self._logprobs_or_none(co.token_logprobs, 0), finish, co.stop_reason))
+        return self.response_type(self.id, self.created, self.model, out, usage)
+
+    def delta_chunk(self, index: int, text: str, lps: list[TokenLogprob] | None, text_offset: int,
+                    finish_reason: str | None, stop_reason: int | str | None = None) -> msgspec.Struct:
+        if self.tools is None:
+            return super().delta_chunk(index, text, lps, text_offset, finish_reason, stop_reason)
+        stream = self._tool_streams.setdefault(index, self.tools.stream())
+        content, calls = stream.feed(text)
+        if finish_reason is not None:
+            more, more_calls = stream.close()
+            content, calls = content + more, calls + more_calls
+            if stream.calls and finish_reason == "stop":
+                finish_reason = self.tools.calls_finish_reason
+        delta = DeltaMessage(content=content or None, tool_calls=calls or None)
+        choice = ChatChunkChoice(index, delta, self._logprobs_or_none(lps, text_offset), finish_reason, stop_reason)
+        return self.chunk_type(self.id, self.created, self.model, [choice])
+
+    def start_chunks(self, num_choices: int) -> list[msgspec.Struct]:
+        return [self.chunk_type(self.id, self.created, self.model,
+                                [ChatChunkChoice(i, DeltaMessage(role="assistant", content=""))])
+                for i in range(num_choices)]
+
+    @staticmethod
+    def _choice(index: int, text: str, logprobs: ChatLogprobs | None, finish_reason: str | None,
+                stop_reason: int | str | None) -> ChatChoice:
+        return ChatChoice(index, ChatMessageOut("assistant", text), logprobs, finish_reason, stop_reason)
+
+    @staticmethod
+    def _delta_choice(index: int, text: str, logprobs: ChatLogprobs | None, finish_reason: str | None,
+                      stop_reason: int | str | None) -> ChatChunkChoice:
+        return ChatChunkChoice(index, DeltaMessage(content=text), logprobs, finish_reason, stop_reason)
+
+    def _logprobs(self, lps: list[TokenLogprob], text_offset: int) -> ChatLogprobs:
+        return chat_logprobs(lps, self.token_text, self.num_top_logprobs)
+
+
+class _CompletionFormat(_Format):
+    id_prefix = "cmpl"
+    chunk_type = response_type = CompletionResponse  # OpenAI streams the response object itself
+    _choice = _delta_choice = staticmethod(CompletionChoice)
+
+    def _logprobs(self, lps: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:
+        return completion_logprobs(lps, self.token_text, self.num_top_logprobs, text_offset)
+
+
+def _sse(obj: object) -> bytes:
+    return b"data: " + encode(obj) + b"\n\n"
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                q.put_nowait((i, out))
+            q.put_nowait((i, None))
+        except Exception as e:
+            q.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await q.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _usage(finals: list[RequestOutput]) -> Usage:
+    return make_usage(sum(o.num_prompt_tokens for o in finals), sum(o.num_output_tokens for o in finals),
+                      sum(o.num_cached_tokens for o in finals))
+
+
+# ---------------------------------------------------------------------- the API
+class OpenAIServing:
+    """The routes' logic. ``t0`` (the request's arrival, ``loop.time()``) starts its timeout and its
+    latency metrics; bodies are the raw request bytes."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = ServerMetrics(engine.stats, config.model_name)
+        self.token_text = TokenTexts(engine.engine.tokenizer)
+        self.max_model_len = engine.engine.info.max_model_len
+        self.created = int(time.time())
+        self._expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
+        # chat templates and tokenization of (possibly huge) prompts: off the engine thread and off
+        # the event loop
+        self.tokenizer = engine.engine.tokenizer
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefixkv-tokenize")
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    # ------------------------------------------------------------------ access
+    def needs_key(self, path: str) -> bool:
+        return self._expected_auth is not None and (path == "/v1" or path.startswith("/v1/")
+                                                    or path in ("/tokenize", "/detokenize"))
+
+    def check_key(self, authorization: str | None) -> None:
+        """401 unless ``authorization`` is ``Bearer <the server's key>`` (constant-time compare)."""
+        if not hmac.compare_digest((authorization or "").encode(), self._expected_auth or b""):
+            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    # ------------------------------------------------------------------ simple routes
+    def health(self) -> Reply:
+        if not self.engine.is_running:
+            return Reply(503, b'{"status": "unavailable"}')
+        return Reply(200, b'{"status": "ok"}')
+
+    def metrics_reply(self) -> Reply:
+        body, content_type = self.metrics.render()
+        return Reply(200, body, content_type)
+
+    def _card(self) -> ModelCard:
+        return ModelCard(self.config.model_name, self.created, max_model_len=self.max_model_len)
+
+    def version(self) -> Reply:
+        from prefixkv import __version__
+
+        return json_reply(VersionResponse(__version__))
+
+    async def tokenize(self, body: bytes) -> Reply:
+        """vLLM's /tokenize (a prompt, or chat messages through the template)."""
+        req = decode_request(body, TokenizeRequest)
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "prompt: give either prompt or messages", param="prompt")
+        try:
+            if req.messages is not None:
+                messages = [msgspec.to_builtins(m) for m in req.messages]
+                ids = await self._off_loop(lambda: self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=req.add_generation_prompt))
+            else:
+                ids = await self._off_loop(lambda: self.tokenizer.encode(req.prompt, req.add_special_tokens))
+        except ValueError as e:
+            raise bad_request(e) from None
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return json_reply(TokenizeResponse(len(ids), self.max_model_len, ids, strs))
+
+    async def detokenize(self, body: bytes) -> Reply:
+        req = decode_request(body, DetokenizeRequest)
+        self._check_model(req.model)
+        v = self.engine.engine.info.vocab_size
+        bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < v), None)
+        if bad is not None:
+            raise ApiError(400, f"tokens[{bad}]: {req.tokens[bad]} is not a token id of this model (vocabulary "
+                                f"size {v})", param=f"tokens[{bad}]")
+        return json_reply(DetokenizeResponse(await self._off_loop(lambda: self.tokenizer.decode(req.tokens))))
+
+    def models(self) -> Reply:
+        return json_reply(ModelList([self._card()]))
+
+    def model(self, name: str) -> Reply:
+        self._check_model(name)
+        return json_reply(self._card())
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.model_name:
+            raise ApiError(404, f"model: {name!r} does not exist; this server serves {self.config.model_name!r}",
+                           param="model", code="model_not_found")
+
+    # ------------------------------------------------------------------ generation routes
+    async def chat_completions(self, body: bytes, t0: float) -> Reply:
+        req = decode_request(body, ChatCompletionRequest)
+        self._check_model(req.model)
+        if not req.messages:
+            raise ApiError(400, "messages: must be a non-empty list", param="messages")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+        aliases = {"logprobs": "top_logprobs", "prompt": "messages"}
+        max_tokens = req.max_tokens
+        if req.max_completion_tokens is not None:
+            max_tokens = req.max_completion_tokens
+            aliases["max_tokens"] = "max_completion_tokens"
+        choice = req.tool_choice if isinstance(req.tool_choice, (str, type(None))) else msgspec.to_builtins(req.tool_choice)
+        tools = plan_tools(msgspec.to_builtins(req.tools) if req.tools else None, choice, req.parallel_tool_calls,
+                           self.config.tool_call_parser)
+        params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, aliases, tools)
+        _check_tool_messages(req.messages)
+        messages = [msgspec.to_builtins(m) for m in req.messages]
+        try:
+            prompt = await self._off_loop(lambda: self.tokenizer.apply_chat_template(
+                messages, tools=tools.tools if tools else None, template_kwargs=req.chat_template_kwargs))
+        except ValueError as e:
+            raise bad_request(e) from None
+        return await self._generate(t0, _ChatFormat, req, [prompt], params, aliases, tools)
+
+    async def completions(self, body: bytes, t0: float) -> Reply:
+        req = decode_request(body, CompletionRequest)
+        self._check_model(req.model)
+        if req.echo:
+            raise ApiError(400, "echo: is not supported", param="echo")
+        if req.suffix:
+            raise ApiError(400, "suffix: is not supported", param="suffix")
+        prompts = prompt_list(req.prompt)
+        limit = self.engine.engine.config.scheduler.max_waiting_requests
+        if len(prompts) > limit:
+            raise ApiError(400, f"prompt: a batch of {len(prompts)} prompts is larger than the server's waiting "
+                                f"queue ({limit})", param="prompt")
+        params = self._params(req, req.max_tokens, req.logprobs, {})
+        return await self._generate(t0, _CompletionFormat, req, prompts, params, {})
+
+    def _params(self, req: Any, max_tokens: int | None, logprobs: int | None,
+                aliases: dict[str, str], tools: ToolPlan | None = None) -> SamplingParams:
+        bad = req.unsupported_field()
+        if bad is not None:
+            raise ApiError(400, f"{bad}: is not supported by this server", param=bad)
+        if req.prompt_logprobs is not None and req.stream:
+            raise ApiError(400, "prompt_logprobs: is not supported with stream (ask without streaming)",
+                           param="prompt_logprobs")
+        kw: dict[str, Any] = dict(max_tokens=max_tokens, stop=req.stop, logprobs=logprobs, output_kind="delta")
+        so = self._structured_outputs(req, aliases)
+        if tools is not None and tools.structured_outputs is not None:  # the reply must be the tool call(s)
+            if so is not None:
+                name = "response_format" if req.response_format is not None else "structured_outputs"
+                raise ApiError(400, f"{name}: cannot be combined with tool_choice 'required' or a named function",
+                               param=name)
+            so = tools.structured_outputs
+            aliases.update(tools.aliases)
+        if so is not None:
+            kw["structured_outputs"] = so
+        if req.logit_bias is not None:
+            try:
+                kw["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise ApiError(400, "logit_bias: keys must be token ids (integers as strings)",
+                               param="logit_bias") from None
+        for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
+                     "allowed_token_ids", "include_stop_str_in_output", "bad_words", "prompt_logprobs"):
+            value = getattr(req, name)
+            if value is not None:
+                kw[name] = value
+        for name, value in self.engine.engine.default_sampling.items():  # the model's generation_config.json
+            if kw.get(name) is None:
+                kw[name] = value
+        try:
+            return SamplingParams(**kw)
+        except ValueError as e:
+            raise bad_request(e, aliases) from None
+
+    def _prepare_prompts(self, prompts: list, params: SamplingParams) -> list:
+        """Off the event loop and the engine thread: tokenize, and compile the request's grammar
+        into the engine's cache (so that adding the request finds it compiled)."""
+        if params.structured_outputs is not None:
+            self.engine.engine.grammars.compile(params.structured_outputs)
+        return [self.tokenizer.encode(p) if isinstance(p, str) and p else p for p in prompts]
+
+    def _check_room(self, ids: list, params: SamplingParams, aliases: dict[str, str]) -> None:
+        """vLLM's 400 for a ``max_tokens`` that the context cannot hold after the prompt (rather
+        than generating until the context is full)."""
+        limit = self.engine.engine.info.max_model_len
+        if params.max_tokens is None:
+            return
+        for p in ids:
+            if isinstance(p, list) and len(p) < limit and len(p) + params.max_tokens > limit:
+                name = aliases.get("max_tokens", "max_tokens")
+                raise ApiError(400, f"{name}: {params.max_tokens} is too large: this model's maximum context length "
+                                    f"is {limit} tokens and the request has {len(p)} input tokens "
+                                    f"({params.max_tokens} > {limit} - {len(p)})", param=name)
+
+    @staticmethod
+    def _structured_outputs(req: Any, aliases: dict[str, str]) -> dict | None:
+        """``response_format`` (OpenAI) or ``structured_outputs`` (vLLM) as StructuredOutputsParams'
+        dict form; errors about it will name the field the client sent (``aliases``)."""
+        rf, so = req.response_format, req.structured_outputs
+        if rf is not None and rf.type != "text":
+            if so is not None:
+                raise ApiError(400, "structured_outputs: set either structured_outputs or response_format, not both",
+                               param="structured_outputs")
+            if rf.type == "json_object":
+                aliases["structured_outputs.json_object"] = "response_format"
+                return {"json_object": True}
+            if rf.type == "json_schema":
+                if rf.json_schema is None or not isinstance(rf.json_schema.schema, dict):
+                    raise ApiError(400, "response_format.json_schema.schema: a JSON schema object is required "
+                                        "for type 'json_schema'", param="response_format.json_schema.schema")
+                aliases["structured_outputs.json"] = "response_format.json_schema.schema"
+                return {"json": rf.json_schema.schema}
+            raise ApiError(400, f"response_format.type: must be 'text', 'json_object' or 'json_schema', got "
+                                f"{rf.type!r}", param="response_format.type")
+        return so
+
+    async def _generate(self, t0: float, fmt_type: type[_Format], req: ChatCompletionRequest | CompletionRequest,
+                        prompts: list, params: SamplingParams, aliases: dict[str, str],
+                        tools: ToolPlan | None = None) -> Reply:
+        fmt = fmt_type(f"{fmt_type.id_prefix}-{uuid.uuid4().hex}", int(time.time()), self.config.model_name,
+                       params.logprobs or 0, self.token_text)
+        if tools is not None and tools.mode != "none":
+            fmt.tools = tools
+        deadline = t0 + self.config.request_timeout
+        streams: list[RequestStream] = []
+        handed_over = False  # a stream's EventStream aborts its requests when the transport closes it
+        try:
+            try:
+                async with _timeout_at(deadline):
+                    ids = await self._off_loop(lambda: self._prepare_prompts(prompts, params))
+                    self._check_room(ids, params, aliases)
+                    rids = [fmt.id if len(prompts) == 1 else f"{fmt.id}-{i}" for i in range(len(prompts))]
+                    streams.extend(await self.engine.add_requests(list(zip(rids, ids)), params))
+            except OverflowError as e:
+                raise ApiError(503, f"the server is overloaded: {e}; retry later", type="server_error",
+                               code="overloaded", headers={"Retry-After": "1"}) from None
+            except ValueError as e:
+                raise bad_request(e, aliases) from None
+            except (TimeoutError, EngineDeadError) as e:
+                raise _engine_error(e) from None
+            if req.stream:
+                handed_over = True
+                return Reply(200, content_type="text/event-stream", headers=dict(SSE_HEADERS), stream=EventStream(
+                    self._stream(t0, deadline, fmt, streams, params, req.include_usage), streams))
+            return await self._complete(t0, deadline, fmt, streams, params)
+        finally:
+            if not handed_over:
+                for s in streams:
+                    s.abort()
+
+    async def _complete(self, t0: float, deadline: float, fmt: _Format, streams: list[RequestStream],
+                        params: SamplingParams) -> Reply:
+        loop = asyncio.get_running_loop()
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        ttft = None
+        try:
+            async with _timeout_at(deadline), contextlib.aclosing(_merge(streams)) as merged:
+                async for i, out in merged:
+                    if ttft is None:
+                        ttft = loop.time() - t0
+                    if out.finished:
+                        finals[i] = out
+        except Exception as e:
+            raise _engine_error(e) from None
+        done = [f for f in finals if f is not None]
+        assert len(done) == len(finals), "a stream ended without a finished output"
+        choices = [(i * params.n + co.index, co) for i, out in enumerate(done) for co in out.outputs]
+        resp = fmt.response(choices, self._observe(t0, ttft, done))
+        if params.prompt_logprobs is not None:  # vLLM's places: per choice (completions), per response (chat)
+            if isinstance(resp, ChatCompletionResponse):
+                resp.prompt_logprobs = prompt_logprobs_wire(done[0].prompt_logprobs)
+            else:
+                for c in resp.choices:
+                    c.prompt_logprobs = prompt_logprobs_wire(done[c.index // params.n].prompt_logprobs)
+        return json_reply(resp)
+
+    async def _stream(self, t0: float, deadline: float, fmt: _Format, streams: list[RequestStream],
+                      params: SamplingParams, include_usage: bool) -> AsyncIterator[bytes]:
+        """The SSE events of a streamed completion, as the engine's outputs arrive; a failure of the
+        engine or the deadline ends it with an error event (then ``[DONE]``)."""
+        loop = asyncio.get_running_loop()
+        num_choices = len(streams) * params.n
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        states = [_ChoiceState() for _ in range(num_choices)]
+        ttft = None
+        merged = _merge(streams)
+        try:
+            start = fmt.start_chunks(num_choices)
+            if start:
+                yield b"".join(map(_sse, start))
+            while True:
+                # the deadline bounds each wait here, not the transport's writes between them (a
+                # timeout scope around a yield would cancel whatever the consumer awaits)
+                try:
+                    i, out = await asyncio.wait_for(merged.__anext__(), max(0.0, deadline - loop.time()))
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    raise TimeoutError from None
+                if ttft is None:
+                    ttft = loop.time() - t0
+                if out.finished:
+                    finals[i] = out
+                chunks = _delta_chunks(fmt, i * params.n, out, states)
+                if chunks:
+                    yield b"".join(map(_sse, chunks))
+        except Exception as e:  # the engine failed or the deadline passed: the stream ends with the error
+            yield _sse(_engine_error(e).body())
+        else:
+            usage = self._observe(t0, ttft, [f for f in finals if f is not None])
+            if include_usage:
+                yield _sse(fmt.usage_chunk(usage))
+        finally:
+            await merged.aclose()
+        yield _SSE_DONE
+
+    def _observe(self, t0: float, ttft: float | None, finals: list[RequestOutput]) -> Usage:
+        """Record a finished request in the metrics; returns its usage."""
+        usage = _usage(finals)
+        e2e = asyncio.get_running_loop().time() - t0
+        steps = max((len(co.token_ids) for f in finals for co in f.outputs), default=0)
+        self.metrics.observe_request(ttft, e2e, usage.prompt_tokens, usage.completion_tokens, steps,
+                                     [co.finish_reason for f in finals for co in f.outputs if co.finish_reason])
+        return usage
+
+
+def _check_tool_messages(messages: list) -> None:
+    """As OpenAI: a "tool" message answers a call of an earlier assistant turn, by its id."""
+    call_ids: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.role == "assistant" and m.tool_calls:
+            call_ids.update(c.id for c in m.tool_calls)
+        elif m.role == "tool":
+            if m.tool_call_id is None:
+                raise ApiError(400, f"messages[{i}].tool_call_id: a 'tool' message needs the id of the call it answers",
+                               param=f"messages[{i}].tool_call_id")
+            if m.tool_call_id not in call_ids:
+                raise ApiError(400, f"messages[{i}].tool_call_id: {m.tool_call_id!r} is not the id of a tool call "
+                                    "of an earlier assistant message", param=f"messages[{i}].tool_call_id")
+
+
+def _delta_chunks(fmt: _Format, base: int, out: RequestOutput, states: list[_ChoiceState]) -> list[msgspec.Struct]:
+    """The stream chunks for one engine output (of kind "delta"): new text, new logprobs (when they
+    were asked for), and each choice's finish reason once."""
+    chunks = []
+    for co in out.outputs:
+        index = base + co.index
+        st = states[index]
+        lps = co.delta_token_logprobs
+        finish = co.finish_reason if co.finish_reason and not st.finished else None
+        if not co.delta_text and not lps and finish is None:
+            continue
+        st.finished = st.finished or finish is not None
+        chunks.append(fmt.delta_chunk(index, co.delta_text, lps, st.num_sent_chars, finish,
+                                      co.stop_reason if finish is not None else None))
+        st.num_sent_chars += len(co.delta_text)
+    return chunks
+

@@ -1,0 +1,88 @@
+"""The OpenAI layer without a transport (``server/serving.py``): what a front end other than the
+aiohttp app (a Ray Serve ingress) gets — request bytes in, ``Reply`` out, SSE bytes from an
+``EventStream`` whose ``aclose()`` aborts the engine's requests, started or not."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from prefixkv.async_engine import AsyncEngine
+from prefixkv.config import CacheConfig, EngineConfig, SchedulerConfig
+from prefixkv.engine import LLMEngine
+from prefixkv.server.serving import ApiError, OpenAIServing, ServerConfig
+
+
+def test_the_layer_imports_no_http_library():
+    code = ("import sys, prefixkv.server.serving; "
+            "print(sorted(m for m in ('aiohttp', 'starlette', 'fastapi') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.fixture
+def api(tiny_llama):
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_llama), dtype="float64",
+                                                cache=CacheConfig(block_size=4, num_kv_blocks=128),
+                                                scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8))))
+    yield OpenAIServing(engine, ServerConfig("tiny", api_key="k"))
+    asyncio.run(engine.shutdown())
+
+
+def _body(**kw) -> bytes:
+    return json.dumps({"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 6, "temperature": 0,
+                       "ignore_eos": True, **kw}).encode()
+
+
+def test_replies_streams_and_errors_without_a_transport(api):
+    async def main():
+        loop = asyncio.get_running_loop()
+        plain = await api.completions(_body(), loop.time())
+        assert plain.status == 200 and plain.stream is None and plain.content_type == "application/json"
+        text = json.loads(plain.body)["choices"][0]["text"]
+        streamed = await api.completions(_body(stream=True, stream_options={"include_usage": True}), loop.time())
+        assert streamed.headers["Content-Type"] == "text/event-stream" and streamed.stream is not None
+        raw = b"".join([chunk async for chunk in streamed.stream])
+        await streamed.stream.aclose()
+        events = [e[len(b"data: "):] for e in raw.split(b"\n\n") if e]
+        assert events[-1] == b"[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
+        assert chunks[-1]["usage"]["completion_tokens"] == 6
+        with pytest.raises(ApiError) as e:
+            await api.completions(_body(max_tokens=-1), loop.time())
+        assert e.value.status == 400 and e.value.param == "max_tokens"
+        with pytest.raises(ApiError) as e:
+            api.check_key("Bearer wrong")
+        assert e.value.status == 401 and e.value.reply().headers == {"WWW-Authenticate": "Bearer"}
+        api.check_key("Bearer k")
+        assert api.needs_key("/v1/models") and not api.needs_key("/health")
+
+    asyncio.run(main())
+
+
+def test_closing_a_stream_before_reading_it_aborts_its_request(api, monkeypatch):
+    from prefixkv.async_engine import RequestStream
+
+    aborted = []
+    real_abort = RequestStream.abort
+    monkeypatch.setattr(RequestStream, "abort", lambda self: (aborted.append(self.request_id), real_abort(self)))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        streamed = await api.completions(_body(max_tokens=1000, stream=True), loop.time())
+        assert aborted == []  # handed over to the transport, still running
+        await streamed.stream.aclose()  # never iterated: a transport that failed before sending
+        assert len(aborted) == 1 and aborted[0].startswith("cmpl-")
+        for _ in range(100):
+            stats = api.engine.stats()
+            if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["num_kv_blocks_used"] == 0:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the request still holds the engine: {api.engine.stats()}")
+
+    asyncio.run(main())
