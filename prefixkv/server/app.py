@@ -127,8 +127,8 @@ class _AioServer:
     async def _send(self, request: web.Request, reply: Reply) -> web.StreamResponse:
         if reply.stream is None:
             return _response(reply)
-        resp = web.StreamResponse(status=reply.status, headers=reply.headers)
         try:
+            resp = web.StreamResponse(status=reply.status, headers=reply.headers)
             await resp.prepare(request)
             async for chunk in reply.stream:
                 await resp.write(chunk)
