@@ -348,7 +348,8 @@ static inline __attribute__((always_inline)) void prefill_tile_avx512(
                 sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
                 if (softcap > 0) sc = softcap16(sc, softcap);
                 const __m512i key = _mm512_set1_epi32(j * BS + t);
-                const __mmask16 visible = _mm512_cmpge_epi32_mask(vpos, key) & _mm512_cmplt_epi32_mask(vlow, key);
+                __mmask16 visible = _mm512_cmpge_epi32_mask(vpos, key);
+                if (window > 0) visible &= _mm512_cmplt_epi32_mask(vlow, key);
                 sc = _mm512_mask_blend_ps(visible, ninf, sc);
                 _mm512_store_ps(pbuf + t * 16, sc);
                 bmax = _mm512_max_ps(bmax, sc);
@@ -361,7 +362,8 @@ static inline __attribute__((always_inline)) void prefill_tile_avx512(
             for (int t = 0; t < n; t++) {
                 const __m512 pt = _mm512_maskz_mov_ps(live, softmax_expf16(_mm512_sub_ps(_mm512_load_ps(pbuf + t * 16), base)));
                 const __m512i key = _mm512_set1_epi32(j * BS + t);
-                const __mmask16 vis = _mm512_cmpge_epi32_mask(vpos, key) & _mm512_cmplt_epi32_mask(vlow, key);
+                __mmask16 vis = _mm512_cmpge_epi32_mask(vpos, key);
+                if (window > 0) vis &= _mm512_cmplt_epi32_mask(vlow, key);
                 const __m512 p = _mm512_maskz_mov_ps(vis, pt);  /* masked keys: exactly 0 */
                 _mm512_store_ps(pbuf + t * 16, p);
                 lsum = _mm512_add_ps(lsum, p);
