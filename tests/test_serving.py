@@ -18,7 +18,7 @@ from prefixkv.server.serving import ApiError, OpenAIServing, ServerConfig
 
 
 def test_the_layer_imports_no_http_library():
-    code = ("import sys, prefixkv.server.serving; "
+    code = ("import sys, prefixkv.server.serving, prefixkv.server.cache_view; "
             "print(sorted(m for m in ('aiohttp', 'starlette', 'fastapi') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
