@@ -15,12 +15,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
+from test_server import metrics as server_metrics  # /metrics as {name: value}, from a server's url
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -68,13 +68,7 @@ class Served:
             raise RuntimeError("prefixkv serve did not start:\n" + "".join(self.lines[-40:]))
 
     def metrics(self) -> dict[str, float]:
-        text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        return server_metrics(self)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

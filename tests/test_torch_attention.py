@@ -14,9 +14,10 @@ from prefixkv.attention.torch_ref import TorchAttentionBackend, decode_plan
 BS, KVH, G, D = 4, 2, 3, 8
 
 
-def run_case(prefixes: list[int], seq_lens: list[int], query_lens: list[int], shared_blocks: int, seed: int = 0):
-    """Sequence s starts with the first ``shared_blocks`` blocks of group ``prefixes[s]``'s prefix
-    (each group its own blocks), then blocks of its own."""
+def make_case(prefixes: list[int], seq_lens: list[int], query_lens: list[int], shared_blocks: int, seed: int = 0):
+    """A step's inputs: sequence s starts with the first ``shared_blocks`` blocks of group
+    ``prefixes[s]``'s prefix (each group its own blocks), then blocks of its own. Returns
+    (q, k, v, cache, meta, tables)."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = 200
     cache = torch.randn((2, num_blocks + 1, KVH, BS, D), generator=g, dtype=torch.float64)
@@ -44,8 +45,13 @@ def run_case(prefixes: list[int], seq_lens: list[int], query_lens: list[int], sh
         num_decode_seqs=next((i for i, ql in enumerate(query_lens) if ql != 1), len(query_lens)),
         max_seq_len=max(seq_lens), max_query_len=max(query_lens), seq_lens_cpu=list(seq_lens),
         query_start_loc_cpu=starts)
+    return q, k, v, cache, meta, tables
+
+
+def run_case(prefixes: list[int], seq_lens: list[int], query_lens: list[int], shared_blocks: int, seed: int = 0):
+    q, k, v, cache, meta, _ = make_case(prefixes, seq_lens, query_lens, shared_blocks, seed)
     out = TorchAttentionBackend().forward(q, k, v, cache, meta, D ** -0.5)
-    want = reference_attention(q, cache, block_tables, meta.seq_lens, meta.query_start_loc, D ** -0.5)
+    want = reference_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, D ** -0.5)
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
     return meta
 
@@ -92,31 +98,14 @@ def test_sliding_window_and_softcap(backend, window, softcap):
     reference; the blocks wholly outside every query's window hold NaN, so reading one would show."""
     from prefixkv.attention.cpu import CpuAttentionBackend
 
-    g = torch.Generator().manual_seed(1)
     seq_lens, query_lens = [13, 30, 21, 17, 40], [1, 1, 7, 17, 3]
-    num_blocks = 120
-    cache = torch.randn((2, num_blocks + 1, KVH, BS, D), generator=g, dtype=torch.float64)
-    free = iter(torch.randperm(num_blocks, generator=g).tolist())
-    tables = [[next(free) for _ in range(-(-n // BS))] for n in seq_lens]
+    q, k, v, cache, meta, tables = make_case(list(range(5)), seq_lens, query_lens, shared_blocks=0, seed=1)
+    q = q * 3
     for n, ql, t in zip(seq_lens, query_lens, tables):
         lo = 0 if window is None else max(0, n - ql - window + 1)
         for b in t[:lo // BS]:
             cache[:, b] = float("nan")
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    starts = [0]
-    for ql in query_lens:
-        starts.append(starts[-1] + ql)
-    slots = [tables[s][pos // BS] * BS + pos % BS
-             for s, (n, ql) in enumerate(zip(seq_lens, query_lens)) for pos in range(n - ql, n)]
-    q = torch.randn((starts[-1], KVH * G, D), generator=g, dtype=torch.float64) * 3
-    k = torch.randn((starts[-1], KVH, D), generator=g, dtype=torch.float64)
-    v = torch.randn((starts[-1], KVH, D), generator=g, dtype=torch.float64)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables, num_decode_seqs=2,
-        max_seq_len=max(seq_lens), max_query_len=max(query_lens), seq_lens_cpu=list(seq_lens),
-        query_start_loc_cpu=starts)
+    block_tables = meta.block_tables
     impl = TorchAttentionBackend() if backend == "torch" else CpuAttentionBackend()
     out = impl.forward(q, k, v, cache, meta, D ** -0.5, window=window, softcap=softcap)
     want = reference_attention(q, cache, block_tables, meta.seq_lens, meta.query_start_loc, D ** -0.5,

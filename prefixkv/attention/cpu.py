@@ -20,7 +20,7 @@ import torch
 
 from prefixkv import cpu_ops
 from prefixkv.attention.base import AttentionMetadata, token_rows
-from prefixkv.attention.torch_ref import TorchAttentionBackend, kv_rows, write_kv
+from prefixkv.attention.torch_ref import TorchAttentionBackend
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -42,67 +42,42 @@ class CpuAttentionBackend(TorchAttentionBackend):
                     f"{block_size}, head dim {head_dim}")
         return None
 
-    def forward(self, q, k, v, kv_cache_layer, meta: AttentionMetadata, scale: float,
-                window: int | None = None, softcap: float | None = None):
-        if window is None and softcap is None:
-            return super().forward(q, k, v, kv_cache_layer, meta, scale)
-        # sliding-window / soft-capped layers: the C kernels when they take the shapes (decode rows;
-        # prefill rows, or every token as a decode row in batch-invariant mode), else the torch path
-        if not (cpu_ops.supports_decode(q, kv_cache_layer) and q.stride(2) == 1 and q.stride(1) == q.shape[2]):
-            return super().forward(q, k, v, kv_cache_layer, meta, scale, window=window, softcap=softcap)
-        kvh, bs = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
-        if "rows" not in meta.scratch:
-            meta.scratch["rows"] = kv_rows(meta.slot_mapping, kvh, bs)
-        write_kv(kv_cache_layer, k, v, meta.slot_mapping, meta.scratch["rows"])
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        nd = meta.num_decode_seqs
-        if self.batch_invariant:  # every token a decode row of its own
-            tables, lens = token_rows(meta)
-            cpu_ops.paged_decode_attention(q, kv_cache_layer, tables, lens, scale, out, window, softcap)
-            return out
-        if nd:
-            cpu_ops.paged_decode_attention(q[:nd], kv_cache_layer, meta.block_tables[:nd], meta.seq_lens[:nd],
-                                           scale, out[:nd], window, softcap)
-        if meta.num_seqs > nd:
-            done = False
-            if cpu_ops.supports_prefill(q, kv_cache_layer):
-                if "prefill_qsl" not in meta.scratch:
-                    qsl = meta.query_start_loc[nd:]
-                    meta.scratch["prefill_qsl"] = (qsl - qsl[0]).to(torch.int32).contiguous()
-                a = meta.query_start_loc_cpu[nd]
-                done = cpu_ops.paged_prefill_attention(q[a:], kv_cache_layer, meta.block_tables[nd:],
-                                                       meta.seq_lens[nd:], meta.scratch["prefill_qsl"], scale,
-                                                       out[a:], window, softcap)
-            if not done:  # the prefill rows through the per-token decode routine (exact the same way)
-                tables, lens = token_rows(meta, nd)
-                a = meta.query_start_loc_cpu[nd]
-                cpu_ops.paged_decode_attention(q[a:], kv_cache_layer, tables, lens, scale, out[a:], window, softcap)
-        return out
+    @staticmethod
+    def _decode_kernel_takes(q, kv_cache_layer) -> bool:
+        return cpu_ops.supports_decode(q, kv_cache_layer) and q.stride(2) == 1 and q.stride(1) == q.shape[2]
 
-    def _decode_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out) -> None:
-        if not cpu_ops.supports_decode(q, kv_cache_layer) or q.stride(2) != 1 or q.stride(1) != q.shape[2]:
-            return super()._decode_rows(q, kv_cache_layer, meta, scale, out)
+    def _decode_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out,
+                     window: int | None = None, softcap: float | None = None) -> None:
+        if not self._decode_kernel_takes(q, kv_cache_layer):
+            return super()._decode_rows(q, kv_cache_layer, meta, scale, out, window, softcap)
         nd = meta.num_decode_seqs
-        cpu_ops.paged_decode_attention(q, kv_cache_layer, meta.block_tables[:nd], meta.seq_lens[:nd], scale, out)
+        cpu_ops.paged_decode_attention(q, kv_cache_layer, meta.block_tables[:nd], meta.seq_lens[:nd], scale, out,
+                                       window, softcap)
 
-    def _prefill_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out) -> None:
+    def _prefill_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out,
+                      window: int | None = None, softcap: float | None = None) -> None:
         nd = meta.num_decode_seqs
         if self.batch_invariant:
-            return self._prefill_rows_as_decodes(q, kv_cache_layer, meta, scale, out)
-        if not cpu_ops.supports_prefill(q, kv_cache_layer):
-            return super()._prefill_rows(q, kv_cache_layer, meta, scale, out)
-        if "prefill_qsl" not in meta.scratch:  # per step: prefill rows' start offsets from 0
-            qsl = meta.query_start_loc[nd:]
-            meta.scratch["prefill_qsl"] = (qsl - qsl[0]).to(torch.int32).contiguous()
-        a = meta.query_start_loc_cpu[nd]
-        done = cpu_ops.paged_prefill_attention(q[a:], kv_cache_layer, meta.block_tables[nd:], meta.seq_lens[nd:],
-                                               meta.scratch["prefill_qsl"], scale, out[a:])
-        if not done:
-            super()._prefill_rows(q, kv_cache_layer, meta, scale, out)
+            return self._prefill_rows_as_decodes(q, kv_cache_layer, meta, scale, out, window, softcap)
+        masked = window is not None or softcap is not None
+        done = False
+        if cpu_ops.supports_prefill(q, kv_cache_layer):
+            if "prefill_qsl" not in meta.scratch:  # per step: prefill rows' start offsets from 0
+                qsl = meta.query_start_loc[nd:]
+                meta.scratch["prefill_qsl"] = (qsl - qsl[0]).to(torch.int32).contiguous()
+            a = meta.query_start_loc_cpu[nd]
+            done = cpu_ops.paged_prefill_attention(q[a:], kv_cache_layer, meta.block_tables[nd:], meta.seq_lens[nd:],
+                                                   meta.scratch["prefill_qsl"], scale, out[a:], window, softcap)
+        if done:
+            return
+        if masked and self._decode_kernel_takes(q, kv_cache_layer):  # windows / caps: per-token C decodes
+            return self._prefill_rows_as_decodes(q, kv_cache_layer, meta, scale, out, window, softcap)
+        super()._prefill_rows(q, kv_cache_layer, meta, scale, out, window, softcap)
 
-    def _prefill_rows_as_decodes(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out) -> None:
+    def _prefill_rows_as_decodes(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out,
+                                 window: int | None = None, softcap: float | None = None) -> None:
         """Every prefill query token as a decode row of its own (``token_rows``)."""
         nd = meta.num_decode_seqs
         tables, lens = token_rows(meta, nd)
         a = meta.query_start_loc_cpu[nd]
-        cpu_ops.paged_decode_attention(q[a:], kv_cache_layer, tables, lens, scale, out[a:])
+        cpu_ops.paged_decode_attention(q[a:], kv_cache_layer, tables, lens, scale, out[a:], window, softcap)

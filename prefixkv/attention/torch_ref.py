@@ -107,25 +107,23 @@ class TorchAttentionBackend(AttentionBackend):
             scratch["rows"] = kv_rows(meta.slot_mapping, kvh, bs)
         write_kv(kv_cache_layer, k, v, meta.slot_mapping, scratch["rows"])
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
-        if window is not None or softcap is not None:  # every row, decode or prefill, one way
-            self._masked_rows(q, kv_cache_layer, meta, scale, window, softcap, out)
-            return out
         if nd:
-            self._decode_rows(q[:nd], kv_cache_layer, meta, scale, out[:nd])
+            self._decode_rows(q[:nd], kv_cache_layer, meta, scale, out[:nd], window, softcap)
         if meta.num_seqs > nd:
-            self._prefill_rows(q, kv_cache_layer, meta, scale, out)
+            self._prefill_rows(q, kv_cache_layer, meta, scale, out, window, softcap)
         return out
 
     def _masked_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, window: int | None,
-                     softcap: float | None, out) -> None:
-        """Every sequence's query tokens with a sliding window and/or soft-capped scores: per
-        sequence, scores over the keys its window can reach (only those blocks are read), the
-        mask, the cap, a softmax in the accumulation dtype."""
+                     softcap: float | None, out, seqs: range) -> None:
+        """The query tokens of sequences ``seqs`` with a sliding window and/or soft-capped scores:
+        per sequence, scores over the keys its window can reach (only those blocks are read), the
+        mask, the cap, a softmax in the accumulation dtype. (Decode rows come first in the batch, so
+        ``q[:num_decode_seqs]`` indexes them as the whole batch does.)"""
         starts = meta.query_start_loc_cpu
         bs = kv_cache_layer.shape[3]
         kvh = kv_cache_layer.shape[2]
         acc = _acc_dtype(q.dtype)
-        for s in range(meta.num_seqs):
+        for s in seqs:
             a, b = starts[s], starts[s + 1]
             seq_len = meta.seq_lens_cpu[s]
             first = seq_len - (b - a)  # position of the first query token
@@ -149,8 +147,12 @@ class TorchAttentionBackend(AttentionBackend):
             o = torch.matmul(p, vv)  # [KVH, Q*G, D]
             out[a:b] = o.view(kvh, nq, h // kvh, d).permute(1, 0, 2, 3).reshape(nq, h, d)
 
-    def _prefill_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out) -> None:
+    def _prefill_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out,
+                      window: int | None = None, softcap: float | None = None) -> None:
         """The prefill sequences' query tokens (rows from ``query_start_loc[num_decode_seqs]`` on)."""
+        if window is not None or softcap is not None:
+            return self._masked_rows(q, kv_cache_layer, meta, scale, window, softcap, out,
+                                     range(meta.num_decode_seqs, meta.num_seqs))
         starts = meta.query_start_loc_cpu
         for s in range(meta.num_decode_seqs, meta.num_seqs):
             a, b = starts[s], starts[s + 1]
@@ -158,8 +160,12 @@ class TorchAttentionBackend(AttentionBackend):
             kk, vv = gather_kv(kv_cache_layer, meta.block_tables[s], seq_len)
             out[a:b] = self._prefill(q[a:b], kk, vv, seq_len, scale)
 
-    def _decode_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out) -> None:
+    def _decode_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out,
+                     window: int | None = None, softcap: float | None = None) -> None:
         """The first ``num_decode_seqs`` sequences' attention: q [nd, H, D] -> out [nd, H, D]."""
+        if window is not None or softcap is not None:
+            return self._masked_rows(q, kv_cache_layer, meta, scale, window, softcap, out,
+                                     range(meta.num_decode_seqs))
         if "decode" not in meta.scratch:  # the plan is the same for every layer of the step
             nd = meta.num_decode_seqs
             meta.scratch["decode"] = decode_plan(meta.block_tables[:nd], meta.seq_lens_cpu[:nd],

@@ -201,55 +201,51 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.fused = False  # the C kernel (float32 on CPU; LlamaModel.use_cpu_ops)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:  # the C kernel (rows of the last dim: [T, N], or q/k heads [T, H, D])
-            return cpu_ops.add_rmsnorm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps)[0].view(x.shape)
+    def _kernel_weight(self) -> torch.Tensor:
+        """What the C kernel multiplies the normalised rows by."""
+        return self.weight
+
+    def _torch_norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:  # the C kernel (rows of the last dim: [T, N], or q/k heads [T, H, D])
+            return cpu_ops.add_rmsnorm(x.reshape(-1, x.shape[-1]), None, self._kernel_weight(), self.eps)[0].view(x.shape)
+        return self._torch_norm(x)
+
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(h), h) with h = x + residual (x when residual is None): the residual add of the
         layer before, fused into this norm on CPU."""
         if self.fused:
-            return cpu_ops.add_rmsnorm(x, residual, self.weight, self.eps)
+            return cpu_ops.add_rmsnorm(x, residual, self._kernel_weight(), self.eps)
         h = x if residual is None else x + residual
         return self(h), h
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """Gemma's: ``(1 + weight)``, the normalisation and the scaling both in float32, one cast at
     the end (a float64 model's norms run in float32 too, as transformers'). Fused (float32 on
     CPU): the C RMSNorm kernel with ``1 + weight`` as its weight (the same product), which also
     makes a row's result independent of the other rows (batch invariance)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
+        super().__init__(hidden_size, eps)
         self.weight = nn.Parameter(torch.zeros(hidden_size))
-        self.eps = eps
-        self._fused_weight: torch.Tensor | None = None  # 1 + weight in float32, while fused
+        self._plus_one: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, 1 + weight in float32)
 
-    @property
-    def fused(self) -> bool:
-        return self._fused_weight is not None
+    def _kernel_weight(self) -> torch.Tensor:
+        w = self.weight
+        if self._plus_one is None or self._plus_one[0] is not w:
+            self._plus_one = (w, (1.0 + w.detach().float()).contiguous())
+        return self._plus_one[1]
 
-    @fused.setter
-    def fused(self, on: bool) -> None:
-        self._fused_weight = (1.0 + self.weight.detach().float()).contiguous() if on else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fused_weight is not None:
-            return cpu_ops.add_rmsnorm(x.reshape(-1, x.shape[-1]), None, self._fused_weight, self.eps)[0].view(x.shape)
+    def _torch_norm(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).type_as(x)
-
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._fused_weight is not None:
-            return cpu_ops.add_rmsnorm(x, residual, self._fused_weight, self.eps)
-        h = x if residual is None else x + residual
-        return self(h), h
 
 
 def make_norm(s: "ModelShape", size: int) -> nn.Module:
@@ -311,13 +307,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, s: ModelShape) -> None:
+    """The gated MLP (SwiGLU, or GeGLU for Gemma); also each expert of a sparse MoE layer."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, gelu: bool = False) -> None:
         super().__init__()
         # the checkpoint's gate/up_proj, fused into gate_up_proj by LlamaModel.fuse_projections()
-        self.gate_proj = Linear(s.hidden_size, s.intermediate_size, bias=False)
-        self.up_proj = Linear(s.hidden_size, s.intermediate_size, bias=False)
-        self.down_proj = Linear(s.intermediate_size, s.hidden_size, bias=False)
-        self.gelu = s.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.gelu = gelu  # GeGLU (Gemma)
         self.fused_act = False  # SiLU-and-mul in C (float32 on CPU; LlamaModel.use_cpu_ops)
 
     def fuse(self) -> None:
@@ -340,10 +338,10 @@ class DecoderLayer(nn.Module):
         if s.moe_layers and s.moe_layers[layer]:
             from prefixkv.model.moe import SparseMoE
 
-            self.mlp = SparseMoE(s.hidden_size, s.moe_intermediate_size, s.num_experts, s.num_experts_per_tok,
-                                 s.moe_renormalize, s.moe_weights_in_fp32)
+            self.mlp = SparseMoE(s.hidden_size, lambda: MLP(s.hidden_size, s.moe_intermediate_size), s.num_experts,
+                                 s.num_experts_per_tok, s.moe_renormalize, s.moe_weights_in_fp32)
         else:
-            self.mlp = MLP(s)
+            self.mlp = MLP(s.hidden_size, s.intermediate_size, gelu=s.hidden_act == "gelu_pytorch_tanh")
         self.input_layernorm = make_norm(s, s.hidden_size)
         self.post_attention_layernorm = make_norm(s, s.hidden_size)
         self.sandwich = s.gemma
@@ -408,7 +406,7 @@ class LlamaModel(nn.Module):
             layer.self_attn.fused_rope = rope
             layer.mlp.fused_act = f32  # SiLU-and-mul or GeGLU in C
         for m in self.modules():  # every norm: the layers', q/k per head, Gemma's (1 + w) ones, the final
-            if isinstance(m, (RMSNorm, GemmaRMSNorm)):
+            if isinstance(m, RMSNorm):
                 m.fused = f32
         return rope
 

@@ -16,43 +16,24 @@ the model's dtype first. Experts load from per-expert checkpoint tensors (``expe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixkv import cpu_ops
-from prefixkv.model.linear import FusedLinear, Linear
-
-
-class Expert(nn.Module):
-    """One SwiGLU expert; gate/up fused into one GEMM after loading (``fuse``)."""
-
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_proj = Linear(hidden, intermediate, bias=False)
-        self.up_proj = Linear(hidden, intermediate, bias=False)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
-        self.fused_act = False
-
-    def fuse(self) -> None:
-        self.gate_up_proj = FusedLinear.from_parts([self.gate_proj, self.up_proj])
-        del self.gate_proj, self.up_proj
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_act:
-            return self.down_proj(cpu_ops.silu_mul(self.gate_up_proj.whole(x)))
-        gate, up = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+from prefixkv.model.linear import Linear
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
-                 weights_in_fp32: bool) -> None:
+    def __init__(self, hidden: int, make_expert: Callable[[], nn.Module], num_experts: int, top_k: int,
+                 renormalize: bool, weights_in_fp32: bool) -> None:
+        """``make_expert``: one expert, the decoder's gated MLP (``model/llama.py``'s ``MLP``)."""
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"model: num_experts_per_tok must be from 1 to {num_experts}, got {top_k}")
         self.gate = Linear(hidden, num_experts, bias=False)  # the router
-        self.experts = nn.ModuleList(Expert(hidden, intermediate) for _ in range(num_experts))
+        self.experts = nn.ModuleList(make_expert() for _ in range(num_experts))
         self.num_experts, self.top_k = num_experts, top_k
         self.renormalize = renormalize
         self.weights_in_fp32 = weights_in_fp32  # Mixtral: the product is taken with float32 weights

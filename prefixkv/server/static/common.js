@@ -35,8 +35,24 @@ function askForKey(reason) {
   });
 }
 
+// The API-key dialog both pages share, built here (ids key-dialog, key-form, key-reason, key-input,
+// key-save, key-cancel) and appended to the page.
+function buildKeyDialog() {
+  const dialog = el("dialog", { id: "key-dialog", "aria-labelledby": "key-title" });
+  const form = el("form", { id: "key-form" });
+  const label = el("label", {}, "Key ");
+  label.append(el("input", { id: "key-input", type: "password", autocomplete: "off" }));
+  const buttons = el("div", { class: "buttons" });
+  buttons.append(el("button", { id: "key-save", type: "submit" }, "Save"),
+                 el("button", { id: "key-cancel", type: "button" }, "Cancel"));
+  form.append(el("h2", { id: "key-title" }, "API key"), el("p", { id: "key-reason" }), label, buttons);
+  dialog.append(form);
+  document.body.append(dialog);
+  return dialog;
+}
+
 function setupKeyDialog() {
-  const dialog = document.getElementById("key-dialog");
+  const dialog = buildKeyDialog();
   document.getElementById("key-form").addEventListener("submit", (ev) => {
     ev.preventDefault(); // the key never leaves the page as a form submission (or in a URL)
     dialog.close("save");
