@@ -449,6 +449,156 @@ int paged_prefill_attention_f32(const float *q, int64_t ldq, const float *kv_lay
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* The decode kernel for AVX2 machines (8 lanes, 16 registers): the AVX-512 kernel's structure, a
+ * block of up to 16 keys at a time, one query head at a time. */
+
+/* softmax_expf on 8 lanes (the same operations, so the same results lane by lane). */
+static inline __m256 softmax_expf8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 fx = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                                    _mm256_set1_ps(0.5f)));
+    const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f))),
+                                   _mm256_mul_ps(fx, _mm256_set1_ps(2.12194440e-4f)));
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* r[t] = sum of the 8 lanes of v[t], t = 0..7 (a fixed tree: pairs, quads, then the two halves). */
+static inline __m256 hsum8(const __m256 *v) {
+    const __m256 a01 = _mm256_hadd_ps(v[0], v[1]), a23 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a45 = _mm256_hadd_ps(v[4], v[5]), a67 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 b0 = _mm256_hadd_ps(a01, a23), b1 = _mm256_hadd_ps(a45, a67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
+}
+
+static inline float hadd8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
+}
+
+static inline __m256 softcap8(__m256 x, float softcap) {
+    float v[8] __attribute__((aligned(32)));
+    _mm256_store_ps(v, x);
+    for (int i = 0; i < 8; i++) v[i] = softcap * tanhf(v[i] / softcap);
+    return _mm256_load_ps(v);
+}
+
+/* 8 keys' scores for one head: dot[t] accumulates q . k_t over D = 8 * ND in 8 lanes (ND long
+ * FMA chains, 8 of them side by side), then hsum8. Keys t >= n are not read (score 0, masked). */
+static inline __attribute__((always_inline)) __m256 scores8(const float *qh, const float *kt, int n, const int ND) {
+    const int D = 8 * ND;
+    __m256 dot[8];
+    for (int t = 0; t < 8; t++) dot[t] = _mm256_setzero_ps();
+    if (n >= 8) {
+        for (int c = 0; c < ND; c++) {
+            const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
+            for (int t = 0; t < 8; t++)
+                dot[t] = c == 0 ? _mm256_mul_ps(qc, _mm256_loadu_ps(kt + (int64_t)t * D))
+                                : _mm256_fmadd_ps(qc, _mm256_loadu_ps(kt + (int64_t)t * D + 8 * c), dot[t]);
+        }
+    } else {
+        for (int t = 0; t < n; t++) {
+            dot[t] = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(kt + (int64_t)t * D));
+            for (int c = 1; c < ND; c++)
+                dot[t] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), _mm256_loadu_ps(kt + (int64_t)t * D + 8 * c), dot[t]);
+        }
+    }
+    return hsum8(dot);
+}
+
+static inline __attribute__((always_inline)) void decode_seq_avx2(
+        const float *qb, const float *kv_layer, const int32_t *table, int len, float *ob, int H, int KVH,
+        int BS, int64_t half, float scale, int window, float softcap, const int ND) {
+    const int D = 8 * ND, G = H / KVH;
+    const int64_t blk_elems = (int64_t)KVH * BS * D;
+    float m[MAXH], l[MAXH];
+    float acc[MAXH * MAXD] __attribute__((aligned(32)));
+    float p[16] __attribute__((aligned(32)));
+    for (int h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0; }
+    memset(acc, 0, sizeof(float) * H * D);
+    const int nblocks = (len + BS - 1) / BS;
+    const int lo = window > 0 && len > window ? len - window : 0;  /* the first key the query sees */
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    for (int j = lo / BS; j < nblocks; j++) {
+        const float *kb = kv_layer + (int64_t)table[j] * blk_elems;
+        const float *vb = kb + half;
+        if (j + 1 < nblocks) {
+            const char *nk = (const char *)(kv_layer + (int64_t)table[j + 1] * blk_elems);
+            const char *nv = nk + half * (int64_t)sizeof(float);
+            for (int64_t o = 0; o < blk_elems * (int64_t)sizeof(float); o += 64) {
+                _mm_prefetch(nk + o, _MM_HINT_T0);
+                _mm_prefetch(nv + o, _MM_HINT_T0);
+            }
+        }
+        const int n = len - j * BS < BS ? len - j * BS : BS;
+        const int skip = lo > j * BS ? lo - j * BS : 0;  /* keys of the block before the window */
+        /* key t is seen when skip <= t < n */
+        const __m256i t_lo = lane, t_hi = _mm256_add_epi32(lane, _mm256_set1_epi32(8));
+        const __m256i vn = _mm256_set1_epi32(n), vskip = _mm256_set1_epi32(skip - 1);
+        const __m256 valid_lo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(vn, t_lo), _mm256_cmpgt_epi32(t_lo, vskip)));
+        const __m256 valid_hi = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(vn, t_hi), _mm256_cmpgt_epi32(t_hi, vskip)));
+        for (int kh = 0; kh < KVH; kh++) {
+            const float *kt = kb + (int64_t)kh * BS * D, *vt = vb + (int64_t)kh * BS * D;
+            for (int h = kh * G; h < (kh + 1) * G; h++) {
+                const float *qh = qb + (int64_t)h * D;
+                const __m256 sc = _mm256_set1_ps(scale);
+                __m256 s0 = _mm256_mul_ps(scores8(qh, kt, n, ND), sc);
+                __m256 s1 = n > 8 ? _mm256_mul_ps(scores8(qh, kt + 8 * (int64_t)D, n - 8, ND), sc) : ninf;
+                if (softcap > 0) { s0 = softcap8(s0, softcap); s1 = softcap8(s1, softcap); }
+                s0 = _mm256_blendv_ps(ninf, s0, valid_lo);
+                s1 = _mm256_blendv_ps(ninf, s1, valid_hi);
+                const float bm = fmaxf(m[h], hmax8(_mm256_max_ps(s0, s1)));
+                const float a = expf(m[h] - bm);  /* 0 on the first block (m = -inf) */
+                const __m256 vbm = _mm256_set1_ps(bm);
+                const __m256 p0 = _mm256_and_ps(valid_lo, softmax_expf8(_mm256_sub_ps(s0, vbm)));
+                const __m256 p1 = _mm256_and_ps(valid_hi, softmax_expf8(_mm256_sub_ps(s1, vbm)));
+                l[h] = l[h] * a + hadd8(_mm256_add_ps(p0, p1));
+                m[h] = bm;
+                _mm256_store_ps(p, p0);
+                _mm256_store_ps(p + 8, p1);
+                const __m256 alpha = _mm256_set1_ps(a);
+                float *ah = acc + (int64_t)h * D;
+                for (int c0 = 0; c0 < ND; c0 += 8) {  /* 8 accumulator vectors at a time */
+                    const int nc = ND - c0 < 8 ? ND - c0 : 8;
+                    __m256 av[8];
+                    for (int c = 0; c < nc; c++) av[c] = _mm256_mul_ps(_mm256_load_ps(ah + 8 * (c0 + c)), alpha);
+                    for (int t = skip; t < n; t++) {
+                        const __m256 pt = _mm256_set1_ps(p[t]);
+                        for (int c = 0; c < nc; c++)
+                            av[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + (int64_t)t * D + 8 * (c0 + c)), av[c]);
+                    }
+                    for (int c = 0; c < nc; c++) _mm256_store_ps(ah + 8 * (c0 + c), av[c]);
+                }
+            }
+        }
+    }
+    for (int h = 0; h < H; h++) {
+        const __m256 inv = _mm256_set1_ps(1.0f / l[h]);
+        for (int c = 0; c < ND; c++)
+            _mm256_storeu_ps(ob + (int64_t)h * D + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc + (int64_t)h * D + 8 * c), inv));
+    }
+}
+#endif
+
 void paged_decode_attention_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
                                 const int32_t *seq_lens, float *out, int B, int H, int KVH, int D, int BS,
                                 int max_blocks, int64_t nb1, float scale, int window, float softcap) {
@@ -464,6 +614,21 @@ void paged_decode_attention_f32(const float *q, int64_t ldq, const float *kv_lay
                 decode_seq_avx512(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 4);
             else
                 decode_seq_avx512(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 8);
+        }
+        return;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (BS <= 16 && (D == 64 || D == 128)) {
+        const int64_t half = nb1 * (int64_t)KVH * BS * D;
+        #pragma omp parallel for schedule(dynamic, 1)
+        for (int b = 0; b < B; b++) {
+            const float *qb = q + (int64_t)b * ldq;
+            const int32_t *table = block_tables + (int64_t)b * max_blocks;
+            float *ob = out + (int64_t)b * H * D;
+            if (D == 64)
+                decode_seq_avx2(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 8);
+            else
+                decode_seq_avx2(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 16);
         }
         return;
     }
@@ -590,8 +755,16 @@ void softcap_f32(float *x, int64_t n, float cap) {
  * a row's outputs are bitwise the same whatever M, the row's
  * position, the tile it falls in or the number of threads (tested).
  * ---------------------------------------------------------------------------------------------- */
+#if defined(__AVX512F__)
+#define GEMM_NR 48  /* 3 zmm per row of a tile; 8 x 3 = 24 accumulators of 32 registers */
+#define GEMM_MR 8
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GEMM_NR 24  /* 3 ymm per row of a tile; 4 x 3 = 12 accumulators of 16 registers */
+#define GEMM_MR 4
+#else
 #define GEMM_NR 48
 #define GEMM_MR 8
+#endif
 #define GEMM_KB 64
 
 int gemm_panel_width(void) { return GEMM_NR; }
@@ -673,6 +846,79 @@ int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bia
     }
     return 1;
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define GEMM_NV (GEMM_NR / 8)
+#define GEMM_RG 16  /* rows that take a block of k in turn */
+#define GEMM_PF_ROWS 128  /* software prefetch distance, in panel rows (12 KB): ~6 % faster at 16 rows here */
+_Static_assert(GEMM_MR == 4 && GEMM_RG % GEMM_MR == 0, "gemm_f32's switch covers tiles of 1 to 4 rows");
+/* The AVX2 GEMM: the same sums as the AVX-512 one (each output element's FMA chains over k in
+ * blocks of GEMM_KB, added in order, then + bias), 8 lanes wide, so a row's results are bitwise the
+ * same on either build. On these machines a 16-row decode GEMM is compute-bound, so the row tiles
+ * of a panel take each block of k in turn (GEMM_RG rows, 4 at a time), while that block's
+ * GEMM_KB x GEMM_NR slice of the panel is in L1, and the first tile prefetches the panel ahead:
+ * the panel streams from memory once, in order, partly under the computation (measured on a Zen 3
+ * VM: 16 rows of SmolLM2's 30 layers in ~50 ms, against ~61 ms with one pass over the panel per
+ * row tile as in the AVX-512 kernel, and ~80 ms for oneDNN). Running totals: a stack buffer. */
+static inline __attribute__((always_inline)) void gemm_tile_kblock(const int MR, const float *x, int64_t ld_x,
+                                                                   const float *panel, int k0, int k1,
+                                                                   float *total, const int pf) {
+    __m256 acc[GEMM_MR][GEMM_NV];
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < GEMM_NV; v++) acc[m][v] = _mm256_setzero_ps();
+    for (int k = k0; k < k1; k++) {
+        __m256 w[GEMM_NV];
+        if (pf) {  /* the first tile of a block: the panel GEMM_PF_ROWS rows (1.5 lines each) ahead */
+            _mm_prefetch((const char *)(panel + (int64_t)(k + GEMM_PF_ROWS) * GEMM_NR), _MM_HINT_T0);
+            if (k & 1) _mm_prefetch((const char *)(panel + (int64_t)(k + GEMM_PF_ROWS) * GEMM_NR + 16), _MM_HINT_T0);
+        }
+        for (int v = 0; v < GEMM_NV; v++) w[v] = _mm256_loadu_ps(panel + (int64_t)k * GEMM_NR + 8 * v);
+        for (int m = 0; m < MR; m++) {
+            const __m256 xv = _mm256_broadcast_ss(x + m * ld_x + k);
+            for (int v = 0; v < GEMM_NV; v++) acc[m][v] = _mm256_fmadd_ps(xv, w[v], acc[m][v]);
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < GEMM_NV; v++)
+            _mm256_store_ps(total + m * GEMM_NR + 8 * v,
+                            _mm256_add_ps(_mm256_load_ps(total + m * GEMM_NR + 8 * v), acc[m][v]));
+}
+
+int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bias, float *y, int64_t ld_y,
+             int M, int N, int K) {
+    const int P = (N + GEMM_NR - 1) / GEMM_NR;
+    #pragma omp parallel for schedule(static)
+    for (int p = 0; p < P; p++) {
+        const float *panel = packed + (int64_t)p * K * GEMM_NR;
+        const float *b = bias ? bias + p * GEMM_NR : 0;
+        const int ncols = N - p * GEMM_NR < GEMM_NR ? N - p * GEMM_NR : GEMM_NR;
+        float total[GEMM_RG * GEMM_NR] __attribute__((aligned(32)));
+        for (int g0 = 0; g0 < M; g0 += GEMM_RG) {
+            const int rows = M - g0 < GEMM_RG ? M - g0 : GEMM_RG;
+            memset(total, 0, sizeof(float) * rows * GEMM_NR);
+            for (int k0 = 0; k0 < K; k0 += GEMM_KB) {
+                const int k1 = k0 + GEMM_KB < K ? k0 + GEMM_KB : K;
+                for (int m0 = 0; m0 < rows; m0 += GEMM_MR) {
+                    const float *xt = x + (g0 + m0) * ld_x;
+                    float *tt = total + m0 * GEMM_NR;
+                    switch (rows - m0 < GEMM_MR ? rows - m0 : GEMM_MR) {
+                    case 1: gemm_tile_kblock(1, xt, ld_x, panel, k0, k1, tt, m0 == 0); break;
+                    case 2: gemm_tile_kblock(2, xt, ld_x, panel, k0, k1, tt, m0 == 0); break;
+                    case 3: gemm_tile_kblock(3, xt, ld_x, panel, k0, k1, tt, m0 == 0); break;
+                    default: gemm_tile_kblock(4, xt, ld_x, panel, k0, k1, tt, m0 == 0); break;
+                    }
+                }
+            }
+            for (int m = 0; m < rows; m++) {
+                float *yr = y + (g0 + m) * ld_y + p * GEMM_NR;
+                const float *tr = total + m * GEMM_NR;
+                if (b) for (int c = 0; c < ncols; c++) yr[c] = tr[c] + b[c];
+                else memcpy(yr, tr, sizeof(float) * ncols);
+            }
+        }
+    }
+    return 1;
+}
 #else
 int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bias, float *y, int64_t ld_y,
              int M, int N, int K) {
@@ -682,7 +928,7 @@ int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bia
 #endif
 
 int gemm_available(void) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     return 1;
 #else
     return 0;
