@@ -406,47 +406,6 @@ static inline __attribute__((always_inline)) void prefill_tile_avx512(
     }
 }
 
-/* Returns 0 when these shapes have no kernel here (the caller keeps the torch path). */
-int paged_prefill_attention_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
-                                const int32_t *seq_lens, const int32_t *query_start_loc, float *out, int S,
-                                int H, int KVH, int D, int BS, int max_blocks, int64_t nb1, float scale,
-                                int window, float softcap) {
-    if (!(D == 64 || D == 128) || BS > MAXBS || H > MAXH) return 0;
-    const int64_t half = nb1 * (int64_t)KVH * BS * D;
-    int num_items = 0;
-    for (int s = 0; s < S; s++) num_items += (query_start_loc[s + 1] - query_start_loc[s] + 15) / 16 * KVH;
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (int item = 0; item < num_items; item++) {
-        int s = 0, rest = item, tiles = 0;
-        for (;; s++) {  /* find this item's sequence (S is small) */
-            tiles = (query_start_loc[s + 1] - query_start_loc[s] + 15) / 16 * KVH;
-            if (rest < tiles) break;
-            rest -= tiles;
-        }
-        const int qlen = query_start_loc[s + 1] - query_start_loc[s];
-        const int tile = rest / KVH, kh = rest % KVH;
-        const float *qs = q + (int64_t)query_start_loc[s] * ldq;
-        float *os = out + (int64_t)query_start_loc[s] * H * D;
-        const int ctx = seq_lens[s] - qlen;
-        if (D == 64)
-            prefill_tile_avx512(qs, ldq, kv_layer, block_tables + (int64_t)s * max_blocks, ctx, qlen, 16 * tile, os,
-                                H, KVH, kh, BS, half, scale, window, softcap, 4);
-        else
-            prefill_tile_avx512(qs, ldq, kv_layer, block_tables + (int64_t)s * max_blocks, ctx, qlen, 16 * tile, os,
-                                H, KVH, kh, BS, half, scale, window, softcap, 8);
-    }
-    return 1;
-}
-#else
-int paged_prefill_attention_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
-                                const int32_t *seq_lens, const int32_t *query_start_loc, float *out, int S,
-                                int H, int KVH, int D, int BS, int max_blocks, int64_t nb1, float scale,
-                                int window, float softcap) {
-    (void)q; (void)ldq; (void)kv_layer; (void)block_tables; (void)seq_lens; (void)query_start_loc; (void)out;
-    (void)S; (void)H; (void)KVH; (void)D; (void)BS; (void)max_blocks; (void)nb1; (void)scale;
-    (void)window; (void)softcap;
-    return 0;
-}
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -597,7 +556,156 @@ static inline __attribute__((always_inline)) void decode_seq_avx2(
             _mm256_storeu_ps(ob + (int64_t)h * D + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc + (int64_t)h * D + 8 * c), inv));
     }
 }
+
+/* The prefill tile for AVX2: the AVX-512 tile's arithmetic with 8 queries as the lanes (D = 8 * ND);
+ * the P.V update one query at a time (ND accumulators, 8 at a time). */
+static inline __attribute__((always_inline)) __m256 visible8(__m256i vpos, __m256i vlow, int key, int window) {
+    const __m256i k = _mm256_set1_epi32(key);
+    __m256i vis = _mm256_andnot_si256(_mm256_cmpgt_epi32(k, vpos), _mm256_set1_epi32(-1));  /* key <= pos */
+    if (window > 0) vis = _mm256_and_si256(vis, _mm256_cmpgt_epi32(k, vlow));              /* key > pos - window */
+    return _mm256_castsi256_ps(vis);
+}
+
+static inline __attribute__((always_inline)) void prefill_tile_avx2(
+        const float *q, int64_t ldq, const float *kv_layer, const int32_t *table, int ctx, int qlen, int i0,
+        float *out, int H, int KVH, int kh, int BS, int64_t half, float scale, int window, float softcap,
+        const int ND) {
+    const int D = 8 * ND, G = H / KVH;
+    const int64_t blk_elems = (int64_t)KVH * BS * D;
+    const int nq = qlen - i0 < 8 ? qlen - i0 : 8;
+    const int last_pos = ctx + i0 + nq - 1;
+    const int nblocks = last_pos / BS + 1;
+    float qt[MAXD * 8] __attribute__((aligned(32)));
+    float pbuf[MAXBS * 8] __attribute__((aligned(32)));
+    float acc[8 * MAXD] __attribute__((aligned(32)));
+    int32_t qpos[8];
+    for (int lane = 0; lane < 8; lane++) qpos[lane] = lane < nq ? ctx + i0 + lane : -1;  /* -1: padding */
+    const __m256i vpos = _mm256_loadu_si256((const __m256i *)qpos);
+    const __m256i vlow = _mm256_sub_epi32(vpos, _mm256_set1_epi32(window > 0 ? window : 1 << 30));
+    const int first_key = window > 0 && ctx + i0 - window + 1 > 0 ? ctx + i0 - window + 1 : 0;
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), zero = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const int h = kh * G + g;
+        for (int d = 0; d < D; d++)
+            for (int lane = 0; lane < 8; lane++)
+                qt[d * 8 + lane] = lane < nq ? q[(int64_t)(i0 + lane) * ldq + (int64_t)h * D + d] : 0.0f;
+        __m256 m = ninf, l = zero;
+        memset(acc, 0, sizeof(float) * 8 * D);
+        for (int j = first_key / BS; j < nblocks; j++) {
+            const float *kt = kv_layer + (int64_t)table[j] * blk_elems + (int64_t)kh * BS * D;
+            const float *vt = kt + half;
+            const int n = last_pos - j * BS + 1 < BS ? last_pos - j * BS + 1 : BS;
+            __m256 bmax = ninf;
+            for (int t = 0; t < n; t++) {
+                const float *krow = kt + (int64_t)t * D;
+                /* four partial sums over d (d mod 4), as in the AVX-512 tile */
+                __m256 s0 = _mm256_mul_ps(_mm256_set1_ps(krow[0]), _mm256_load_ps(qt));
+                __m256 s1 = _mm256_mul_ps(_mm256_set1_ps(krow[1]), _mm256_load_ps(qt + 8));
+                __m256 s2 = _mm256_mul_ps(_mm256_set1_ps(krow[2]), _mm256_load_ps(qt + 16));
+                __m256 s3 = _mm256_mul_ps(_mm256_set1_ps(krow[3]), _mm256_load_ps(qt + 24));
+                for (int d = 4; d < D; d += 4) {
+                    s0 = _mm256_fmadd_ps(_mm256_set1_ps(krow[d]), _mm256_load_ps(qt + d * 8), s0);
+                    s1 = _mm256_fmadd_ps(_mm256_set1_ps(krow[d + 1]), _mm256_load_ps(qt + (d + 1) * 8), s1);
+                    s2 = _mm256_fmadd_ps(_mm256_set1_ps(krow[d + 2]), _mm256_load_ps(qt + (d + 2) * 8), s2);
+                    s3 = _mm256_fmadd_ps(_mm256_set1_ps(krow[d + 3]), _mm256_load_ps(qt + (d + 3) * 8), s3);
+                }
+                __m256 sc = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
+                sc = _mm256_mul_ps(sc, _mm256_set1_ps(scale));
+                if (softcap > 0) sc = softcap8(sc, softcap);
+                sc = _mm256_blendv_ps(ninf, sc, visible8(vpos, vlow, j * BS + t, window));
+                _mm256_store_ps(pbuf + t * 8, sc);
+                bmax = _mm256_max_ps(bmax, sc);
+            }
+            const __m256 mnew = _mm256_max_ps(m, bmax);
+            const __m256 live = _mm256_cmp_ps(mnew, ninf, _CMP_NEQ_OQ);  /* lanes with a key so far */
+            const __m256 base = _mm256_and_ps(live, mnew);
+            const __m256 alpha = _mm256_and_ps(live, softmax_expf8(_mm256_sub_ps(m, base)));
+            __m256 lsum = zero;
+            for (int t = 0; t < n; t++) {
+                const __m256 pt = _mm256_and_ps(live, softmax_expf8(_mm256_sub_ps(_mm256_load_ps(pbuf + t * 8), base)));
+                const __m256 p = _mm256_and_ps(visible8(vpos, vlow, j * BS + t, window), pt);  /* masked keys: 0 */
+                _mm256_store_ps(pbuf + t * 8, p);
+                lsum = _mm256_add_ps(lsum, p);
+            }
+            l = _mm256_add_ps(_mm256_mul_ps(l, alpha), lsum);
+            m = mnew;
+            float al[8] __attribute__((aligned(32)));
+            _mm256_store_ps(al, alpha);
+            for (int lane = 0; lane < nq; lane++) {
+                float *a = acc + lane * D;
+                const __m256 sa = _mm256_set1_ps(al[lane]);
+                for (int c0 = 0; c0 < ND; c0 += 8) {
+                    const int nc = ND - c0 < 8 ? ND - c0 : 8;
+                    __m256 av[8];
+                    for (int c = 0; c < nc; c++) av[c] = _mm256_mul_ps(_mm256_load_ps(a + 8 * (c0 + c)), sa);
+                    for (int t = 0; t < n; t++) {
+                        const __m256 pa = _mm256_set1_ps(pbuf[t * 8 + lane]);
+                        for (int c = 0; c < nc; c++)
+                            av[c] = _mm256_fmadd_ps(pa, _mm256_loadu_ps(vt + (int64_t)t * D + 8 * (c0 + c)), av[c]);
+                    }
+                    for (int c = 0; c < nc; c++) _mm256_store_ps(a + 8 * (c0 + c), av[c]);
+                }
+            }
+        }
+        float lv[8] __attribute__((aligned(32)));
+        _mm256_store_ps(lv, l);
+        for (int lane = 0; lane < nq; lane++) {
+            const __m256 inv = _mm256_set1_ps(1.0f / lv[lane]);
+            float *o = out + (int64_t)(i0 + lane) * H * D + (int64_t)h * D;
+            for (int c = 0; c < ND; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc + lane * D + 8 * c), inv));
+        }
+    }
+}
 #endif
+
+/* The prefill kernel's tile: PREFILL_TQ queries, one per vector lane. */
+#if defined(__AVX512F__)
+#define PREFILL_TQ 16
+#define prefill_tile prefill_tile_avx512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PREFILL_TQ 8
+#define prefill_tile prefill_tile_avx2
+#endif
+
+/* Returns 0 when these shapes have no kernel here (the caller keeps the torch path). */
+int paged_prefill_attention_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
+                                const int32_t *seq_lens, const int32_t *query_start_loc, float *out, int S,
+                                int H, int KVH, int D, int BS, int max_blocks, int64_t nb1, float scale,
+                                int window, float softcap) {
+#if defined(PREFILL_TQ)
+    if (!(D == 64 || D == 128) || BS > MAXBS || H > MAXH) return 0;
+    const int64_t half = nb1 * (int64_t)KVH * BS * D;
+    int num_items = 0;
+    for (int s = 0; s < S; s++)
+        num_items += (query_start_loc[s + 1] - query_start_loc[s] + PREFILL_TQ - 1) / PREFILL_TQ * KVH;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int item = 0; item < num_items; item++) {
+        int s = 0, rest = item, tiles = 0;
+        for (;; s++) {  /* find this item's sequence (S is small) */
+            tiles = (query_start_loc[s + 1] - query_start_loc[s] + PREFILL_TQ - 1) / PREFILL_TQ * KVH;
+            if (rest < tiles) break;
+            rest -= tiles;
+        }
+        const int qlen = query_start_loc[s + 1] - query_start_loc[s];
+        const int tile = rest / KVH, kh = rest % KVH;
+        const float *qs = q + (int64_t)query_start_loc[s] * ldq;
+        float *os = out + (int64_t)query_start_loc[s] * H * D;
+        const int ctx = seq_lens[s] - qlen;
+        if (D == 64)
+            prefill_tile(qs, ldq, kv_layer, block_tables + (int64_t)s * max_blocks, ctx, qlen, PREFILL_TQ * tile, os,
+                         H, KVH, kh, BS, half, scale, window, softcap, 64 / PREFILL_TQ);
+        else
+            prefill_tile(qs, ldq, kv_layer, block_tables + (int64_t)s * max_blocks, ctx, qlen, PREFILL_TQ * tile, os,
+                         H, KVH, kh, BS, half, scale, window, softcap, 128 / PREFILL_TQ);
+    }
+    return 1;
+#else
+    (void)q; (void)ldq; (void)kv_layer; (void)block_tables; (void)seq_lens; (void)query_start_loc; (void)out;
+    (void)S; (void)H; (void)KVH; (void)D; (void)BS; (void)max_blocks; (void)nb1; (void)scale;
+    (void)window; (void)softcap;
+    return 0;
+#endif
+}
 
 void paged_decode_attention_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
                                 const int32_t *seq_lens, float *out, int B, int H, int KVH, int D, int BS,
