@@ -106,7 +106,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     attention_backend: str | None = None  # None = "cpu" on cpu, "cuda" on cuda
-    # CPU float32 GEMMs (model/linear.py): "c" (the engine's AVX-512 kernel on packed weights),
+    # CPU float32 GEMMs (model/linear.py): "c" (the engine's AVX-512 / AVX2 kernel on packed weights),
     # "onednn" (oneDNN on prepacked weights), "torch" (F.linear, MKL); "auto": c, else onednn
     cpu_linear: str = "auto"
     # CPU: RoPE, residual-add + RMSNorm and SiLU-and-mul through the C kernels (prefixkv/cpu_ops.py)

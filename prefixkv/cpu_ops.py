@@ -1,7 +1,8 @@
 """The C kernels of ``prefixkv/csrc/cpu_ops.c``: built once per machine, called through ctypes.
 
 ``load()`` compiles the source with the system C compiler (``$CC`` or ``cc``; ``-O3 -march=native
--fopenmp``) into the prefixkv cache directory, keyed by a hash of the source, the flags, the
+-fopenmp``; ``PREFIXKV_CPU_KERNELS=avx2`` adds ``-mno-avx512f``: the AVX2 kernels on an AVX-512
+machine, which is how the tests check both builds there) into the prefixkv cache directory, keyed by a hash of the source, the flags, the
 compiler's version and this CPU's feature flags, written to a temporary file and renamed (a
 concurrent start-up finds either nothing or a whole library). It returns None where no compiler
 works; the callers then keep the torch path.
@@ -41,10 +42,15 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
+def _flags() -> tuple[str, ...]:
+    return CFLAGS + (("-mno-avx512f",) if os.environ.get("PREFIXKV_CPU_KERNELS") == "avx2" else ())
+
+
 def _build(cc: str) -> Path:
     src = SOURCE.read_bytes()
+    flags = _flags()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(b"\0".join([src, " ".join(CFLAGS).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
     out = cache_root() / "kernels" / f"cpu_ops-{key}.so"
     if out.is_file():
@@ -53,7 +59,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".cpu_ops-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+        res = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
                              timeout=300)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed: {res.stderr.strip()[:2000]}")
@@ -96,6 +102,7 @@ def load() -> ctypes.CDLL | None:
     lib.gemm_f32.restype = i32
     for name in ("add_rmsnorm_f32", "rope_f32", "rope_f64", "silu_mul_f32", "gemm_pack_f32"):
         getattr(lib, name).restype = None
+    lib.vector_bits = lib.kernels_vector_bits()  # 512, 256 (AVX2 + FMA) or 0 (the generic C only)
     lib.limits = (lib.paged_decode_max_heads(), lib.paged_decode_max_block(), lib.paged_decode_max_head_dim())
     return lib
 
@@ -105,7 +112,7 @@ _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 # ---------------------------------------------------------------------------------------------- GEMM
 def gemm_available() -> bool:
-    """Whether the library has its float32 GEMM (an AVX-512 build)."""
+    """Whether the library has its float32 GEMM (an AVX-512 or AVX2 + FMA build)."""
     lib = load()
     return lib is not None and bool(lib.gemm_available())
 
@@ -161,7 +168,7 @@ def supports_decode(q: torch.Tensor, kv_cache_layer: torch.Tensor) -> bool:
 
 
 def supports_prefill(q: torch.Tensor, kv_cache_layer: torch.Tensor) -> bool:
-    """The prefill kernel: float32, head_dim 64 or 128, AVX-512 (it reports 0 otherwise)."""
+    """The prefill kernel: float32, head_dim 64 or 128, AVX-512 or AVX2 (it reports 0 otherwise)."""
     return (q.dtype == torch.float32 and q.shape[2] in (64, 128) and supports_decode(q, kv_cache_layer)
             and q.stride(2) == 1 and q.stride(1) == q.shape[2])
 

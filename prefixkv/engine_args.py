@@ -36,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--cpu-linear", default="auto", choices=["auto", "c", "onednn", "torch"],
                    help="CPU float32 GEMMs: the engine's C kernel on packed weights, oneDNN on prepacked "
-                        "weights, or torch's F.linear (auto: c where built with AVX-512, else onednn)")
+                        "weights, or torch's F.linear (auto: c where built with AVX-512 or AVX2, else onednn)")
     g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="every logit of a request bitwise the same whatever else is batched, cached, chunked, "
                         "preempted or speculated (cpu, float32; default: on wherever possible)")

@@ -14,8 +14,8 @@ from prefixkv.cpu_ops import gemm_available
 from test_lossless import random_prompts
 
 MAX_TOKENS = 12
-# the mode needs the C GEMM (an AVX-512 build of the C kernels); elsewhere it is refused (tested below)
-needs_the_mode = pytest.mark.skipif(not gemm_available(), reason="C kernels without AVX-512: no batch-invariant mode")
+# the mode needs the C GEMM (an AVX-512 or AVX2 build of the C kernels); elsewhere it is refused (tested below)
+needs_the_mode = pytest.mark.skipif(not gemm_available(), reason="C kernels without AVX-512 or AVX2: no batch-invariant mode")
 
 
 def make_prompts(vocab: int, n: int = 10, seed: int = 0) -> list[list[int]]:

@@ -20,8 +20,8 @@ SPECS = [(1, 1), (15, 1), (16, 1), (17, 1), (64, 1), (250, 1), (33, 1), (2, 1)]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("head_dim,block_size,num_kv_heads,group", [
-    (64, 16, 3, 3),    # SmolLM2's shapes: the AVX-512 path
-    (128, 16, 2, 4),   # the AVX-512 path with D = 128
+    (64, 16, 3, 3),    # SmolLM2's shapes: the AVX-512 / AVX2 path
+    (128, 16, 2, 4),   # the AVX-512 / AVX2 path with D = 128
     (64, 32, 2, 2),    # block 32: the generic path
     (32, 1, 1, 8),     # block 1, D = 32: the generic path
     (80, 4, 4, 1),     # D not a multiple of 16, no GQA
@@ -201,7 +201,7 @@ def test_prefill_kernel_matches_reference(head_dim, block_size, num_kv_heads, gr
     out = torch.empty_like(b["q"])
     if not cpu_ops.paged_prefill_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"],
                                            b["query_start_loc"], head_dim ** -0.5, out):
-        pytest.skip("no AVX-512 on this CPU: prefill chunks keep the torch path")
+        pytest.skip("no AVX-512 or AVX2 on this CPU: prefill chunks keep the torch path")
     ref = reference_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], b["query_start_loc"],
                               head_dim ** -0.5)
     diff = (out.double() - ref).abs().max().item()
@@ -215,7 +215,7 @@ def test_prefill_kernel_result_of_a_query_does_not_depend_on_its_chunk():
     whole = torch.empty_like(b["q"])
     if not cpu_ops.paged_prefill_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"],
                                            b["query_start_loc"], 0.125, whole):
-        pytest.skip("no AVX-512 on this CPU: prefill chunks keep the torch path")
+        pytest.skip("no AVX-512 or AVX2 on this CPU: prefill chunks keep the torch path")
     for cuts in ([7, 16, 17], [1, 39], [33, 7]):
         start = 60
         pos = 0
@@ -266,7 +266,7 @@ def test_prefill_kernel_window_and_softcap(head_dim, block_size, window, softcap
     q = b["q"] * 4
     if not cpu_ops.paged_prefill_attention(q, b["cache"], b["block_tables"], b["seq_lens"], b["query_start_loc"],
                                            head_dim ** -0.5, out, window=window, softcap=softcap):
-        pytest.skip("no AVX-512 on this CPU: prefill chunks keep the torch path")
+        pytest.skip("no AVX-512 or AVX2 on this CPU: prefill chunks keep the torch path")
     ref = reference_attention(q, b["cache"].nan_to_num(), b["block_tables"], b["seq_lens"], b["query_start_loc"],
                               head_dim ** -0.5, window=window, softcap=softcap)
     assert not out.isnan().any() and (out.double() - ref).abs().max().item() < 1e-5

@@ -13,7 +13,7 @@ from prefixkv.model import linear as linear_mod
 from prefixkv.model.linear import FusedLinear, Linear, onednn_available, resolve_cpu_linear
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
-needs_c_gemm = pytest.mark.skipif(not cpu_ops.gemm_available(), reason="C kernels not built with AVX-512")
+needs_c_gemm = pytest.mark.skipif(not cpu_ops.gemm_available(), reason="C kernels built without AVX-512 or AVX2")
 KINDS = [pytest.param("c", marks=needs_c_gemm), pytest.param("onednn", marks=needs_onednn)]
 
 

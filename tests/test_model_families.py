@@ -191,8 +191,8 @@ def test_gemma2_soft_caps_bind_and_match_transformers(tiny_gemma2, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "mistral-window"])
-def test_float32_head_dim_64_families_through_the_avx512_kernels(arch, tmp_path):
-    """float32, head_dim 64, block size 16: the C kernels' window / soft-cap paths (AVX-512 decode
+def test_float32_head_dim_64_families_through_the_vector_kernels(arch, tmp_path):
+    """float32, head_dim 64, block size 16: the C kernels' window / soft-cap paths (AVX-512 or AVX2 decode
     and prefill), the fused C norms incl. Gemma's (1 + w) and GeGLU, against transformers in
     float32: greedy ids equal and next-token logprobs within float32 rounding."""
     from tiny_models import build_model, build_tokenizer

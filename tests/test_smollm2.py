@@ -77,7 +77,7 @@ def test_gguf_conversion_matches_transformers(llm):
 
 
 @pytest.mark.skipif(not __import__("prefixkv.cpu_ops").cpu_ops.gemm_available(),
-                    reason="C kernels without AVX-512: no batch-invariant mode")
+                    reason="C kernels without AVX-512 or AVX2: no batch-invariant mode")
 def test_batch_invariant_outputs_are_bitwise_the_prompt_alone():
     """Issue 14 on the real model: 24 prompts (half sharing a long system prompt), each run alone on
     a cold engine, then all together, in batches of 3, with chunk budgets 7 / 64 / 512, with the

@@ -1,7 +1,7 @@
 """The CPU default: the torch reference path's structure with its attention in the C kernels of
 ``cpu_ops``. Decode rows: each sequence reads its own blocks in place through its block table (no
 gather copies, no per-step plan), an online softmax a block at a time. Prefill chunks: tiles of
-16 query tokens against the blocks they see, lane-wise online softmax (AVX-512, float32).
+16 query tokens (8 on AVX2) against the blocks they see, lane-wise online softmax (float32).
 
 Where the kernel library is not built (no C compiler), the dtype is not float32 (prefill) or the
 shapes exceed the kernels' limits, those rows take the torch path unchanged.

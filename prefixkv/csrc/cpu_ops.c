@@ -10,6 +10,7 @@
  * element type (float32 accumulation for float32: "accumulated in at least fp32").
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -867,8 +868,8 @@ void softcap_f32(float *x, int64_t n, float cap) {
 #define GEMM_NR 48  /* 3 zmm per row of a tile; 8 x 3 = 24 accumulators of 32 registers */
 #define GEMM_MR 8
 #elif defined(__AVX2__) && defined(__FMA__)
-#define GEMM_NR 24  /* 3 ymm per row of a tile; 4 x 3 = 12 accumulators of 16 registers */
-#define GEMM_MR 4
+#define GEMM_NR 16  /* 2 ymm per row of a tile; 6 x 2 = 12 accumulators of 16 registers, the 2 panel */
+#define GEMM_MR 6   /* vectors and a broadcast: 8 loads per 12 FMAs (4 x 24 spills the panel's) */
 #else
 #define GEMM_NR 48
 #define GEMM_MR 8
@@ -957,17 +958,17 @@ int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bia
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define GEMM_NV (GEMM_NR / 8)
-#define GEMM_RG 16  /* rows that take a block of k in turn */
-#define GEMM_PF_ROWS 128  /* software prefetch distance, in panel rows (12 KB): ~6 % faster at 16 rows here */
-_Static_assert(GEMM_MR == 4 && GEMM_RG % GEMM_MR == 0, "gemm_f32's switch covers tiles of 1 to 4 rows");
+#define GEMM_RG 24  /* rows that take a block of k in turn */
+#define GEMM_PF_ROWS 128  /* software prefetch distance, in panel rows */
+_Static_assert(GEMM_MR == 6 && GEMM_RG % GEMM_MR == 0, "gemm_f32's switch covers tiles of 1 to 6 rows");
 /* The AVX2 GEMM: the same sums as the AVX-512 one (each output element's FMA chains over k in
  * blocks of GEMM_KB, added in order, then + bias), 8 lanes wide, so a row's results are bitwise the
- * same on either build. On these machines a 16-row decode GEMM is compute-bound, so the row tiles
- * of a panel take each block of k in turn (GEMM_RG rows, 4 at a time), while that block's
- * GEMM_KB x GEMM_NR slice of the panel is in L1, and the first tile prefetches the panel ahead:
- * the panel streams from memory once, in order, partly under the computation (measured on a Zen 3
- * VM: 16 rows of SmolLM2's 30 layers in ~50 ms, against ~61 ms with one pass over the panel per
- * row tile as in the AVX-512 kernel, and ~80 ms for oneDNN). Running totals: a stack buffer. */
+ * same on either build. 6 x 16 tiles (4 x 24 has the same 12 accumulators, but the compiler then
+ * re-loads the panel's vectors for every row: 16 loads per 12 FMAs, load-bound). The row tiles of a
+ * group take each block of k in turn while that block's GEMM_KB x GEMM_NR slice of the panel is in
+ * L1, and the first tile prefetches the panel ahead, so it streams from memory once, in order,
+ * partly under the computation. Measured on a 2-core Zen 3 VM (bench/RESULTS.md, "AVX2"): SmolLM2's
+ * 30 layers at 16 rows ~1.5x faster than oneDNN; at 512 rows ~0.75x oneDNN. */
 static inline __attribute__((always_inline)) void gemm_tile_kblock(const int MR, const float *x, int64_t ld_x,
                                                                    const float *panel, int k0, int k1,
                                                                    float *total, const int pf) {
@@ -976,10 +977,8 @@ static inline __attribute__((always_inline)) void gemm_tile_kblock(const int MR,
         for (int v = 0; v < GEMM_NV; v++) acc[m][v] = _mm256_setzero_ps();
     for (int k = k0; k < k1; k++) {
         __m256 w[GEMM_NV];
-        if (pf) {  /* the first tile of a block: the panel GEMM_PF_ROWS rows (1.5 lines each) ahead */
+        if (pf)  /* the first tile of a block: the panel GEMM_PF_ROWS rows (a line each) ahead */
             _mm_prefetch((const char *)(panel + (int64_t)(k + GEMM_PF_ROWS) * GEMM_NR), _MM_HINT_T0);
-            if (k & 1) _mm_prefetch((const char *)(panel + (int64_t)(k + GEMM_PF_ROWS) * GEMM_NR + 16), _MM_HINT_T0);
-        }
         for (int v = 0; v < GEMM_NV; v++) w[v] = _mm256_loadu_ps(panel + (int64_t)k * GEMM_NR + 8 * v);
         for (int m = 0; m < MR; m++) {
             const __m256 xv = _mm256_broadcast_ss(x + m * ld_x + k);
@@ -995,33 +994,42 @@ static inline __attribute__((always_inline)) void gemm_tile_kblock(const int MR,
 int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bias, float *y, int64_t ld_y,
              int M, int N, int K) {
     const int P = (N + GEMM_NR - 1) / GEMM_NR;
-    #pragma omp parallel for schedule(static)
-    for (int p = 0; p < P; p++) {
-        const float *panel = packed + (int64_t)p * K * GEMM_NR;
-        const float *b = bias ? bias + p * GEMM_NR : 0;
-        const int ncols = N - p * GEMM_NR < GEMM_NR ? N - p * GEMM_NR : GEMM_NR;
+    /* each thread a contiguous range of panels; the row groups outside the panels, so a group's
+     * GEMM_RG rows of x stay in L2 while the thread's panels go by (from memory for the first
+     * group, then from L3) */
+    #pragma omp parallel
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int p0 = (int)((int64_t)P * t / nt), p1 = (int)((int64_t)P * (t + 1) / nt);
         float total[GEMM_RG * GEMM_NR] __attribute__((aligned(32)));
         for (int g0 = 0; g0 < M; g0 += GEMM_RG) {
             const int rows = M - g0 < GEMM_RG ? M - g0 : GEMM_RG;
-            memset(total, 0, sizeof(float) * rows * GEMM_NR);
-            for (int k0 = 0; k0 < K; k0 += GEMM_KB) {
-                const int k1 = k0 + GEMM_KB < K ? k0 + GEMM_KB : K;
-                for (int m0 = 0; m0 < rows; m0 += GEMM_MR) {
-                    const float *xt = x + (g0 + m0) * ld_x;
-                    float *tt = total + m0 * GEMM_NR;
-                    switch (rows - m0 < GEMM_MR ? rows - m0 : GEMM_MR) {
-                    case 1: gemm_tile_kblock(1, xt, ld_x, panel, k0, k1, tt, m0 == 0); break;
-                    case 2: gemm_tile_kblock(2, xt, ld_x, panel, k0, k1, tt, m0 == 0); break;
-                    case 3: gemm_tile_kblock(3, xt, ld_x, panel, k0, k1, tt, m0 == 0); break;
-                    default: gemm_tile_kblock(4, xt, ld_x, panel, k0, k1, tt, m0 == 0); break;
+            for (int p = p0; p < p1; p++) {
+                const float *panel = packed + (int64_t)p * K * GEMM_NR;
+                const float *b = bias ? bias + p * GEMM_NR : 0;
+                const int ncols = N - p * GEMM_NR < GEMM_NR ? N - p * GEMM_NR : GEMM_NR;
+                memset(total, 0, sizeof(float) * rows * GEMM_NR);
+                for (int k0 = 0; k0 < K; k0 += GEMM_KB) {
+                    const int k1 = k0 + GEMM_KB < K ? k0 + GEMM_KB : K;
+                    for (int m0 = 0; m0 < rows; m0 += GEMM_MR) {
+                        const float *xt = x + (g0 + m0) * ld_x;
+                        float *tt = total + m0 * GEMM_NR;
+                        switch (rows - m0 < GEMM_MR ? rows - m0 : GEMM_MR) {
+                        case 1: gemm_tile_kblock(1, xt, ld_x, panel, k0, k1, tt, m0 == 0); break;
+                        case 2: gemm_tile_kblock(2, xt, ld_x, panel, k0, k1, tt, m0 == 0); break;
+                        case 3: gemm_tile_kblock(3, xt, ld_x, panel, k0, k1, tt, m0 == 0); break;
+                        case 4: gemm_tile_kblock(4, xt, ld_x, panel, k0, k1, tt, m0 == 0); break;
+                        case 5: gemm_tile_kblock(5, xt, ld_x, panel, k0, k1, tt, m0 == 0); break;
+                        default: gemm_tile_kblock(6, xt, ld_x, panel, k0, k1, tt, m0 == 0); break;
+                        }
                     }
                 }
-            }
-            for (int m = 0; m < rows; m++) {
-                float *yr = y + (g0 + m) * ld_y + p * GEMM_NR;
-                const float *tr = total + m * GEMM_NR;
-                if (b) for (int c = 0; c < ncols; c++) yr[c] = tr[c] + b[c];
-                else memcpy(yr, tr, sizeof(float) * ncols);
+                for (int m = 0; m < rows; m++) {
+                    float *yr = y + (g0 + m) * ld_y + p * GEMM_NR;
+                    const float *tr = total + m * GEMM_NR;
+                    if (b) for (int c = 0; c < ncols; c++) yr[c] = tr[c] + b[c];
+                    else memcpy(yr, tr, sizeof(float) * ncols);
+                }
             }
         }
     }
@@ -1038,6 +1046,18 @@ int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bia
 int gemm_available(void) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     return 1;
+#else
+    return 0;
+#endif
+}
+
+/* The vector width the kernels above were built for: 512 (AVX-512), 256 (AVX2 + FMA), 0 (neither:
+ * the generic decode kernel and the elementwise ops only). */
+int kernels_vector_bits(void) {
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 256;
 #else
     return 0;
 #endif

@@ -2,12 +2,14 @@
 
 CPU float32 backends (``EngineConfig.cpu_linear``; ``resolve_cpu_linear`` picks for "auto"):
 
-- "c": the engine's own GEMM (``gemm_f32`` in prefixkv/csrc/cpu_ops.c, AVX-512): weights packed into
-  48-wide panels, 8 x 48 register tiles, every output a sum of 64-wide FMA chains over k in order
-  (float32 error below MKL's). On SmolLM2's projections (bench/RESULTS.md, "The C GEMM"), a
-  16-row decode step's GEMMs take ~1.2x less time than oneDNN's, and about the same from 2,048 rows. Its rows are bitwise independent of the
-  batch they run in, for every M including 1 (tests/test_linear.py).
-- "onednn": see below; where the C kernel is not built (no AVX-512 or no compiler).
+- "c": the engine's own GEMM (``gemm_f32`` in prefixkv/csrc/cpu_ops.c, AVX-512 or AVX2 + FMA):
+  weights packed into panels (48 wide, 8 x 48 register tiles on AVX-512; 24 wide, 4 x 24 on AVX2),
+  every output a sum of 64-wide FMA chains over k in order (float32 error below MKL's; the same
+  bits on either build). On SmolLM2's projections (bench/RESULTS.md, "The C GEMM", "AVX2"), a
+  16-row decode step's GEMMs take ~1.2x less time than oneDNN's on AVX-512 and ~1.5x less on AVX2,
+  and about the same from 2,048 rows. Its rows are bitwise independent of the batch they run in,
+  for every M including 1 (tests/test_linear.py).
+- "onednn": see below; where the C kernel is not built (no AVX2 / AVX-512, or no compiler).
 - "torch": ``F.linear`` (MKL), the plain path.
 
 Why oneDNN on CPU: torch's ``F.linear`` calls MKL's sgemm, which on this project's machines (AMD
@@ -51,7 +53,7 @@ def resolve_cpu_linear(requested: str) -> str:
         raise ValueError(f"cpu_linear: must be one of {CPU_LINEAR_CHOICES}, got {requested!r}")
     if not available[requested]:
         raise ValueError(f"cpu_linear: {requested!r} is not available on this machine "
-                         f"({'no AVX-512 build of the C kernels' if requested == 'c' else 'torch without oneDNN'})")
+                         f"({'no AVX-512 or AVX2 build of the C kernels' if requested == 'c' else 'torch without oneDNN'})")
     return requested
 
 
