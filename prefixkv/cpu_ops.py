@@ -97,6 +97,11 @@ def load() -> ctypes.CDLL | None:
     lib.silu_mul_f32.argtypes = [p, i64, p, i64, i32, i32]
     lib.gelu_tanh_mul_f32.argtypes = [p, i64, p, i64, i32, i32]
     lib.softcap_f32.argtypes = [p, i64, ctypes.c_float]
+    for suffix in ("f32", "f64"):
+        getattr(lib, f"kv_write_{suffix}").argtypes = [p, i64, p, i64, p, i64, p, i32, i32, i32, i32, i64]
+        getattr(lib, f"kv_write_{suffix}").restype = None
+    lib.argmax_rows_f32.argtypes = [p, i64, i32, i32, p]
+    lib.argmax_rows_f32.restype = None
     lib.gemm_pack_f32.argtypes = [p, i64, i32, i32, p]
     lib.gemm_f32.argtypes = [p, i64, p, p, p, i64, i32, i32, i32]
     lib.gemm_f32.restype = i32
@@ -216,6 +221,41 @@ def paged_decode_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_
     fn = getattr(load(), f"paged_decode_attention_{_SUFFIX[q.dtype]}")
     fn(q.data_ptr(), q.stride(0), kv_cache_layer.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
        out.data_ptr(), b, h, kvh, d, bs, block_tables.shape[1], nb1, scale, window or 0, softcap or 0.0)
+    return out
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """Writes k, v [T, KVH, D] (rows may be strided, heads contiguous: views into the qkv output)
+    into the layer's cache at ``slot_mapping`` [T] int64; slots < 0 or past the cache are skipped.
+    False (nothing written) where the library or these layouts are not what the kernel takes."""
+    lib = load()
+    if (lib is None or k.dtype not in _SUFFIX or v.dtype != k.dtype or kv_cache_layer.dtype != k.dtype
+            or k.device.type != "cpu" or not kv_cache_layer.is_contiguous()):
+        return False
+    _, nb1, kvh, bs, d = kv_cache_layer.shape
+    for x in (k, v):
+        if x.dim() != 3 or x.shape[1:] != (kvh, d) or x.stride(2) != 1 or x.stride(1) != d:
+            return False
+    t = k.shape[0]
+    assert v.shape[0] == t and slot_mapping.shape == (t,) and slot_mapping.dtype == torch.int64
+    slots = slot_mapping.contiguous()
+    getattr(lib, f"kv_write_{_SUFFIX[k.dtype]}")(
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kv_cache_layer.data_ptr(), nb1 * kvh * bs * d,
+        slots.data_ptr(), t, kvh, bs, d, nb1 * bs)
+    return True
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """float32 [R, N] (rows contiguous) -> int64 [R], each row's first largest index (first NaN if
+    any), exactly torch.argmax(x, -1); None where the library is not built or x is not that."""
+    lib = load()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if x.shape[0] and x.shape[1]:
+        lib.argmax_rows_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
+    elif x.shape[0]:
+        return None
     return out
 
 

@@ -320,3 +320,56 @@ def test_gelu_tanh_mul_and_softcap_match_torch_and_ignore_their_neighbours():
     capped = cpu_ops.softcap_(logits.clone(), 30.0)
     assert (capped.double() - torch.tanh(logits.double() / 30) * 30).abs().max().item() < 1e-4
     assert torch.equal(cpu_ops.softcap_(logits[3:4].clone(), 30.0), capped[3:4])
+
+
+# ------------------------------------------------------------------------- KV write and argmax
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("num_tokens", [1, 5, 300])
+def test_kv_write_equals_the_torch_scatter(dtype, num_tokens):
+    """From strided views into a fused qkv output, bitwise what write_kv (two index_copy_) writes;
+    slots < 0 or past the cache are skipped and no other slot changes."""
+    from prefixkv.attention.torch_ref import write_kv
+
+    kvh, bs, d, nb1 = 3, 16, 64, 40
+    g = torch.Generator().manual_seed(num_tokens)
+    qkv = torch.randn(num_tokens, (9 + 2 * kvh) * d, generator=g, dtype=dtype)
+    k = qkv[:, 9 * d:(9 + kvh) * d].view(num_tokens, kvh, d)
+    v = qkv[:, (9 + kvh) * d:].view(num_tokens, kvh, d)
+    slots = torch.randperm(nb1 * bs, generator=g)[:num_tokens].to(torch.int64)
+    slots[0] = -1
+    if num_tokens > 2:
+        slots[2] = nb1 * bs + 3
+    cache = torch.full((2, nb1, kvh, bs, d), float("nan"), dtype=dtype)
+    want = cache.clone()
+    kept = slots[(slots >= 0) & (slots < nb1 * bs)]
+    keep = (slots >= 0) & (slots < nb1 * bs)
+    write_kv(want, k[keep], v[keep], kept)
+    assert cpu_ops.kv_write(k, v, cache, slots)
+    assert torch.equal(cache.nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+def test_kv_write_declines_layouts_it_does_not_take():
+    cache = torch.zeros(2, 4, 2, 16, 8)
+    k = torch.zeros(3, 2, 8)
+    slots = torch.tensor([0, 1, 2])
+    assert not cpu_ops.kv_write(k.transpose(1, 2).contiguous().transpose(1, 2), k, cache, slots)  # heads strided
+    assert not cpu_ops.kv_write(k.double(), k.double(), cache, slots)  # dtype mismatch
+    assert cpu_ops.kv_write(k, k, cache, slots)
+
+
+def test_argmax_rows_is_torch_argmax():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 1000, generator=g)
+    x[1, 10] = x[1, 700] = 50.0           # a tie: the first index
+    x[2, 3] = float("nan")                 # NaN: torch.argmax returns it
+    x[3] = float("-inf")                   # all -inf: 0
+    x[4, 999] = float("inf")
+    x[5, :] = 1.0                          # all equal
+    x[6, 500] = float("nan")
+    x[6, 20] = float("inf")
+    wide = torch.randn(9, 3000, generator=g)
+    wide[:, :1000] = x
+    for t in (x, wide[:, :1000], wide[2:5]):
+        assert torch.equal(cpu_ops.argmax_rows(t), t.argmax(dim=-1)), t.shape
+    assert cpu_ops.argmax_rows(x.double()) is None and cpu_ops.argmax_rows(x.t()) is None
+    assert cpu_ops.argmax_rows(torch.empty(0, 5)).shape == (0,)

@@ -42,6 +42,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
                     f"{block_size}, head dim {head_dim}")
         return None
 
+    def _write_kv(self, k, v, kv_cache_layer, meta: AttentionMetadata) -> None:
+        # in C from the qkv views (the torch path copies k and v first, then two index_copy_)
+        if not cpu_ops.kv_write(k, v, kv_cache_layer, meta.slot_mapping):
+            super()._write_kv(k, v, kv_cache_layer, meta)
+
     @staticmethod
     def _decode_kernel_takes(q, kv_cache_layer) -> bool:
         return cpu_ops.supports_decode(q, kv_cache_layer) and q.stride(2) == 1 and q.stride(1) == q.shape[2]

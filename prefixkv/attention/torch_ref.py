@@ -100,18 +100,20 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache_layer, meta: AttentionMetadata, scale: float,
                 window: int | None = None, softcap: float | None = None):
-        kvh, bs = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
         nd = meta.num_decode_seqs
-        scratch = meta.scratch
-        if "rows" not in scratch:  # first layer of the step: build what every layer shares
-            scratch["rows"] = kv_rows(meta.slot_mapping, kvh, bs)
-        write_kv(kv_cache_layer, k, v, meta.slot_mapping, scratch["rows"])
+        self._write_kv(k, v, kv_cache_layer, meta)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
         if nd:
             self._decode_rows(q[:nd], kv_cache_layer, meta, scale, out[:nd], window, softcap)
         if meta.num_seqs > nd:
             self._prefill_rows(q, kv_cache_layer, meta, scale, out, window, softcap)
         return out
+
+    def _write_kv(self, k, v, kv_cache_layer, meta: AttentionMetadata) -> None:
+        scratch = meta.scratch
+        if "rows" not in scratch:  # first layer of the step: build what every layer shares
+            scratch["rows"] = kv_rows(meta.slot_mapping, kv_cache_layer.shape[2], kv_cache_layer.shape[3])
+        write_kv(kv_cache_layer, k, v, meta.slot_mapping, scratch["rows"])
 
     def _masked_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, window: int | None,
                      softcap: float | None, out, seqs: range) -> None:

@@ -848,6 +848,48 @@ void softcap_f32(float *x, int64_t n, float cap) {
     for (int64_t i = 0; i < n; i++) x[i] = cap * tanhf(x[i] / cap);
 }
 
+/* KV write: this step's keys and values into the layer's cache, token t at slot slots[t]
+ * (block slots[t] / BS, offset slots[t] % BS); k, v: [T, KVH, D] with rows ld_k / ld_v apart and
+ * heads contiguous (views into the fused qkv output: no copy first). Slots < 0 or >= nslots are
+ * skipped, as the CUDA kernel does. The copy is exact, so any order gives the same cache. */
+#define DEFINE_KV_WRITE(T, SUFFIX)                                                               \
+void kv_write_##SUFFIX(const T *k, int64_t ld_k, const T *v, int64_t ld_v, T *kv_layer, int64_t half, \
+                       const int64_t *slots, int ntok, int KVH, int BS, int D, int64_t nslots) { \
+    _Pragma("omp parallel for schedule(static) if (ntok >= 256)")                                \
+    for (int t = 0; t < ntok; t++) {                                                             \
+        const int64_t s = slots[t];                                                              \
+        if (s < 0 || s >= nslots) continue;                                                      \
+        const int64_t blk = s / BS, off = s % BS;                                                \
+        for (int h = 0; h < KVH; h++) {                                                          \
+            T *dst = kv_layer + ((blk * KVH + h) * BS + off) * D;                                \
+            memcpy(dst, k + t * ld_k + (int64_t)h * D, sizeof(T) * D);                           \
+            memcpy(dst + half, v + t * ld_v + (int64_t)h * D, sizeof(T) * D);                    \
+        }                                                                                        \
+    }                                                                                            \
+}
+DEFINE_KV_WRITE(float, f32)
+DEFINE_KV_WRITE(double, f64)
+
+/* Greedy sampling's argmax, row by row: x [rows, n] (rows ld apart) -> out[r], the index of the
+ * first largest value, or of the first NaN where the row has one (as torch.argmax). */
+void argmax_rows_f32(const float *x, int64_t ld, int rows, int n, int64_t *out) {
+    #pragma omp parallel for schedule(static) if (rows >= 2)
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + r * ld;
+        float best = -INFINITY;
+        int nan_seen = 0;
+        #pragma omp simd reduction(max:best) reduction(|:nan_seen)
+        for (int i = 0; i < n; i++) {
+            best = xr[i] > best ? xr[i] : best;
+            nan_seen |= xr[i] != xr[i];
+        }
+        int64_t idx = 0;
+        for (int i = 0; i < n; i++)
+            if (nan_seen ? xr[i] != xr[i] : xr[i] == best) { idx = i; break; }
+        out[r] = idx;
+    }
+}
+
 /* ----------------------------------------------------------------------------------------------
  * Dense GEMM of the decoder's projections, float32:  y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]).
  *

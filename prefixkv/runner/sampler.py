@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixkv import cpu_ops
 from prefixkv.sampling_params import GREEDY_TEMPERATURE
 
 _M32 = 0xFFFFFFFF
@@ -154,7 +155,9 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
             logits.masked_fill_(~b.allowed, float("-inf"))
         else:
             logits[rows] = logits[rows].masked_fill(~b.allowed, float("-inf"))
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = cpu_ops.argmax_rows(logits)  # in C on CPU float32 (torch's takes ~1 ms at 16 x 49k)
+    if greedy_tokens is None:
+        greedy_tokens = logits.argmax(dim=-1)
     if b.all_greedy:
         tokens = greedy_tokens
     else:
