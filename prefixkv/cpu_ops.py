@@ -2,10 +2,10 @@
 
 ``load()`` compiles the source with the system C compiler (``$CC`` or ``cc``; ``-O3 -march=native
 -fopenmp``; ``PREFIXKV_CPU_KERNELS=avx2`` adds ``-mno-avx512f``: the AVX2 kernels on an AVX-512
-machine, which is how the tests check both builds there) into the prefixkv cache directory, keyed by a hash of the source, the flags, the
-compiler's version and this CPU's feature flags, written to a temporary file and renamed (a
-concurrent start-up finds either nothing or a whole library). It returns None where no compiler
-works; the callers then keep the torch path.
+machine, which is how the tests check both builds there) into the prefixkv cache directory, keyed
+by a hash of the source, the flags, the compiler's version and this CPU's feature flags, written to
+a temporary file and renamed (a concurrent start-up finds either nothing or a whole library). It
+returns None where no compiler works; the callers then keep the torch path.
 
 The functions take raw pointers: the wrappers check dtype, device, contiguity and shapes first,
 because the C side trusts them.

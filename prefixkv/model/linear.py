@@ -3,11 +3,12 @@
 CPU float32 backends (``EngineConfig.cpu_linear``; ``resolve_cpu_linear`` picks for "auto"):
 
 - "c": the engine's own GEMM (``gemm_f32`` in prefixkv/csrc/cpu_ops.c, AVX-512 or AVX2 + FMA):
-  weights packed into panels (48 wide, 8 x 48 register tiles on AVX-512; 24 wide, 4 x 24 on AVX2),
+  weights packed into panels (48 wide, 8 x 48 register tiles on AVX-512; 16 wide, 6 x 16 on AVX2),
   every output a sum of 64-wide FMA chains over k in order (float32 error below MKL's; the same
-  bits on either build). On SmolLM2's projections (bench/RESULTS.md, "The C GEMM", "AVX2"), a
-  16-row decode step's GEMMs take ~1.2x less time than oneDNN's on AVX-512 and ~1.5x less on AVX2,
-  and about the same from 2,048 rows. Its rows are bitwise independent of the batch they run in,
+  bits on either build). On SmolLM2's projections (bench/RESULTS.md: "The C GEMM"; for AVX2,
+  "Seventh session") a 16-row decode step's GEMMs take ~1.2x less time than oneDNN's on AVX-512
+  and ~1.5x less on AVX2; prefill-sized GEMMs run about as fast as oneDNN's on AVX-512 (2,048 rows)
+  and at ~0.75x on AVX2 (512 rows). Its rows are bitwise independent of the batch they run in,
   for every M including 1 (tests/test_linear.py).
 - "onednn": see below; where the C kernel is not built (no AVX2 / AVX-512, or no compiler).
 - "torch": ``F.linear`` (MKL), the plain path.
