@@ -195,8 +195,8 @@ PREFILL_SPECS = [(228, 32), (300, 17), (16, 16), (5, 5), (1, 1), (200, 1), (64, 
 @pytest.mark.parametrize("head_dim,block_size,num_kv_heads,group", [(64, 16, 3, 3), (128, 16, 2, 4), (64, 32, 1, 9),
                                                                       (64, 1, 2, 2)])
 def test_prefill_kernel_matches_reference(head_dim, block_size, num_kv_heads, group):
-    """Chunks of every length around the 16-query tile (8 on AVX2), after a cached context or from position
-    0; unused cache slots are NaN, so a read outside a sequence's visible keys shows."""
+    """Chunks of every length around the 16-query tile (8 on AVX2), after a cached context or from
+    position 0; unused cache slots are NaN, so a read outside a sequence's visible keys shows."""
     b = make_batch(torch.float32, head_dim, block_size, num_kv_heads, group, PREFILL_SPECS, seed=head_dim + block_size)
     out = torch.empty_like(b["q"])
     if not cpu_ops.paged_prefill_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"],
@@ -341,9 +341,8 @@ def test_kv_write_equals_the_torch_scatter(dtype, num_tokens):
         slots[2] = nb1 * bs + 3
     cache = torch.full((2, nb1, kvh, bs, d), float("nan"), dtype=dtype)
     want = cache.clone()
-    kept = slots[(slots >= 0) & (slots < nb1 * bs)]
     keep = (slots >= 0) & (slots < nb1 * bs)
-    write_kv(want, k[keep], v[keep], kept)
+    write_kv(want, k[keep], v[keep], slots[keep])
     assert cpu_ops.kv_write(k, v, cache, slots)
     assert torch.equal(cache.nan_to_num(7.0), want.nan_to_num(7.0))
 
