@@ -119,7 +119,7 @@ _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 def gemm_available() -> bool:
     """Whether the library has its float32 GEMM (an AVX-512 or AVX2 + FMA build)."""
     lib = load()
-    return lib is not None and bool(lib.gemm_available())
+    return lib is not None and lib.vector_bits > 0
 
 
 def gemm_pack(weight: torch.Tensor) -> torch.Tensor:
@@ -249,13 +249,12 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     """float32 [R, N] (rows contiguous) -> int64 [R], each row's first largest index (first NaN if
     any), exactly torch.argmax(x, -1); None where the library is not built or x is not that."""
     lib = load()
-    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
+    if (lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1
+            or x.shape[1] == 0):
         return None
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    if x.shape[0] and x.shape[1]:
+    if x.shape[0]:
         lib.argmax_rows_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
-    elif x.shape[0]:
-        return None
     return out
 
 

@@ -145,28 +145,104 @@ void paged_decode_attention_##SUFFIX(const T *q, int64_t ldq, const T *kv_layer,
 DEFINE_DECODE(float, generic_f32, expf, softmax_expf, tanhf)
 DEFINE_DECODE(double, f64, exp, exp, tanh)
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
 
-/* softmax_expf on 16 lanes (the same operations, so the same results lane by lane). */
-static inline __m512 softmax_expf16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 fx = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                                         _mm512_set1_ps(0.5f)),
-                                           _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(fx, _mm512_set1_ps(0.693359375f))),
-                                   _mm512_mul_ps(fx, _mm512_set1_ps(2.12194440e-4f)));
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(y, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+/* The vector kernels below are written once over a vector of VW floats: 16 (AVX-512) or 8
+ * (AVX2 + FMA). These wrappers are the only ISA-specific code they use, besides the decode
+ * kernel's block step (decode_block) and the horizontal sums it needs. */
+#if defined(__AVX512F__)
+#define VW 16
+typedef __m512 vf;
+typedef __m512i vi;
+typedef __mmask16 vmask;
+static inline vf v_set1(float x) { return _mm512_set1_ps(x); }
+static inline vf v_load(const float *p) { return _mm512_load_ps(p); }
+static inline vf v_loadu(const float *p) { return _mm512_loadu_ps(p); }
+static inline void v_store(float *p, vf x) { _mm512_store_ps(p, x); }
+static inline void v_storeu(float *p, vf x) { _mm512_storeu_ps(p, x); }
+static inline vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf v_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf v_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf v_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf v_floor(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+static inline vf v_pow2i(vf n) {  /* 2^n for integral n in float range */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+static inline vi vi_loadu(const int32_t *p) { return _mm512_loadu_si512(p); }
+static inline vi vi_set1(int32_t x) { return _mm512_set1_epi32(x); }
+static inline vi vi_sub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+static inline vf v_sel(vmask m, vf if_false, vf if_true) { return _mm512_mask_blend_ps(m, if_false, if_true); }
+static inline vf v_keep(vmask m, vf x) { return _mm512_maskz_mov_ps(m, x); }  /* x where m, else 0 */
+static inline vmask v_live(vf x) { return _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ); }
+/* lanes whose query (at vpos) sees key: key <= pos, and pos - window < key when window > 0 */
+static inline __attribute__((always_inline)) vmask v_visible(vi vpos, vi vlow, int key, int window) {
+    const vi k = _mm512_set1_epi32(key);
+    vmask vis = _mm512_cmpge_epi32_mask(vpos, k);
+    if (window > 0) vis &= _mm512_cmplt_epi32_mask(vlow, k);
+    return vis;
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VW 8
+typedef __m256 vf;
+typedef __m256i vi;
+typedef __m256 vmask;  /* all-ones / all-zeros lanes */
+static inline vf v_set1(float x) { return _mm256_set1_ps(x); }
+static inline vf v_load(const float *p) { return _mm256_load_ps(p); }
+static inline vf v_loadu(const float *p) { return _mm256_loadu_ps(p); }
+static inline void v_store(float *p, vf x) { _mm256_store_ps(p, x); }
+static inline void v_storeu(float *p, vf x) { _mm256_storeu_ps(p, x); }
+static inline vf v_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf v_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf v_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf v_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf v_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf v_floor(vf x) { return _mm256_floor_ps(x); }
+static inline vf v_pow2i(vf n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline vi vi_loadu(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vi vi_set1(int32_t x) { return _mm256_set1_epi32(x); }
+static inline vi vi_sub(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+static inline vf v_sel(vmask m, vf if_false, vf if_true) { return _mm256_blendv_ps(if_false, if_true, m); }
+static inline vf v_keep(vmask m, vf x) { return _mm256_and_ps(m, x); }
+static inline vmask v_live(vf x) { return _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ); }
+static inline __attribute__((always_inline)) vmask v_visible(vi vpos, vi vlow, int key, int window) {
+    const vi k = _mm256_set1_epi32(key);
+    __m256i vis = _mm256_andnot_si256(_mm256_cmpgt_epi32(k, vpos), _mm256_set1_epi32(-1));  /* key <= pos */
+    if (window > 0) vis = _mm256_and_si256(vis, _mm256_cmpgt_epi32(k, vlow));              /* key > pos - window */
+    return _mm256_castsi256_ps(vis);
+}
+#endif
+
+#if defined(VW)
+/* softmax_expf on VW lanes (the same operations, so the same results lane by lane). */
+static inline vf v_exp(vf x) {
+    x = v_max(x, v_set1(-87.0f));
+    const vf fx = v_floor(v_add(v_mul(x, v_set1(1.44269504088896341f)), v_set1(0.5f)));
+    const vf r = v_add(v_sub(x, v_mul(fx, v_set1(0.693359375f))), v_mul(fx, v_set1(2.12194440e-4f)));
+    vf y = v_set1(1.9875691500e-4f);
+    y = v_add(v_mul(y, r), v_set1(1.3981999507e-3f));
+    y = v_add(v_mul(y, r), v_set1(8.3334519073e-3f));
+    y = v_add(v_mul(y, r), v_set1(4.1665795894e-2f));
+    y = v_add(v_mul(y, r), v_set1(1.6666665459e-1f));
+    y = v_add(v_mul(y, r), v_set1(5.0000001201e-1f));
+    y = v_add(v_add(v_mul(y, v_mul(r, r)), r), v_set1(1.0f));
+    return v_mul(y, v_pow2i(fx));
 }
 
+/* softcap * tanh(x / softcap), lane by lane (scalar tanhf: the same value in any lane) */
+static inline __attribute__((always_inline)) vf v_softcap(vf x, float softcap) {
+    float v[VW] __attribute__((aligned(64)));
+    v_store(v, x);
+    for (int i = 0; i < VW; i++) v[i] = softcap * tanhf(v[i] / softcap);
+    return v_load(v);
+}
+#endif
+
+#if defined(__AVX512F__)
 /* r[t] = sum of the 16 lanes of v[t], t = 0..15: pairs of vectors folded 512 -> 256 -> 128 bits
  * (shuffle_f32x4), then within 128-bit lanes (unpack, shuffle_ps). The folds leave lane 4L + e
  * holding the sum of input 4e + L, so the inputs are taken in that order. */
@@ -191,13 +267,6 @@ static inline __m512 hsum16(const __m512 *v) {
  * then the P.V update of all GB heads together: each V row is loaded once, and GB * ND accumulator
  * chains run side by side (a head's own chain order is t = 0 .. n - 1 as before). */
 #define DECODE_GB 3
-static inline __attribute__((always_inline)) __m512 softcap16(__m512 x, float softcap) {
-    float v[16] __attribute__((aligned(64)));
-    _mm512_store_ps(v, x);
-    for (int i = 0; i < 16; i++) v[i] = softcap * tanhf(v[i] / softcap);
-    return _mm512_load_ps(v);
-}
-
 static inline __attribute__((always_inline)) void decode_block_heads(
         const int GB, const int ND, const float *qb, int h0, const float *kt, const float *vt, int n,
         __mmask16 valid, float scale, float softcap, float *m, float *l, float *acc) {
@@ -219,11 +288,11 @@ static inline __attribute__((always_inline)) void decode_block_heads(
             }
         }
         __m512 raw = _mm512_mul_ps(hsum16(dot), _mm512_set1_ps(scale));
-        if (softcap > 0) raw = softcap16(raw, softcap);
+        if (softcap > 0) raw = v_softcap(raw, softcap);
         const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, raw);
         const float bm = fmaxf(m[h], _mm512_reduce_max_ps(sv));
         const float a = expf(m[h] - bm); /* 0 on the first block (m = -inf) */
-        const __m512 pv = _mm512_maskz_mov_ps(valid, softmax_expf16(_mm512_sub_ps(sv, _mm512_set1_ps(bm))));
+        const __m512 pv = _mm512_maskz_mov_ps(valid, v_exp(_mm512_sub_ps(sv, _mm512_set1_ps(bm))));
         l[h] = l[h] * a + _mm512_reduce_add_ps(pv);
         m[h] = bm;
         _mm512_store_ps(p[g], pv);
@@ -243,194 +312,26 @@ static inline __attribute__((always_inline)) void decode_block_heads(
         for (int c = 0; c < ND; c++) _mm512_store_ps(acc + (int64_t)(h0 + g) * D + 16 * c, av[g][c]);
 }
 
-/* One sequence's decode attention with D = 16 * ND, block size <= 16: per query head, q and the
- * accumulator stay in registers while the block's K and V rows stream through (from L1: the
- * block's [BS, D] rows were fetched once for the first head of the group). */
-static inline __attribute__((always_inline)) void decode_seq_avx512(
-        const float *qb, const float *kv_layer, const int32_t *table, int len, float *ob, int H, int KVH,
-        int BS, int64_t half, float scale, int window, float softcap, const int ND) {
+/* A block of up to 16 keys, all query heads (decode_seq below): GB = 3 heads of a kv head at a time. */
+static inline __attribute__((always_inline)) void decode_block(
+        const float *qb, const float *kb, const float *vb, int n, int skip, int H, int KVH, int BS,
+        float scale, float softcap, float *m, float *l, float *acc, const int ND) {
     const int D = 16 * ND, G = H / KVH;
-    const int64_t blk_elems = (int64_t)KVH * BS * D;
-    float m[MAXH], l[MAXH];
-    float acc[MAXH * MAXD] __attribute__((aligned(64)));
-    for (int h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0; }
-    memset(acc, 0, sizeof(float) * H * D);
-    const int nblocks = (len + BS - 1) / BS;
-    const int lo = window > 0 && len > window ? len - window : 0;  /* the first key the query sees */
-    for (int j = lo / BS; j < nblocks; j++) {
-        const float *kb = kv_layer + (int64_t)table[j] * blk_elems;
-        const float *vb = kb + half;
-        if (j + 1 < nblocks) {
-            const char *nk = (const char *)(kv_layer + (int64_t)table[j + 1] * blk_elems);
-            const char *nv = nk + half * (int64_t)sizeof(float);
-            for (int64_t o = 0; o < blk_elems * (int64_t)sizeof(float); o += 64) {
-                _mm_prefetch(nk + o, _MM_HINT_T0);
-                _mm_prefetch(nv + o, _MM_HINT_T0);
-            }
-        }
-        const int n = len - j * BS < BS ? len - j * BS : BS;
-        const int skip = lo > j * BS ? lo - j * BS : 0;  /* keys of the block before the window */
-        const __mmask16 valid = (__mmask16)(((1u << n) - 1u) & ~((1u << skip) - 1u));
-        for (int kh = 0; kh < KVH; kh++) {
-            const float *kt = kb + (int64_t)kh * BS * D, *vt = vb + (int64_t)kh * BS * D;
-            for (int h0 = kh * G; h0 < (kh + 1) * G; h0 += DECODE_GB) {
-                const int gb = (kh + 1) * G - h0 < DECODE_GB ? (kh + 1) * G - h0 : DECODE_GB;
-                switch (gb) {
-                case 1: decode_block_heads(1, ND, qb, h0, kt, vt, n, valid, scale, softcap, m, l, acc); break;
-                case 2: decode_block_heads(2, ND, qb, h0, kt, vt, n, valid, scale, softcap, m, l, acc); break;
-                default: decode_block_heads(3, ND, qb, h0, kt, vt, n, valid, scale, softcap, m, l, acc); break;
-                }
+    const __mmask16 valid = (__mmask16)(((1u << n) - 1u) & ~((1u << skip) - 1u));
+    for (int kh = 0; kh < KVH; kh++) {
+        const float *kt = kb + (int64_t)kh * BS * D, *vt = vb + (int64_t)kh * BS * D;
+        for (int h0 = kh * G; h0 < (kh + 1) * G; h0 += DECODE_GB) {
+            const int gb = (kh + 1) * G - h0 < DECODE_GB ? (kh + 1) * G - h0 : DECODE_GB;
+            switch (gb) {
+            case 1: decode_block_heads(1, ND, qb, h0, kt, vt, n, valid, scale, softcap, m, l, acc); break;
+            case 2: decode_block_heads(2, ND, qb, h0, kt, vt, n, valid, scale, softcap, m, l, acc); break;
+            default: decode_block_heads(3, ND, qb, h0, kt, vt, n, valid, scale, softcap, m, l, acc); break;
             }
         }
     }
-    for (int h = 0; h < H; h++) {
-        const __m512 inv = _mm512_set1_ps(1.0f / l[h]);
-        for (int c = 0; c < ND; c++)
-            _mm512_storeu_ps(ob + (int64_t)h * D + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + (int64_t)h * D + 16 * c), inv));
-    }
 }
-/* Prefill attention (AVX-512, float32, D = 64 or 128, block size <= 64): the query tokens of each
- * prefill sequence, query i of sequence s at position ctx + i (ctx = seq_len - query_len), causal.
- *
- *   q               [T, H, D]   rows ldq apart (all prefill sequences' query tokens, flattened)
- *   block_tables    [S, max_blocks] int32;  seq_lens [S] int32;  query_start_loc [S + 1] int32
- *   out             [T, H, D]   contiguous
- *
- * One work item per (sequence, tile of 16 queries, kv head). Per query head the tile's queries are
- * the 16 lanes of a vector: with Q transposed once ([D][16]), a key's 16 scores are D FMAs, and
- * the online softmax (running max, sum, rescale) is lane-wise, no horizontal reductions. A lane's
- * arithmetic depends only on its own query and keys: keys past its position are -inf (p = 0, the
- * running max unchanged, alpha exactly 1), so a query's result is the same in any tile or chunk. */
-static inline __attribute__((always_inline)) void prefill_tile_avx512(
-        const float *q, int64_t ldq, const float *kv_layer, const int32_t *table, int ctx, int qlen, int i0,
-        float *out, int H, int KVH, int kh, int BS, int64_t half, float scale, int window, float softcap,
-        const int ND) {
-    const int D = 16 * ND, G = H / KVH;
-    const int64_t blk_elems = (int64_t)KVH * BS * D;
-    const int nq = qlen - i0 < 16 ? qlen - i0 : 16;
-    const int last_pos = ctx + i0 + nq - 1;
-    const int nblocks = last_pos / BS + 1;
-    float qt[MAXD * 16] __attribute__((aligned(64)));
-    float pbuf[MAXBS * 16] __attribute__((aligned(64)));
-    float acc[16 * MAXD] __attribute__((aligned(64)));
-    int32_t qpos[16];
-    for (int lane = 0; lane < 16; lane++) qpos[lane] = lane < nq ? ctx + i0 + lane : -1;  /* -1: padding */
-    const __m512i vpos = _mm512_loadu_si512(qpos);
-    /* window: lane i sees keys qpos - window < j <= qpos; the tile starts at its first lane's window */
-    const __m512i vlow = _mm512_sub_epi32(vpos, _mm512_set1_epi32(window > 0 ? window : 1 << 30));
-    const int first_key = window > 0 && ctx + i0 - window + 1 > 0 ? ctx + i0 - window + 1 : 0;
-    const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
-    for (int g = 0; g < G; g++) {
-        const int h = kh * G + g;
-        for (int d = 0; d < D; d++)
-            for (int lane = 0; lane < 16; lane++)
-                qt[d * 16 + lane] = lane < nq ? q[(int64_t)(i0 + lane) * ldq + (int64_t)h * D + d] : 0.0f;
-        __m512 m = ninf, l = zero;
-        memset(acc, 0, sizeof(float) * 16 * D);
-        for (int j = first_key / BS; j < nblocks; j++) {
-            const float *kt = kv_layer + (int64_t)table[j] * blk_elems + (int64_t)kh * BS * D;
-            const float *vt = kt + half;
-            const int n = last_pos - j * BS + 1 < BS ? last_pos - j * BS + 1 : BS;
-            __m512 bmax = ninf;
-            for (int t = 0; t < n; t++) {
-                const float *krow = kt + (int64_t)t * D;
-                /* four partial sums over d (d mod 4): independent FMA chains, not one 64 long */
-                __m512 s0 = _mm512_mul_ps(_mm512_set1_ps(krow[0]), _mm512_load_ps(qt));
-                __m512 s1 = _mm512_mul_ps(_mm512_set1_ps(krow[1]), _mm512_load_ps(qt + 16));
-                __m512 s2 = _mm512_mul_ps(_mm512_set1_ps(krow[2]), _mm512_load_ps(qt + 32));
-                __m512 s3 = _mm512_mul_ps(_mm512_set1_ps(krow[3]), _mm512_load_ps(qt + 48));
-                for (int d = 4; d < D; d += 4) {
-                    s0 = _mm512_fmadd_ps(_mm512_set1_ps(krow[d]), _mm512_load_ps(qt + d * 16), s0);
-                    s1 = _mm512_fmadd_ps(_mm512_set1_ps(krow[d + 1]), _mm512_load_ps(qt + (d + 1) * 16), s1);
-                    s2 = _mm512_fmadd_ps(_mm512_set1_ps(krow[d + 2]), _mm512_load_ps(qt + (d + 2) * 16), s2);
-                    s3 = _mm512_fmadd_ps(_mm512_set1_ps(krow[d + 3]), _mm512_load_ps(qt + (d + 3) * 16), s3);
-                }
-                __m512 sc = _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3));
-                sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
-                if (softcap > 0) sc = softcap16(sc, softcap);
-                const __m512i key = _mm512_set1_epi32(j * BS + t);
-                __mmask16 visible = _mm512_cmpge_epi32_mask(vpos, key);
-                if (window > 0) visible &= _mm512_cmplt_epi32_mask(vlow, key);
-                sc = _mm512_mask_blend_ps(visible, ninf, sc);
-                _mm512_store_ps(pbuf + t * 16, sc);
-                bmax = _mm512_max_ps(bmax, sc);
-            }
-            const __m512 mnew = _mm512_max_ps(m, bmax);
-            const __mmask16 live = _mm512_cmp_ps_mask(mnew, ninf, _CMP_NEQ_OQ);  /* lanes with a key so far */
-            const __m512 base = _mm512_mask_blend_ps(live, zero, mnew);
-            const __m512 alpha = _mm512_maskz_mov_ps(live, softmax_expf16(_mm512_sub_ps(m, base)));
-            __m512 lsum = zero;
-            for (int t = 0; t < n; t++) {
-                const __m512 pt = _mm512_maskz_mov_ps(live, softmax_expf16(_mm512_sub_ps(_mm512_load_ps(pbuf + t * 16), base)));
-                const __m512i key = _mm512_set1_epi32(j * BS + t);
-                __mmask16 vis = _mm512_cmpge_epi32_mask(vpos, key);
-                if (window > 0) vis &= _mm512_cmplt_epi32_mask(vlow, key);
-                const __m512 p = _mm512_maskz_mov_ps(vis, pt);  /* masked keys: exactly 0 */
-                _mm512_store_ps(pbuf + t * 16, p);
-                lsum = _mm512_add_ps(lsum, p);
-            }
-            l = _mm512_add_ps(_mm512_mul_ps(l, alpha), lsum);
-            m = mnew;
-            float al[16] __attribute__((aligned(64)));
-            _mm512_store_ps(al, alpha);
-            for (int lane = 0; lane < nq; lane += 2) {  /* two lanes at once: 2 * ND independent chains */
-                const int two = lane + 1 < nq;
-                __m512 av[ND], bv[ND];
-                float *a = acc + lane * D, *b = acc + (lane + two) * D;
-                const __m512 sa = _mm512_set1_ps(al[lane]), sb = _mm512_set1_ps(al[lane + two]);
-                for (int c = 0; c < ND; c++) {
-                    av[c] = _mm512_mul_ps(_mm512_load_ps(a + 16 * c), sa);
-                    bv[c] = _mm512_mul_ps(_mm512_load_ps(b + 16 * c), sb);
-                }
-                for (int t = 0; t < n; t++) {
-                    const __m512 pa = _mm512_set1_ps(pbuf[t * 16 + lane]);
-                    const __m512 pb = _mm512_set1_ps(pbuf[t * 16 + lane + two]);
-                    for (int c = 0; c < ND; c++) {
-                        const __m512 vv = _mm512_loadu_ps(vt + (int64_t)t * D + 16 * c);
-                        av[c] = _mm512_fmadd_ps(pa, vv, av[c]);
-                        bv[c] = _mm512_fmadd_ps(pb, vv, bv[c]);
-                    }
-                }
-                for (int c = 0; c < ND; c++) {
-                    if (two) _mm512_store_ps(b + 16 * c, bv[c]);
-                    _mm512_store_ps(a + 16 * c, av[c]);
-                }
-            }
-        }
-        float lv[16] __attribute__((aligned(64)));
-        _mm512_store_ps(lv, l);
-        for (int lane = 0; lane < nq; lane++) {
-            const __m512 inv = _mm512_set1_ps(1.0f / lv[lane]);
-            float *o = out + (int64_t)(i0 + lane) * H * D + (int64_t)h * D;
-            for (int c = 0; c < ND; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + lane * D + 16 * c), inv));
-        }
-    }
-}
-
-#endif
-
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-/* The decode kernel for AVX2 machines (8 lanes, 16 registers): the AVX-512 kernel's structure, a
- * block of up to 16 keys at a time, one query head at a time. */
-
-/* softmax_expf on 8 lanes (the same operations, so the same results lane by lane). */
-static inline __m256 softmax_expf8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 fx = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                                    _mm256_set1_ps(0.5f)));
-    const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f))),
-                                   _mm256_mul_ps(fx, _mm256_set1_ps(2.12194440e-4f)));
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The AVX2 decode block step: the AVX-512 one's structure with 8 lanes, one query head at a time. */
 
 /* r[t] = sum of the 8 lanes of v[t], t = 0..7 (a fixed tree: pairs, quads, then the two halves). */
 static inline __m256 hsum8(const __m256 *v) {
@@ -452,13 +353,6 @@ static inline float hadd8(__m256 v) {
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
     return _mm_cvtss_f32(x);
-}
-
-static inline __m256 softcap8(__m256 x, float softcap) {
-    float v[8] __attribute__((aligned(32)));
-    _mm256_store_ps(v, x);
-    for (int i = 0; i < 8; i++) v[i] = softcap * tanhf(v[i] / softcap);
-    return _mm256_load_ps(v);
 }
 
 /* 8 keys' scores for one head: dot[t] accumulates q . k_t over D = 8 * ND in 8 lanes (ND long
@@ -484,20 +378,71 @@ static inline __attribute__((always_inline)) __m256 scores8(const float *qh, con
     return hsum8(dot);
 }
 
-static inline __attribute__((always_inline)) void decode_seq_avx2(
+/* A block of up to 16 keys, all query heads (decode_seq below): two 8-key score vectors a head. */
+static inline __attribute__((always_inline)) void decode_block(
+        const float *qb, const float *kb, const float *vb, int n, int skip, int H, int KVH, int BS,
+        float scale, float softcap, float *m, float *l, float *acc, const int ND) {
+    const int D = 8 * ND, G = H / KVH;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    float p[16] __attribute__((aligned(32)));
+    /* key t is seen when skip <= t < n */
+    const __m256i t_lo = lane, t_hi = _mm256_add_epi32(lane, _mm256_set1_epi32(8));
+    const __m256i vn = _mm256_set1_epi32(n), vskip = _mm256_set1_epi32(skip - 1);
+    const __m256 valid_lo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(vn, t_lo), _mm256_cmpgt_epi32(t_lo, vskip)));
+    const __m256 valid_hi = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(vn, t_hi), _mm256_cmpgt_epi32(t_hi, vskip)));
+    for (int kh = 0; kh < KVH; kh++) {
+        const float *kt = kb + (int64_t)kh * BS * D, *vt = vb + (int64_t)kh * BS * D;
+        for (int h = kh * G; h < (kh + 1) * G; h++) {
+            const float *qh = qb + (int64_t)h * D;
+            const __m256 sc = _mm256_set1_ps(scale);
+            __m256 s0 = _mm256_mul_ps(scores8(qh, kt, n, ND), sc);
+            __m256 s1 = n > 8 ? _mm256_mul_ps(scores8(qh, kt + 8 * (int64_t)D, n - 8, ND), sc) : ninf;
+            if (softcap > 0) { s0 = v_softcap(s0, softcap); s1 = v_softcap(s1, softcap); }
+            s0 = _mm256_blendv_ps(ninf, s0, valid_lo);
+            s1 = _mm256_blendv_ps(ninf, s1, valid_hi);
+            const float bm = fmaxf(m[h], hmax8(_mm256_max_ps(s0, s1)));
+            const float a = expf(m[h] - bm);  /* 0 on the first block (m = -inf) */
+            const __m256 vbm = _mm256_set1_ps(bm);
+            const __m256 p0 = _mm256_and_ps(valid_lo, v_exp(_mm256_sub_ps(s0, vbm)));
+            const __m256 p1 = _mm256_and_ps(valid_hi, v_exp(_mm256_sub_ps(s1, vbm)));
+            l[h] = l[h] * a + hadd8(_mm256_add_ps(p0, p1));
+            m[h] = bm;
+            _mm256_store_ps(p, p0);
+            _mm256_store_ps(p + 8, p1);
+            const __m256 alpha = _mm256_set1_ps(a);
+            float *ah = acc + (int64_t)h * D;
+            for (int c0 = 0; c0 < ND; c0 += 8) {  /* 8 accumulator vectors at a time */
+                const int nc = ND - c0 < 8 ? ND - c0 : 8;
+                __m256 av[8];
+                for (int c = 0; c < nc; c++) av[c] = _mm256_mul_ps(_mm256_load_ps(ah + 8 * (c0 + c)), alpha);
+                for (int t = skip; t < n; t++) {
+                    const __m256 pt = _mm256_set1_ps(p[t]);
+                    for (int c = 0; c < nc; c++)
+                        av[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + (int64_t)t * D + 8 * (c0 + c)), av[c]);
+                }
+                for (int c = 0; c < nc; c++) _mm256_store_ps(ah + 8 * (c0 + c), av[c]);
+            }
+        }
+    }
+}
+#endif
+
+#if defined(VW)
+/* One sequence's decode attention with D = VW * ND, block size <= 16: the blocks in order (the
+ * next one prefetched), each through decode_block; the query heads' q and accumulators stay in L1
+ * while the block's K and V rows stream through. */
+static inline __attribute__((always_inline)) void decode_seq(
         const float *qb, const float *kv_layer, const int32_t *table, int len, float *ob, int H, int KVH,
         int BS, int64_t half, float scale, int window, float softcap, const int ND) {
-    const int D = 8 * ND, G = H / KVH;
+    const int D = VW * ND;
     const int64_t blk_elems = (int64_t)KVH * BS * D;
     float m[MAXH], l[MAXH];
-    float acc[MAXH * MAXD] __attribute__((aligned(32)));
-    float p[16] __attribute__((aligned(32)));
+    float acc[MAXH * MAXD] __attribute__((aligned(64)));
     for (int h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0; }
     memset(acc, 0, sizeof(float) * H * D);
     const int nblocks = (len + BS - 1) / BS;
     const int lo = window > 0 && len > window ? len - window : 0;  /* the first key the query sees */
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256 ninf = _mm256_set1_ps(-INFINITY);
     for (int j = lo / BS; j < nblocks; j++) {
         const float *kb = kv_layer + (int64_t)table[j] * blk_elems;
         const float *vb = kb + half;
@@ -511,161 +456,127 @@ static inline __attribute__((always_inline)) void decode_seq_avx2(
         }
         const int n = len - j * BS < BS ? len - j * BS : BS;
         const int skip = lo > j * BS ? lo - j * BS : 0;  /* keys of the block before the window */
-        /* key t is seen when skip <= t < n */
-        const __m256i t_lo = lane, t_hi = _mm256_add_epi32(lane, _mm256_set1_epi32(8));
-        const __m256i vn = _mm256_set1_epi32(n), vskip = _mm256_set1_epi32(skip - 1);
-        const __m256 valid_lo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(vn, t_lo), _mm256_cmpgt_epi32(t_lo, vskip)));
-        const __m256 valid_hi = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(vn, t_hi), _mm256_cmpgt_epi32(t_hi, vskip)));
-        for (int kh = 0; kh < KVH; kh++) {
-            const float *kt = kb + (int64_t)kh * BS * D, *vt = vb + (int64_t)kh * BS * D;
-            for (int h = kh * G; h < (kh + 1) * G; h++) {
-                const float *qh = qb + (int64_t)h * D;
-                const __m256 sc = _mm256_set1_ps(scale);
-                __m256 s0 = _mm256_mul_ps(scores8(qh, kt, n, ND), sc);
-                __m256 s1 = n > 8 ? _mm256_mul_ps(scores8(qh, kt + 8 * (int64_t)D, n - 8, ND), sc) : ninf;
-                if (softcap > 0) { s0 = softcap8(s0, softcap); s1 = softcap8(s1, softcap); }
-                s0 = _mm256_blendv_ps(ninf, s0, valid_lo);
-                s1 = _mm256_blendv_ps(ninf, s1, valid_hi);
-                const float bm = fmaxf(m[h], hmax8(_mm256_max_ps(s0, s1)));
-                const float a = expf(m[h] - bm);  /* 0 on the first block (m = -inf) */
-                const __m256 vbm = _mm256_set1_ps(bm);
-                const __m256 p0 = _mm256_and_ps(valid_lo, softmax_expf8(_mm256_sub_ps(s0, vbm)));
-                const __m256 p1 = _mm256_and_ps(valid_hi, softmax_expf8(_mm256_sub_ps(s1, vbm)));
-                l[h] = l[h] * a + hadd8(_mm256_add_ps(p0, p1));
-                m[h] = bm;
-                _mm256_store_ps(p, p0);
-                _mm256_store_ps(p + 8, p1);
-                const __m256 alpha = _mm256_set1_ps(a);
-                float *ah = acc + (int64_t)h * D;
-                for (int c0 = 0; c0 < ND; c0 += 8) {  /* 8 accumulator vectors at a time */
-                    const int nc = ND - c0 < 8 ? ND - c0 : 8;
-                    __m256 av[8];
-                    for (int c = 0; c < nc; c++) av[c] = _mm256_mul_ps(_mm256_load_ps(ah + 8 * (c0 + c)), alpha);
-                    for (int t = skip; t < n; t++) {
-                        const __m256 pt = _mm256_set1_ps(p[t]);
-                        for (int c = 0; c < nc; c++)
-                            av[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + (int64_t)t * D + 8 * (c0 + c)), av[c]);
-                    }
-                    for (int c = 0; c < nc; c++) _mm256_store_ps(ah + 8 * (c0 + c), av[c]);
-                }
-            }
-        }
+        decode_block(qb, kb, vb, n, skip, H, KVH, BS, scale, softcap, m, l, acc, ND);
     }
     for (int h = 0; h < H; h++) {
-        const __m256 inv = _mm256_set1_ps(1.0f / l[h]);
-        for (int c = 0; c < ND; c++)
-            _mm256_storeu_ps(ob + (int64_t)h * D + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc + (int64_t)h * D + 8 * c), inv));
+        const vf inv = v_set1(1.0f / l[h]);
+        for (int c = 0; c < ND; c++) v_storeu(ob + (int64_t)h * D + VW * c, v_mul(v_load(acc + (int64_t)h * D + VW * c), inv));
     }
 }
 
-/* The prefill tile for AVX2: the AVX-512 tile's arithmetic with 8 queries as the lanes (D = 8 * ND);
- * the P.V update one query at a time (ND accumulators, 8 at a time). */
-static inline __attribute__((always_inline)) __m256 visible8(__m256i vpos, __m256i vlow, int key, int window) {
-    const __m256i k = _mm256_set1_epi32(key);
-    __m256i vis = _mm256_andnot_si256(_mm256_cmpgt_epi32(k, vpos), _mm256_set1_epi32(-1));  /* key <= pos */
-    if (window > 0) vis = _mm256_and_si256(vis, _mm256_cmpgt_epi32(k, vlow));              /* key > pos - window */
-    return _mm256_castsi256_ps(vis);
-}
-
-static inline __attribute__((always_inline)) void prefill_tile_avx2(
+/* Prefill attention (float32, D = 64 or 128, block size <= 64): the query tokens of each
+ * prefill sequence, query i of sequence s at position ctx + i (ctx = seq_len - query_len), causal.
+ *
+ *   q               [T, H, D]   rows ldq apart (all prefill sequences' query tokens, flattened)
+ *   block_tables    [S, max_blocks] int32;  seq_lens [S] int32;  query_start_loc [S + 1] int32
+ *   out             [T, H, D]   contiguous
+ *
+ * One work item per (sequence, tile of VW queries, kv head). Per query head the tile's queries are
+ * the VW lanes of a vector: with Q transposed once ([D][VW]), a key's VW scores are D FMAs, and
+ * the online softmax (running max, sum, rescale) is lane-wise, no horizontal reductions. A lane's
+ * arithmetic depends only on its own query and keys: keys past its position are -inf (p = 0, the
+ * running max unchanged, alpha exactly 1), so a query's result is the same in any tile or chunk. */
+#define PV_LANES (VW == 16 ? 2 : 1)  /* queries whose P.V update runs together: 2 * ND accumulators (AVX-512) */
+static inline __attribute__((always_inline)) void prefill_tile(
         const float *q, int64_t ldq, const float *kv_layer, const int32_t *table, int ctx, int qlen, int i0,
         float *out, int H, int KVH, int kh, int BS, int64_t half, float scale, int window, float softcap,
         const int ND) {
-    const int D = 8 * ND, G = H / KVH;
+    const int D = VW * ND, G = H / KVH;
     const int64_t blk_elems = (int64_t)KVH * BS * D;
-    const int nq = qlen - i0 < 8 ? qlen - i0 : 8;
+    const int nq = qlen - i0 < VW ? qlen - i0 : VW;
     const int last_pos = ctx + i0 + nq - 1;
     const int nblocks = last_pos / BS + 1;
-    float qt[MAXD * 8] __attribute__((aligned(32)));
-    float pbuf[MAXBS * 8] __attribute__((aligned(32)));
-    float acc[8 * MAXD] __attribute__((aligned(32)));
-    int32_t qpos[8];
-    for (int lane = 0; lane < 8; lane++) qpos[lane] = lane < nq ? ctx + i0 + lane : -1;  /* -1: padding */
-    const __m256i vpos = _mm256_loadu_si256((const __m256i *)qpos);
-    const __m256i vlow = _mm256_sub_epi32(vpos, _mm256_set1_epi32(window > 0 ? window : 1 << 30));
+    float qt[MAXD * VW] __attribute__((aligned(64)));
+    float pbuf[MAXBS * VW] __attribute__((aligned(64)));
+    float acc[VW * MAXD] __attribute__((aligned(64)));
+    int32_t qpos[VW];
+    for (int lane = 0; lane < VW; lane++) qpos[lane] = lane < nq ? ctx + i0 + lane : -1;  /* -1: padding */
+    const vi vpos = vi_loadu(qpos);
+    /* window: lane i sees keys qpos - window < j <= qpos; the tile starts at its first lane's window */
+    const vi vlow = vi_sub(vpos, vi_set1(window > 0 ? window : 1 << 30));
     const int first_key = window > 0 && ctx + i0 - window + 1 > 0 ? ctx + i0 - window + 1 : 0;
-    const __m256 ninf = _mm256_set1_ps(-INFINITY), zero = _mm256_setzero_ps();
+    const vf ninf = v_set1(-INFINITY), zero = v_set1(0.0f);
     for (int g = 0; g < G; g++) {
         const int h = kh * G + g;
         for (int d = 0; d < D; d++)
-            for (int lane = 0; lane < 8; lane++)
-                qt[d * 8 + lane] = lane < nq ? q[(int64_t)(i0 + lane) * ldq + (int64_t)h * D + d] : 0.0f;
-        __m256 m = ninf, l = zero;
-        memset(acc, 0, sizeof(float) * 8 * D);
+            for (int lane = 0; lane < VW; lane++)
+                qt[d * VW + lane] = lane < nq ? q[(int64_t)(i0 + lane) * ldq + (int64_t)h * D + d] : 0.0f;
+        vf m = ninf, l = zero;
+        memset(acc, 0, sizeof(float) * VW * D);
         for (int j = first_key / BS; j < nblocks; j++) {
             const float *kt = kv_layer + (int64_t)table[j] * blk_elems + (int64_t)kh * BS * D;
             const float *vt = kt + half;
             const int n = last_pos - j * BS + 1 < BS ? last_pos - j * BS + 1 : BS;
-            __m256 bmax = ninf;
+            vf bmax = ninf;
             for (int t = 0; t < n; t++) {
                 const float *krow = kt + (int64_t)t * D;
-                /* four partial sums over d (d mod 4), as in the AVX-512 tile */
-                __m256 s0 = _mm256_mul_ps(_mm256_set1_ps(krow[0]), _mm256_load_ps(qt));
-                __m256 s1 = _mm256_mul_ps(_mm256_set1_ps(krow[1]), _mm256_load_ps(qt + 8));
-                __m256 s2 = _mm256_mul_ps(_mm256_set1_ps(krow[2]), _mm256_load_ps(qt + 16));
-                __m256 s3 = _mm256_mul_ps(_mm256_set1_ps(krow[3]), _mm256_load_ps(qt + 24));
+                /* four partial sums over d (d mod 4): independent FMA chains, not one 64 long */
+                vf s0 = v_mul(v_set1(krow[0]), v_load(qt));
+                vf s1 = v_mul(v_set1(krow[1]), v_load(qt + VW));
+                vf s2 = v_mul(v_set1(krow[2]), v_load(qt + 2 * VW));
+                vf s3 = v_mul(v_set1(krow[3]), v_load(qt + 3 * VW));
                 for (int d = 4; d < D; d += 4) {
-                    s0 = _mm256_fmadd_ps(_mm256_set1_ps(krow[d]), _mm256_load_ps(qt + d * 8), s0);
-                    s1 = _mm256_fmadd_ps(_mm256_set1_ps(krow[d + 1]), _mm256_load_ps(qt + (d + 1) * 8), s1);
-                    s2 = _mm256_fmadd_ps(_mm256_set1_ps(krow[d + 2]), _mm256_load_ps(qt + (d + 2) * 8), s2);
-                    s3 = _mm256_fmadd_ps(_mm256_set1_ps(krow[d + 3]), _mm256_load_ps(qt + (d + 3) * 8), s3);
+                    s0 = v_fmadd(v_set1(krow[d]), v_load(qt + d * VW), s0);
+                    s1 = v_fmadd(v_set1(krow[d + 1]), v_load(qt + (d + 1) * VW), s1);
+                    s2 = v_fmadd(v_set1(krow[d + 2]), v_load(qt + (d + 2) * VW), s2);
+                    s3 = v_fmadd(v_set1(krow[d + 3]), v_load(qt + (d + 3) * VW), s3);
                 }
-                __m256 sc = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
-                sc = _mm256_mul_ps(sc, _mm256_set1_ps(scale));
-                if (softcap > 0) sc = softcap8(sc, softcap);
-                sc = _mm256_blendv_ps(ninf, sc, visible8(vpos, vlow, j * BS + t, window));
-                _mm256_store_ps(pbuf + t * 8, sc);
-                bmax = _mm256_max_ps(bmax, sc);
+                vf sc = v_mul(v_add(v_add(s0, s1), v_add(s2, s3)), v_set1(scale));
+                if (softcap > 0) sc = v_softcap(sc, softcap);
+                sc = v_sel(v_visible(vpos, vlow, j * BS + t, window), ninf, sc);
+                v_store(pbuf + t * VW, sc);
+                bmax = v_max(bmax, sc);
             }
-            const __m256 mnew = _mm256_max_ps(m, bmax);
-            const __m256 live = _mm256_cmp_ps(mnew, ninf, _CMP_NEQ_OQ);  /* lanes with a key so far */
-            const __m256 base = _mm256_and_ps(live, mnew);
-            const __m256 alpha = _mm256_and_ps(live, softmax_expf8(_mm256_sub_ps(m, base)));
-            __m256 lsum = zero;
+            const vf mnew = v_max(m, bmax);
+            const vmask live = v_live(mnew);  /* lanes with a key so far */
+            const vf base = v_keep(live, mnew);
+            const vf alpha = v_keep(live, v_exp(v_sub(m, base)));
+            vf lsum = zero;
             for (int t = 0; t < n; t++) {
-                const __m256 pt = _mm256_and_ps(live, softmax_expf8(_mm256_sub_ps(_mm256_load_ps(pbuf + t * 8), base)));
-                const __m256 p = _mm256_and_ps(visible8(vpos, vlow, j * BS + t, window), pt);  /* masked keys: 0 */
-                _mm256_store_ps(pbuf + t * 8, p);
-                lsum = _mm256_add_ps(lsum, p);
+                const vf pt = v_keep(live, v_exp(v_sub(v_load(pbuf + t * VW), base)));
+                const vf p = v_keep(v_visible(vpos, vlow, j * BS + t, window), pt);  /* masked keys: exactly 0 */
+                v_store(pbuf + t * VW, p);
+                lsum = v_add(lsum, p);
             }
-            l = _mm256_add_ps(_mm256_mul_ps(l, alpha), lsum);
+            l = v_add(v_mul(l, alpha), lsum);
             m = mnew;
-            float al[8] __attribute__((aligned(32)));
-            _mm256_store_ps(al, alpha);
-            for (int lane = 0; lane < nq; lane++) {
-                float *a = acc + lane * D;
-                const __m256 sa = _mm256_set1_ps(al[lane]);
+            float al[VW] __attribute__((aligned(64)));
+            v_store(al, alpha);
+            /* P.V: PV_LANES queries at a time, 8 accumulator vectors of each (a query past nq
+             * repeats the first one and is not stored) */
+            for (int lane = 0; lane < nq; lane += PV_LANES) {
+                int ln[PV_LANES];
+                for (int u = 0; u < PV_LANES; u++) ln[u] = lane + u < nq ? lane + u : lane;
                 for (int c0 = 0; c0 < ND; c0 += 8) {
                     const int nc = ND - c0 < 8 ? ND - c0 : 8;
-                    __m256 av[8];
-                    for (int c = 0; c < nc; c++) av[c] = _mm256_mul_ps(_mm256_load_ps(a + 8 * (c0 + c)), sa);
-                    for (int t = 0; t < n; t++) {
-                        const __m256 pa = _mm256_set1_ps(pbuf[t * 8 + lane]);
-                        for (int c = 0; c < nc; c++)
-                            av[c] = _mm256_fmadd_ps(pa, _mm256_loadu_ps(vt + (int64_t)t * D + 8 * (c0 + c)), av[c]);
+                    vf av[PV_LANES][8];
+                    for (int u = 0; u < PV_LANES; u++) {
+                        const vf sa = v_set1(al[ln[u]]);
+                        for (int c = 0; c < nc; c++) av[u][c] = v_mul(v_load(acc + ln[u] * D + VW * (c0 + c)), sa);
                     }
-                    for (int c = 0; c < nc; c++) _mm256_store_ps(a + 8 * (c0 + c), av[c]);
+                    for (int t = 0; t < n; t++) {
+                        vf pu[PV_LANES];
+                        for (int u = 0; u < PV_LANES; u++) pu[u] = v_set1(pbuf[t * VW + ln[u]]);
+                        for (int c = 0; c < nc; c++) {
+                            const vf vv = v_loadu(vt + (int64_t)t * D + VW * (c0 + c));
+                            for (int u = 0; u < PV_LANES; u++) av[u][c] = v_fmadd(pu[u], vv, av[u][c]);
+                        }
+                    }
+                    for (int u = PV_LANES - 1; u >= 0; u--)
+                        if (u == 0 || lane + u < nq)
+                            for (int c = 0; c < nc; c++) v_store(acc + ln[u] * D + VW * (c0 + c), av[u][c]);
                 }
             }
         }
-        float lv[8] __attribute__((aligned(32)));
-        _mm256_store_ps(lv, l);
+        float lv[VW] __attribute__((aligned(64)));
+        v_store(lv, l);
         for (int lane = 0; lane < nq; lane++) {
-            const __m256 inv = _mm256_set1_ps(1.0f / lv[lane]);
+            const vf inv = v_set1(1.0f / lv[lane]);
             float *o = out + (int64_t)(i0 + lane) * H * D + (int64_t)h * D;
-            for (int c = 0; c < ND; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc + lane * D + 8 * c), inv));
+            for (int c = 0; c < ND; c++) v_storeu(o + VW * c, v_mul(v_load(acc + lane * D + VW * c), inv));
         }
     }
 }
-#endif
-
-/* The prefill kernel's tile: PREFILL_TQ queries, one per vector lane. */
-#if defined(__AVX512F__)
-#define PREFILL_TQ 16
-#define prefill_tile prefill_tile_avx512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define PREFILL_TQ 8
-#define prefill_tile prefill_tile_avx2
 #endif
 
 /* Returns 0 when these shapes have no kernel here (the caller keeps the torch path). */
@@ -673,17 +584,17 @@ int paged_prefill_attention_f32(const float *q, int64_t ldq, const float *kv_lay
                                 const int32_t *seq_lens, const int32_t *query_start_loc, float *out, int S,
                                 int H, int KVH, int D, int BS, int max_blocks, int64_t nb1, float scale,
                                 int window, float softcap) {
-#if defined(PREFILL_TQ)
+#if defined(VW)
     if (!(D == 64 || D == 128) || BS > MAXBS || H > MAXH) return 0;
     const int64_t half = nb1 * (int64_t)KVH * BS * D;
     int num_items = 0;
     for (int s = 0; s < S; s++)
-        num_items += (query_start_loc[s + 1] - query_start_loc[s] + PREFILL_TQ - 1) / PREFILL_TQ * KVH;
+        num_items += (query_start_loc[s + 1] - query_start_loc[s] + VW - 1) / VW * KVH;
     #pragma omp parallel for schedule(dynamic, 1)
     for (int item = 0; item < num_items; item++) {
         int s = 0, rest = item, tiles = 0;
         for (;; s++) {  /* find this item's sequence (S is small) */
-            tiles = (query_start_loc[s + 1] - query_start_loc[s] + PREFILL_TQ - 1) / PREFILL_TQ * KVH;
+            tiles = (query_start_loc[s + 1] - query_start_loc[s] + VW - 1) / VW * KVH;
             if (rest < tiles) break;
             rest -= tiles;
         }
@@ -693,11 +604,11 @@ int paged_prefill_attention_f32(const float *q, int64_t ldq, const float *kv_lay
         float *os = out + (int64_t)query_start_loc[s] * H * D;
         const int ctx = seq_lens[s] - qlen;
         if (D == 64)
-            prefill_tile(qs, ldq, kv_layer, block_tables + (int64_t)s * max_blocks, ctx, qlen, PREFILL_TQ * tile, os,
-                         H, KVH, kh, BS, half, scale, window, softcap, 64 / PREFILL_TQ);
+            prefill_tile(qs, ldq, kv_layer, block_tables + (int64_t)s * max_blocks, ctx, qlen, VW * tile, os,
+                         H, KVH, kh, BS, half, scale, window, softcap, 64 / VW);
         else
-            prefill_tile(qs, ldq, kv_layer, block_tables + (int64_t)s * max_blocks, ctx, qlen, PREFILL_TQ * tile, os,
-                         H, KVH, kh, BS, half, scale, window, softcap, 128 / PREFILL_TQ);
+            prefill_tile(qs, ldq, kv_layer, block_tables + (int64_t)s * max_blocks, ctx, qlen, VW * tile, os,
+                         H, KVH, kh, BS, half, scale, window, softcap, 128 / VW);
     }
     return 1;
 #else
@@ -711,7 +622,7 @@ int paged_prefill_attention_f32(const float *q, int64_t ldq, const float *kv_lay
 void paged_decode_attention_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
                                 const int32_t *seq_lens, float *out, int B, int H, int KVH, int D, int BS,
                                 int max_blocks, int64_t nb1, float scale, int window, float softcap) {
-#if defined(__AVX512F__)
+#if defined(VW)
     if (BS <= 16 && (D == 64 || D == 128)) {
         const int64_t half = nb1 * (int64_t)KVH * BS * D;
         #pragma omp parallel for schedule(dynamic, 1)
@@ -720,24 +631,9 @@ void paged_decode_attention_f32(const float *q, int64_t ldq, const float *kv_lay
             const int32_t *table = block_tables + (int64_t)b * max_blocks;
             float *ob = out + (int64_t)b * H * D;
             if (D == 64)
-                decode_seq_avx512(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 4);
+                decode_seq(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 64 / VW);
             else
-                decode_seq_avx512(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 8);
-        }
-        return;
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    if (BS <= 16 && (D == 64 || D == 128)) {
-        const int64_t half = nb1 * (int64_t)KVH * BS * D;
-        #pragma omp parallel for schedule(dynamic, 1)
-        for (int b = 0; b < B; b++) {
-            const float *qb = q + (int64_t)b * ldq;
-            const int32_t *table = block_tables + (int64_t)b * max_blocks;
-            float *ob = out + (int64_t)b * H * D;
-            if (D == 64)
-                decode_seq_avx2(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 8);
-            else
-                decode_seq_avx2(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 16);
+                decode_seq(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 128 / VW);
         }
         return;
     }
@@ -998,7 +894,6 @@ int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bia
     return 1;
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #define GEMM_NV (GEMM_NR / 8)
 #define GEMM_RG 24  /* rows that take a block of k in turn */
 #define GEMM_PF_ROWS 128  /* software prefetch distance, in panel rows */
@@ -1085,16 +980,8 @@ int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bia
 }
 #endif
 
-int gemm_available(void) {
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    return 1;
-#else
-    return 0;
-#endif
-}
-
 /* The vector width the kernels above were built for: 512 (AVX-512), 256 (AVX2 + FMA), 0 (neither:
- * the generic decode kernel and the elementwise ops only). */
+ * the generic decode kernel and the elementwise ops only; gemm_f32 and the prefill kernel return 0). */
 int kernels_vector_bits(void) {
 #if defined(__AVX512F__)
     return 512;
