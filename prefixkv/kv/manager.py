@@ -26,6 +26,8 @@ from prefixkv.kv.disk_cache import DiskBlockIndex
 from prefixkv.kv.host_cache import HostBlockCache
 from prefixkv.kv.radix import MatchResult, RadixIndex, block_hash
 
+TIER_DEVICE, TIER_HOST, TIER_DISK = 0, 1, 2  # where a cached block is (cache_digest)
+
 
 class CopyOp(NamedTuple):
     src: int
@@ -322,6 +324,18 @@ class KVCacheManager:
         self.num_queried_tokens += num_queried
         self.num_hit_tokens += num_hit
         self.num_host_hit_tokens += num_host_hit
+
+    def cache_digest(self) -> dict[int, int]:
+        """block hash -> tier (``TIER_DEVICE``, ``TIER_HOST``, ``TIER_DISK``; the highest one that
+        holds it) of every cached full block: which prefixes this engine can serve from cache, for
+        a router (serve/router.py matches a request's block hashes against it)."""
+        out: dict[int, int] = {}
+        if self.disk is not None:
+            out.update(dict.fromkeys(self.disk.keys(), TIER_DISK))
+        if self.host is not None:
+            out.update(dict.fromkeys(self.host.keys(), TIER_HOST))
+        out.update(dict.fromkeys(self.radix.block_hashes(), TIER_DEVICE))
+        return out
 
     def check_integrity(self) -> None:
         """free + evictable + in use == total; every ref count equals its holders."""

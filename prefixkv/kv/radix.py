@@ -310,6 +310,11 @@ class RadixIndex:
         return {"num_nodes": self.num_nodes, "num_cached_blocks": self.num_cached_blocks,
                 "num_shown_nodes": shown, "root": root}
 
+    def block_hashes(self):
+        """The chain hash (``block_hash``) of every block in the tree."""
+        for n in self._nodes():
+            yield from n.hashes
+
     def cached_blocks(self) -> dict[int, tuple[int, ...]]:
         """block id -> the tokens its KV holds, for every block in the tree."""
         out: dict[int, tuple[int, ...]] = {}

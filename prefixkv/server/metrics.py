@@ -92,6 +92,40 @@ class _EngineCollector(Collector):
         return iter(())
 
 
+class ReplicaCollector(Collector):
+    """Behind a Ray Serve ingress (serve/ingress.py): each engine replica's statistics, labelled
+    ``replica`` (the unlabelled engine metrics are then their sums), and the router's decisions."""
+
+    def __init__(self, stats_by_replica: Callable[[], dict[str, dict[str, Any]]],
+                 decisions: Callable[[], dict[str, int]]) -> None:
+        self._stats = stats_by_replica
+        self._decisions = decisions
+
+    def collect(self) -> Iterator[Metric]:
+        by_replica = self._stats()
+        own = (("running", "prefixkv_replica_up", "1 for an engine replica whose engine runs.", "gauge"),
+               ("num_cached_blocks", "prefixkv_replica_cached_blocks",
+                "Blocks in the replica's last published cache digest (every tier).", "gauge"),
+               ("num_routed", "prefixkv_replica_routed_requests", "Requests the router sent to the replica.",
+                "counter"))
+        engine = tuple((key, name.replace("prefixkv_", "prefixkv_replica_", 1), doc, kind)
+                       for key, name, doc, kind in _ENGINE_METRICS)
+        for key, name, doc, kind in own + engine:
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["replica"])
+            for rid, stats in sorted(by_replica.items()):
+                family.add_metric([rid], float(stats.get(key, 0)))
+            yield family
+        decisions = CounterMetricFamily("prefixkv_router_decisions",
+                                        "Routing decisions by reason (prefix, no_match, imbalanced, ...).",
+                                        labels=["reason"])
+        for reason, n in sorted(self._decisions().items()):
+            decisions.add_metric([reason], float(n))
+        yield decisions
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
 class ServerMetrics:
     def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str = "") -> None:
         self.registry = CollectorRegistry()

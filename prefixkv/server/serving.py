@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from prefixkv.async_engine import AsyncEngine, RequestAbortedError, RequestStream
-from prefixkv.errors import EngineDeadError, EngineFatalError
+from prefixkv.errors import EngineDeadError, EngineFatalError, ReplicaDiedError
 from prefixkv.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.metrics import ServerMetrics
@@ -204,6 +204,8 @@ def _engine_error(e: BaseException) -> ApiError:
                         code="engine_dead")
     if isinstance(e, EngineDeadError):
         return ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
+    if isinstance(e, ReplicaDiedError):
+        return ApiError(503, str(e), type="server_error", code="replica_died")
     if isinstance(e, RequestAbortedError):
         return ApiError(503, str(e), type="server_error", code="aborted")
     logger.error("request failed in the engine", exc_info=e)
@@ -415,19 +417,25 @@ def _usage(finals: list[RequestOutput]) -> Usage:
 # ---------------------------------------------------------------------- the API
 class OpenAIServing:
     """The routes' logic. ``t0`` (the request's arrival, ``loop.time()``) starts its timeout and its
-    latency metrics; bodies are the raw request bytes."""
+    latency metrics; bodies are the raw request bytes.
+
+    ``engine`` is an ``AsyncEngine``, or anything with its client surface: ``tokenizer``, ``info``
+    (max_model_len, vocab_size), ``max_waiting_requests``, ``default_sampling``,
+    ``compile_grammar``, ``add_requests`` (streams of ``RequestOutput`` with ``abort()``),
+    ``stats()`` and ``is_running`` -- e.g. the Ray Serve ingress's ``RemoteEngine``, whose
+    requests run on engine replicas."""
 
     def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         self.metrics = ServerMetrics(engine.stats, config.model_name)
-        self.token_text = TokenTexts(engine.engine.tokenizer)
-        self.max_model_len = engine.engine.info.max_model_len
+        self.token_text = TokenTexts(engine.tokenizer)
+        self.max_model_len = engine.info.max_model_len
         self.created = int(time.time())
         self._expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
         # chat templates and tokenization of (possibly huge) prompts: off the engine thread and off
         # the event loop
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = engine.tokenizer
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefixkv-tokenize")
 
     async def _off_loop(self, fn, *args):
@@ -483,7 +491,7 @@ class OpenAIServing:
     async def detokenize(self, body: bytes) -> Reply:
         req = decode_request(body, DetokenizeRequest)
         self._check_model(req.model)
-        v = self.engine.engine.info.vocab_size
+        v = self.engine.info.vocab_size
         bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < v), None)
         if bad is not None:
             raise ApiError(400, f"tokens[{bad}]: {req.tokens[bad]} is not a token id of this model (vocabulary "
@@ -536,7 +544,7 @@ class OpenAIServing:
         if req.suffix:
             raise ApiError(400, "suffix: is not supported", param="suffix")
         prompts = prompt_list(req.prompt)
-        limit = self.engine.engine.config.scheduler.max_waiting_requests
+        limit = self.engine.max_waiting_requests
         if len(prompts) > limit:
             raise ApiError(400, f"prompt: a batch of {len(prompts)} prompts is larger than the server's waiting "
                                 f"queue ({limit})", param="prompt")
@@ -574,7 +582,7 @@ class OpenAIServing:
             value = getattr(req, name)
             if value is not None:
                 kw[name] = value
-        for name, value in self.engine.engine.default_sampling.items():  # the model's generation_config.json
+        for name, value in self.engine.default_sampling.items():  # the model's generation_config.json
             if kw.get(name) is None:
                 kw[name] = value
         try:
@@ -586,13 +594,13 @@ class OpenAIServing:
         """Off the event loop and the engine thread: tokenize, and compile the request's grammar
         into the engine's cache (so that adding the request finds it compiled)."""
         if params.structured_outputs is not None:
-            self.engine.engine.grammars.compile(params.structured_outputs)
+            self.engine.compile_grammar(params.structured_outputs)
         return [self.tokenizer.encode(p) if isinstance(p, str) and p else p for p in prompts]
 
     def _check_room(self, ids: list, params: SamplingParams, aliases: dict[str, str]) -> None:
         """vLLM's 400 for a ``max_tokens`` that the context cannot hold after the prompt (rather
         than generating until the context is full)."""
-        limit = self.engine.engine.info.max_model_len
+        limit = self.engine.info.max_model_len
         if params.max_tokens is None:
             return
         for p in ids:

@@ -1,0 +1,295 @@
+"""The HTTP ingress of the Ray Serve application: the OpenAI layer (server/serving.py, the same one
+the single-process aiohttp server adapts) over a ``RemoteEngine`` whose requests run on the engine
+replicas, behind Serve's HTTP proxy (Starlette requests in, Starlette responses out).
+
+The ingress renders chat templates and tokenizes (it loads the tokenizer, not the model), validates
+grammars, and hands each prompt's token ids to a replica chosen by the deployment's request router
+(serve/router.py). Routes, request and error bodies, SSE streams and the API key are the aiohttp
+server's; ``/health`` and ``/metrics`` cover every replica (``replica`` labels). A client that goes
+away closes its stream, which cancels the replica call, which aborts the request there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+from ray import serve
+from ray.exceptions import RayError
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+
+from prefixkv.errors import EngineDeadError, ReplicaDiedError
+from prefixkv.sampling_params import SamplingParams
+from prefixkv.serve.replica import ReplicaRequest
+from prefixkv.serve.registry import routers_for
+from prefixkv.server.metrics import ReplicaCollector
+from prefixkv.server.protocol import ProtocolError
+from prefixkv.server.serving import ApiError, OpenAIServing, Reply, ServerConfig, _timeout_at, bad_request
+
+logger = logging.getLogger(__name__)
+
+_ERRORS = {"invalid": ValueError, "overloaded": OverflowError, "dead": EngineDeadError, "fatal": EngineDeadError}
+
+
+def _raise_item(item: tuple, replica_id: str | None) -> None:
+    _, kind, message = item
+    if kind in _ERRORS:
+        raise _ERRORS[kind](message)
+    raise ReplicaDiedError(f"the request failed on engine replica {replica_id}: {message}") if kind == "failed" \
+        else RuntimeError(message)
+
+
+class RemoteStream:
+    """One request's ``RequestOutput`` deltas from its replica (``RequestStream``'s contract)."""
+
+    def __init__(self, gen: Any, replica_id: str) -> None:
+        self._gen = gen
+        self.replica_id = replica_id
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def __aiter__(self) -> RemoteStream:
+        return self
+
+    async def __anext__(self):
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._gen.__anext__()
+        except StopAsyncIteration:
+            self._done = True
+            raise
+        except RayError as e:  # the replica's actor died (or its node): Serve replaces it
+            self._done = True
+            raise ReplicaDiedError(f"the engine replica {self.replica_id} serving this request died; the request "
+                                   f"was lost ({type(e).__name__}); retry it") from None
+        if isinstance(item, tuple):
+            self._done = True
+            _raise_item(item, self.replica_id)
+        if item.finished:
+            self._done = True
+        return item
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self._gen.cancel()
+
+
+class RemoteEngine:
+    """The engine client surface ``OpenAIServing`` needs, over the replicas' deployment handle."""
+
+    def __init__(self, handle: Any, facts: dict[str, Any], tokenizer: Any, deployment: str) -> None:
+        from prefixkv.structured_outputs import GrammarCompiler
+
+        self.handle = handle.options(stream=True)
+        self.tokenizer = tokenizer
+        self.info = SimpleNamespace(max_model_len=facts["max_model_len"], vocab_size=facts["vocab_size"],
+                                    eos_token_ids=facts["eos_token_ids"], num_kv_blocks=facts["num_kv_blocks"])
+        self.max_waiting_requests = facts["max_waiting_requests"]
+        self.default_sampling = facts["default_sampling"]
+        self.deployment = deployment
+        self._grammars = GrammarCompiler(tokenizer, facts["vocab_size"])
+
+    def compile_grammar(self, structured_outputs: Any) -> None:
+        """Validates here (a 400 before routing); the replica compiles it again into its own cache."""
+        self._grammars.compile(structured_outputs)
+
+    def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """replica id -> engine statistics, as last published to this process's router, with the
+        size of its cache digest and how many requests the router sent it."""
+        out: dict[str, dict[str, Any]] = {}
+        for router in routers_for(self.deployment):
+            for rid, rs in router.replica_stats().items():
+                if "stats" in rs:
+                    out[rid] = {**rs["stats"], "num_cached_blocks": len(rs.get("digest") or ()),
+                                "num_routed": router.routed[rid]}
+        return out
+
+    def router_decisions(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for router in routers_for(self.deployment):
+            for reason, n in router.decisions.items():
+                total[reason] = total.get(reason, 0) + n
+        return total
+
+    def stats(self) -> dict[str, Any]:
+        total: dict[str, Any] = {}
+        for stats in self.replica_stats().values():
+            for k, v in stats.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    total[k] = total.get(k, 0) + v
+        return total
+
+    @property
+    def is_running(self) -> bool:
+        stats = self.replica_stats()
+        return not stats or any(s.get("running", True) for s in stats.values())
+
+    async def add_requests(self, requests: list[tuple[str, list[int]]], params: SamplingParams) -> list[RemoteStream]:
+        streams: list[RemoteStream] = []
+        try:
+            for request_id, ids in requests:
+                if isinstance(ids, str):
+                    raise ValueError("prompt: the ingress hands replicas token ids only")
+                gen = self.handle.generate.remote(ReplicaRequest(request_id, list(ids), params))
+                try:
+                    first = await gen.__anext__()
+                except RayError as e:
+                    raise ReplicaDiedError(f"the engine replica chosen for this request failed before it started "
+                                           f"({type(e).__name__}); retry it") from None
+                if first[0] != "accepted":
+                    _raise_item(first, None)
+                streams.append(RemoteStream(gen, first[1]))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return streams
+
+
+_ROUTES: dict[tuple[str, str], str] = {
+    ("POST", "/v1/chat/completions"): "chat_completions",
+    ("POST", "/v1/completions"): "completions",
+    ("GET", "/v1/models"): "models",
+    ("GET", "/health"): "health",
+    ("POST", "/tokenize"): "tokenize",
+    ("POST", "/detokenize"): "detokenize",
+    ("GET", "/version"): "version",
+    ("GET", "/metrics"): "metrics",
+}
+_MODEL_ROUTE = re.compile(r"/v1/models/(?P<model>[^/]+)")
+
+
+def _response(reply: Reply) -> Response:
+    headers = dict(reply.headers or {})
+    if reply.stream is None:
+        return Response(reply.body, status_code=reply.status, headers=headers, media_type=reply.content_type)
+    stream = reply.stream
+
+    async def body():
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:  # finished, client gone or cancelled: the replica calls behind it are cancelled
+            await stream.aclose()
+
+    headers.pop("Content-Type", None)
+    return StreamingResponse(body(), status_code=reply.status, headers=headers, media_type="text/event-stream")
+
+
+class OpenAIIngress:
+    """The ingress deployment class (``serve.deployment(OpenAIIngress)`` in serve/app.py)."""
+
+    def __init__(self, replicas: Any, model_path: str, config: ServerConfig, replica_deployment: str) -> None:
+        from prefixkv.tokenizer import Tokenizer
+
+        self._replicas = replicas
+        self._tokenizer = Tokenizer.from_pretrained(model_path)
+        self.config = config
+        self._deployment = replica_deployment
+        self.api: OpenAIServing | None = None
+        self._starting: asyncio.Lock | None = None
+
+    async def _api(self) -> OpenAIServing:
+        if self.api is None:
+            self._starting = self._starting or asyncio.Lock()
+            async with self._starting:
+                if self.api is None:
+                    facts = await self._replicas.describe.remote()
+                    engine = RemoteEngine(self._replicas, facts, self._tokenizer, self._deployment)
+                    api = OpenAIServing(engine, self.config)
+                    api.metrics.registry.register(ReplicaCollector(engine.replica_stats, engine.router_decisions))
+                    self.api = api
+        return self.api
+
+    def check_health(self) -> None:
+        pass
+
+    async def __call__(self, request: Request) -> Response:
+        api = await self._api()
+        t0 = asyncio.get_running_loop().time()
+        path, method = request.url.path, request.method
+        route = path if (method, path) in _ROUTES else ("/v1/models/{model}" if _MODEL_ROUTE.fullmatch(path)
+                                                        else "unmatched")
+        status = 500
+        try:
+            resp = await self._route(api, request, t0)
+        except ApiError as e:
+            resp = _response(e.reply())
+        except ProtocolError as e:
+            resp = _response(bad_request(e).reply())
+        except ClientDisconnect:
+            resp = Response(status_code=499)
+        except Exception:
+            logger.exception("unhandled error in %s %s", method, path)
+            resp = _response(ApiError(500, "internal server error", type="server_error",
+                                      code="internal_error").reply())
+        status = resp.status_code
+        api.metrics.requests.labels(route, str(status)).inc()
+        return resp
+
+    async def _route(self, api: OpenAIServing, request: Request, t0: float) -> Response:
+        path, method = request.url.path, request.method
+        if api.needs_key(path):
+            api.check_key(request.headers.get("authorization"))
+        name = _ROUTES.get((method, path))
+        model = _MODEL_ROUTE.fullmatch(path)
+        if name is None and model is not None and method == "GET":
+            return _response(api.model(model.group("model")))
+        if name is None:
+            allowed = sorted(m for m, p in _ROUTES if p == path) or (["GET"] if model is not None else [])
+            if allowed:
+                raise ApiError(405, f"Method Not Allowed: {method} {path} (allowed: {', '.join(allowed)})",
+                               code="method_not_allowed", headers={"Allow": ", ".join(allowed)})
+            raise ApiError(404, f"Not Found: {method} {path}", code="not_found")
+        if name == "health":
+            return _response(self._health(api))
+        if name == "metrics":
+            return _response(api.metrics_reply())
+        if name in ("models", "version"):
+            return _response(getattr(api, name)())
+        body = await self._body(request, t0)
+        if name in ("chat_completions", "completions"):
+            return _response(await getattr(api, name)(body, t0))
+        return _response(await getattr(api, name)(body))
+
+    async def _body(self, request: Request, t0: float) -> bytes:
+        limit = self.config.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise ApiError(413, f"the request body ({length} bytes) is larger than the server's limit of {limit} "
+                                "bytes", code="request_too_large")
+        chunks, size = [], 0
+        try:
+            async with _timeout_at(t0 + self.config.request_timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise ApiError(413, f"the request body is larger than the server's limit of {limit} bytes",
+                                       code="request_too_large")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(408, "the request body did not arrive within the request timeout",
+                           code="request_timeout") from None
+        return b"".join(chunks)
+
+    def _health(self, api: OpenAIServing) -> Reply:
+        """200 while at least one replica runs; the body lists every replica the router sees."""
+        stats = api.engine.replica_stats()
+        replicas = {rid: "ok" if s.get("running", True) else "unavailable" for rid, s in sorted(stats.items())}
+        ok = any(v == "ok" for v in replicas.values()) or not replicas
+        body = {"status": "ok" if ok else "unavailable", "replicas": replicas}
+        return Reply(200 if ok else 503, msgspec.json.encode(body))
+
+
+def ingress_deployment() -> Any:
+    return serve.deployment(OpenAIIngress, name="PrefixKVIngress")

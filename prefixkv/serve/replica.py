@@ -1,0 +1,140 @@
+"""One engine replica of a Ray Serve application: an ``AsyncEngine`` with its own KV pool, taking
+token ids from the ingress and streaming ``RequestOutput`` deltas back.
+
+Streams start with a verdict, so that the ingress can answer 400 / 503 before it sends a 200::
+
+    ("accepted", replica_id) | ("error", kind, message)     then RequestOutput ... (last: finished)
+                                                            or a final ("error", kind, message)
+
+``kind`` is one of ``ERROR_KINDS``; the ingress raises the matching exception (serve/ingress.py).
+Cancelling the stream (the client went away) aborts the request here, which frees its blocks.
+
+Every ``request_routing_stats_period_s`` Serve's controller calls ``record_routing_stats``: the
+replica answers with its cache digest (``KVCacheManager.cache_digest``: block hash -> tier of every
+cached block) and its engine statistics, which reach the router in the ingress's process
+(serve/router.py) and its ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixkv.async_engine import AsyncEngine, RequestAbortedError, RequestFailedError
+from prefixkv.config import EngineConfig
+from prefixkv.errors import EngineDeadError, EngineFatalError
+from prefixkv.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# exception class -> the kind a stream's error item names (checked in order: subclasses first)
+ERROR_KINDS = (
+    (ValueError, "invalid"),
+    (OverflowError, "overloaded"),
+    (EngineFatalError, "fatal"),
+    (EngineDeadError, "dead"),
+    (RequestAbortedError, "aborted"),
+    (RequestFailedError, "failed"),
+)
+
+
+def error_kind(e: BaseException) -> str:
+    return next((kind for cls, kind in ERROR_KINDS if isinstance(e, cls)), "failed")
+
+
+@dataclass
+class ReplicaRequest:
+    """What the ingress hands a replica: the rendered, tokenized prompt and its parameters."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    _prompt: str | None = field(default=None, repr=False)
+
+    @property
+    def prompt(self) -> str:
+        """The token ids as text, one character per token (offset past the surrogates): what Ray's
+        ``PrefixCacheAffinityRouter`` matches (it reads a ``prompt`` attribute), so that it compares
+        exactly the token prefixes the engines cache."""
+        if self._prompt is None:
+            self._prompt = "".join(map(_token_char, self.prompt_token_ids))
+        return self._prompt
+
+
+def _token_char(t: int) -> str:
+    return chr(t if t < 0xD800 else t + 0x800)
+
+
+class EngineReplica:
+    """The deployment class (``serve.deployment(EngineReplica)`` in serve/app.py)."""
+
+    def __init__(self, engine_config: EngineConfig, digest_max_blocks: int = 1 << 20) -> None:
+        from ray import serve
+
+        ctx = serve.get_replica_context()
+        self.replica_id = ctx.replica_id.unique_id if ctx is not None else "local"
+        self.engine = AsyncEngine.from_config(engine_config)
+        self.block_size = self.engine.engine.config.cache.block_size
+        self.digest_max_blocks = digest_max_blocks
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefixkv-grammar")
+        self._digest_seq = itertools.count(1)
+        logger.info("engine replica %s ready (%d KV blocks of %d tokens)", self.replica_id,
+                    self.engine.info.num_kv_blocks, self.block_size)
+
+    def describe(self) -> dict[str, Any]:
+        """What the ingress needs to parse and check requests without the model."""
+        info = self.engine.info
+        return {"replica_id": self.replica_id, "max_model_len": info.max_model_len, "vocab_size": info.vocab_size,
+                "eos_token_ids": list(info.eos_token_ids), "num_kv_blocks": info.num_kv_blocks,
+                "block_size": self.block_size, "max_waiting_requests": self.engine.max_waiting_requests,
+                "default_sampling": dict(self.engine.default_sampling)}
+
+    async def generate(self, req: ReplicaRequest):
+        try:
+            if req.params.structured_outputs is not None:  # compiled off the event loop and the step
+                await asyncio.get_running_loop().run_in_executor(
+                    self._grammar_pool, self.engine.compile_grammar, req.params.structured_outputs)
+            stream = await self.engine.add_request(req.request_id, req.prompt_token_ids, req.params)
+        except Exception as e:
+            yield ("error", error_kind(e), str(e))
+            return
+        yield ("accepted", self.replica_id)
+        async with stream:  # leaving early (cancelled by the ingress) aborts the request
+            try:
+                async for out in stream:
+                    yield out
+            except Exception as e:
+                yield ("error", error_kind(e), str(e))
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """The digest of the prefix cache and the engine's statistics, for the router."""
+        running = self.engine.is_running
+        digest: dict[int, int] = {}
+        if running:
+            try:
+                digest = await self.engine.run(lambda e: e.scheduler.kv.cache_digest())
+            except EngineDeadError:
+                running = False
+        if len(digest) > self.digest_max_blocks:  # bounded: keep the device tier first
+            digest = dict(sorted(digest.items(), key=lambda kv: kv[1])[:self.digest_max_blocks])
+        stats = self.engine.stats()
+        stats["running"] = running
+        return {"replica_id": self.replica_id, "seq": next(self._digest_seq), "time": time.time(),
+                "block_size": self.block_size, "digest": digest, "stats": stats}
+
+    def check_health(self) -> None:
+        """Serve's health check: a dead engine makes Serve replace this replica."""
+        if self.engine.fatal_error is not None:
+            raise RuntimeError(f"the engine is dead: {self.engine.fatal_error}")
+        if not self.engine.is_running:
+            raise RuntimeError("the engine is not running")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close(timeout=5.0)

@@ -1,0 +1,216 @@
+"""Request routers for the engine replicas (Ray Serve ``RequestRouter`` subclasses; they run in the
+process of the caller, the ingress).
+
+``CacheAwareRouter`` routes on what each replica's prefix cache really holds: every replica
+publishes its cache digest (block hash -> tier, serve/replica.py) through Serve's routing stats,
+which replace the router's view of it every ``request_routing_stats_period_s``; an eviction on a
+replica leaves its digest by the next period. A request goes to
+
+1. the replica holding the longest cached prefix of its prompt (whole blocks; device-tier blocks
+   break ties, then load), if that prefix is at least ``min_match_tokens`` long and that replica's
+   load (requests this router has in flight on it) exceeds the least loaded one's by at most
+   ``imbalanced_threshold``;
+2. otherwise the least loaded replica, ties broken by fewer cached blocks (a cold prefix goes where
+   it displaces the least).
+
+Between two digests the router counts a request it routed as cached where it went (the blocks its
+prompt will leave there), until that replica has published two digests after the request ended: so
+a burst sharing a new prefix follows its first request without waiting a period, and what the
+replica then evicts is what the digest says. The other replicas, in ``choose_replicas``' returned
+order, are the fallbacks if the chosen one refuses (its ``max_ongoing_requests``).
+
+``PowerOfTwoRouter`` (Serve's default) and ``PrefixAffinityRouter`` (Ray Serve LLM's
+``PrefixCacheAffinityRouter``, an approximate tree of routed prompts per replica, here fed the
+prompt's token ids as characters) are the same routers with the bookkeeping the ingress's
+``/metrics`` and ``/health`` read, for comparison (bench/ray_routing.py).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import (
+    LocalityMixin,
+    MultiplexMixin,
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
+
+from prefixkv.serve import registry
+from prefixkv.serve.digest import PrefixMatch, match_digest, prompt_block_hashes
+from prefixkv.serve.replica import ReplicaRequest
+
+DEFAULT_IMBALANCED_THRESHOLD = 4  # requests in flight
+DEFAULT_MIN_MATCH_TOKENS = 1  # one whole cached block is worth following
+
+
+def _request_of(pending: PendingRequest | None) -> ReplicaRequest | None:
+    if pending is None:
+        return None
+    return next((a for a in pending.args if isinstance(a, ReplicaRequest)), None)
+
+
+class _Observed:
+    """Bookkeeping common to the routers: the replicas' routing stats and the decisions taken."""
+
+    def _register(self) -> None:
+        self.decisions: collections.Counter[str] = collections.Counter()
+        self.routed: collections.Counter[str] = collections.Counter()  # replica -> requests routed
+        self.matched_tokens = 0  # cached prompt tokens on the chosen replica, as the router saw it
+        registry.register(self._deployment_id.name, self)
+
+    def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """replica id -> its last published routing stats (digest, engine statistics)."""
+        return {rid.unique_id: dict(r.routing_stats) for rid, r in list(self.curr_replicas.items())}
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: ReplicaResult) -> None:
+        if _request_of(pending_request) is not None:
+            self.routed[replica_id.unique_id] += 1
+
+
+class PowerOfTwoRouter(_Observed, PowerOfTwoChoicesRequestRouter):
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._register()
+        super().initialize_state(**kwargs)
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        if _request_of(pending_request) is not None:
+            self.decisions["power_of_two"] += 1
+        return await super().choose_replicas(candidate_replicas, pending_request)
+
+
+def _prefix_affinity_base() -> type:
+    # Ray Serve LLM's public import path insists on vLLM or SGLang being installed; the router
+    # itself needs neither
+    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+        PrefixCacheAffinityRouter,
+    )
+
+    return PrefixCacheAffinityRouter
+
+
+class PrefixAffinityRouter(_Observed, _prefix_affinity_base()):
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._register()
+        super().initialize_state(**kwargs)
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        if _request_of(pending_request) is not None:
+            self.decisions["prefix_affinity"] += 1
+        return await super().choose_replicas(candidate_replicas, pending_request)
+
+
+class CacheAwareRouter(_Observed, LocalityMixin, MultiplexMixin, RequestRouter):
+    def initialize_state(self, imbalanced_threshold: int = DEFAULT_IMBALANCED_THRESHOLD,
+                         min_match_tokens: int = DEFAULT_MIN_MATCH_TOKENS, **kwargs: Any) -> None:
+        if imbalanced_threshold < 0:
+            raise ValueError(f"imbalanced_threshold: must be >= 0, got {imbalanced_threshold}")
+        if min_match_tokens < 1:
+            raise ValueError(f"min_match_tokens: must be >= 1, got {min_match_tokens}")
+        self._register()
+        self.imbalanced_threshold = imbalanced_threshold
+        self.min_match_tokens = min_match_tokens
+        self._in_flight: collections.Counter[ReplicaID] = collections.Counter()
+        # replica -> {internal request id: [prompt block hashes, digest seq at its end or None]}
+        self._recent: dict[ReplicaID, dict[str, list]] = collections.defaultdict(dict)
+        self._where: dict[str, ReplicaID] = {}  # internal request id -> replica, while in flight
+
+    # ------------------------------------------------------------------ decisions
+    def _load(self, r: RunningReplica) -> int:
+        return self._in_flight[r.replica_id]
+
+    def _match(self, r: RunningReplica, hashes: list[int]) -> PrefixMatch:
+        stats = r.routing_stats
+        digest = stats.get("digest") or {}
+        seq = stats.get("seq", 0)
+        recent = self._recent.get(r.replica_id)
+        best = match_digest(hashes, digest)
+        if recent:
+            for rid, entry in list(recent.items()):
+                if entry[1] is not None and seq >= entry[1] + 2:  # the digests have it (or evicted it)
+                    del recent[rid]
+                    continue
+                h = entry[0]
+                n = 0
+                while n < len(h) and n < len(hashes) and h[n] == hashes[n]:
+                    n += 1
+                if n > best.num_blocks:
+                    best = PrefixMatch(n, n)
+        return best
+
+    def choose(self, candidates: list[RunningReplica], req: ReplicaRequest) -> tuple[RunningReplica, str, int]:
+        """(replica, reason, matched tokens) for one request: the routing decision, no I/O."""
+        block_size = next((r.routing_stats.get("block_size") for r in candidates
+                           if r.routing_stats.get("block_size")), 16)
+        hashes = prompt_block_hashes(req.prompt_token_ids, block_size)
+        least = min(self._load(r) for r in candidates)
+        scored = [(self._match(r, hashes), r) for r in candidates]
+        m, best = max(scored, key=lambda s: (s[0].num_blocks, s[0].num_device_blocks, -self._load(s[1])))
+        if m.num_blocks and m.num_blocks * block_size >= self.min_match_tokens:
+            if self._load(best) - least <= self.imbalanced_threshold:
+                return best, "prefix", m.num_blocks * block_size
+            reason = "imbalanced"
+        else:
+            reason = "no_match"
+        chosen = min(candidates, key=lambda r: (self._load(r), len(r.routing_stats.get("digest") or ())))
+        return chosen, reason, dict((id(r), s.num_blocks) for s, r in scored)[id(chosen)] * block_size
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        req = _request_of(pending_request)
+        if req is None or not candidate_replicas:  # describe() and the like: any replica
+            return [candidate_replicas]
+        chosen, reason, matched = self.choose(candidate_replicas, req)
+        self.decisions[reason] += 1
+        self.matched_tokens += matched
+        rest = sorted((r for r in candidate_replicas if r is not chosen), key=self._load)
+        return [[chosen]] + ([rest] if rest else [])
+
+    # ------------------------------------------------------------------ bookkeeping
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: ReplicaResult) -> None:
+        super().on_request_routed(pending_request, replica_id, result)
+        req = _request_of(pending_request)
+        if req is None:
+            return
+        rid = pending_request.metadata.internal_request_id
+        self._in_flight[replica_id] += 1
+        self._where[rid] = replica_id
+        block_size = 16
+        r = self.curr_replicas.get(replica_id)
+        if r is not None:
+            block_size = r.routing_stats.get("block_size", block_size)
+        self._recent[replica_id][rid] = [prompt_block_hashes(req.prompt_token_ids, block_size), None]
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self._where.pop(internal_request_id, None) is None:
+            return
+        self._in_flight[replica_id] -= 1
+        if self._in_flight[replica_id] <= 0:
+            del self._in_flight[replica_id]
+        entry = self._recent.get(replica_id, {}).get(internal_request_id)
+        if entry is not None:
+            r = self.curr_replicas.get(replica_id)
+            entry[1] = r.routing_stats.get("seq", 0) if r is not None else 0
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        alive = {r.replica_id for r in replicas}
+        for gone in [rid for rid in self._recent if rid not in alive]:  # a dead replica's state goes
+            del self._recent[gone]
+            self._in_flight.pop(gone, None)
+        for rid, where in list(self._where.items()):
+            if where not in alive:
+                del self._where[rid]
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._recent.pop(replica_id, None)
+        self._in_flight.pop(replica_id, None)
+
