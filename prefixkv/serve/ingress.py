@@ -18,7 +18,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import msgspec
-from ray import serve
 from ray.exceptions import RayError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
@@ -111,7 +110,7 @@ class RemoteEngine:
             for rid, rs in router.replica_stats().items():
                 if "stats" in rs:
                     out[rid] = {**rs["stats"], "num_cached_blocks": len(rs.get("digest") or ()),
-                                "num_routed": router.routed[rid]}
+                                "digest_seq": rs.get("seq", 0), "num_routed": router.routed[rid]}
         return out
 
     def router_decisions(self) -> dict[str, int]:
@@ -283,13 +282,13 @@ class OpenAIIngress:
         return b"".join(chunks)
 
     def _health(self, api: OpenAIServing) -> Reply:
-        """200 while at least one replica runs; the body lists every replica the router sees."""
+        """200 while at least one replica runs; the body lists every replica the router sees, with
+        the size and sequence number of its last published cache digest."""
         stats = api.engine.replica_stats()
-        replicas = {rid: "ok" if s.get("running", True) else "unavailable" for rid, s in sorted(stats.items())}
-        ok = any(v == "ok" for v in replicas.values()) or not replicas
+        replicas = {rid: {"status": "ok" if s.get("running", True) else "unavailable",
+                          "cached_blocks": s["num_cached_blocks"], "digest_seq": s["digest_seq"]}
+                    for rid, s in sorted(stats.items())}
+        ok = any(r["status"] == "ok" for r in replicas.values()) or not replicas
         body = {"status": "ok" if ok else "unavailable", "replicas": replicas}
         return Reply(200 if ok else 503, msgspec.json.encode(body))
 
-
-def ingress_deployment() -> Any:
-    return serve.deployment(OpenAIIngress, name="PrefixKVIngress")

@@ -1,0 +1,262 @@
+"""prefixkv on Ray Serve, end to end: a two-node Ray cluster on this machine
+(``ray.cluster_utils.Cluster``, one CPU per node), two engine replicas of the tiny float64 Llama
+(one per node) behind the ingress, driven over HTTP and with the openai client.
+
+The replicas' KV pools are small (64 blocks of 4 tokens) so that a long request evicts a cached
+prefix for real. The replicas publish their cache digests every 0.3 s; tests that need the router
+to have seen a change wait for two newer digests (``digest_seq`` in the ingress's /health)."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+from prefixkv.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from prefixkv.server.serving import ServerConfig  # noqa: E402
+from test_lossless import hf_reference  # noqa: E402
+
+MODEL = "tiny-llama"
+BLOCK = 4
+POOL = 64
+PERIOD = 0.3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama):
+    from ray.cluster_utils import Cluster
+
+    from prefixkv.serve import build_app
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    c.add_node(num_cpus=1)
+    ray.init(address=c.address, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    cfg = EngineConfig(model=str(tiny_llama), dtype="float64", cache=CacheConfig(block_size=BLOCK, num_kv_blocks=POOL),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16))
+    serve.run(build_app(cfg, ServerConfig(MODEL), num_replicas=2, routing_stats_period_s=PERIOD,
+                        health_check_period_s=1.0), name="prefixkv", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    _wait(lambda: len(_health(url)["replicas"]) == 2, 60, "two replicas publishing digests")
+    yield url
+    serve.shutdown()
+    ray.shutdown()
+    c.shutdown()
+
+
+def _wait(cond, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if cond():
+                return
+        except (urllib.error.URLError, KeyError, ConnectionError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _health(url: str) -> dict:
+    return json.loads(_get(url + "/health")[1])
+
+
+def _metrics(url: str) -> dict[str, float]:
+    out = {}
+    for line in _get(url + "/metrics")[1].decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _per_replica(m: dict[str, float], metric: str) -> dict[str, float]:
+    out = {}
+    for k, v in m.items():
+        if k.startswith(metric + "{replica="):
+            out[k.split('"')[1]] = v
+    return out
+
+
+def _fresh_digests(url: str) -> None:
+    """Until every replica has published two digests after now (the router sees the present)."""
+    seqs = {rid: r["digest_seq"] for rid, r in _health(url)["replicas"].items()}
+    _wait(lambda: all(r["digest_seq"] >= seqs.get(rid, 0) + 2 for rid, r in _health(url)["replicas"].items()),
+          30, "fresh cache digests")
+
+
+def _complete(url: str, ids: list[int], max_tokens: int = 4) -> dict:
+    status, body = _post(url + "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": max_tokens,
+                                                   "temperature": 0, "ignore_eos": True})
+    assert status == 200, body
+    return body
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 200) for _ in range(n)]
+
+
+def test_routing_follows_the_replicas_real_caches(cluster):
+    """First test of the module (fresh replicas): a shared prefix goes where it is cached, another
+    prefix goes to the other replica, and once a replica has evicted a prefix the router no longer
+    sends it there."""
+    url = cluster
+    assert {r["cached_blocks"] for r in _health(url)["replicas"].values()} == {0}
+    rng = random.Random(7)
+    p, q = _tokens(rng, 40), _tokens(rng, 80)
+
+    cached = []
+    for i in range(3):
+        cached.append(_complete(url, p + _tokens(rng, 5))["usage"]["prompt_tokens_details"]["cached_tokens"])
+        _fresh_digests(url)
+    assert cached == [0, 40, 40]  # P's 10 blocks, computed once
+    m = _metrics(url)
+    hits = _per_replica(m, "prefixkv_replica_prefix_cache_hit_tokens_total")
+    routed = _per_replica(m, "prefixkv_replica_routed_requests_total")
+    (ra,) = [rid for rid, n in routed.items() if n == 3]
+    (rb,) = [rid for rid in routed if rid != ra]
+    assert hits == {ra: 80.0, rb: 0.0}
+    assert m['prefixkv_router_decisions_total{reason="no_match"}'] == 1
+    assert m['prefixkv_router_decisions_total{reason="prefix"}'] == 2
+
+    # a new prefix: no replica holds it -> the one caching less (rb)
+    assert _complete(url, q + _tokens(rng, 3))["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    _fresh_digests(url)
+    assert _per_replica(_metrics(url), "prefixkv_replica_routed_requests_total") == {ra: 3.0, rb: 1.0}
+
+    # ra evicts P for real: a long unrelated prompt (61 of its 64 blocks) lands there (it caches
+    # less than rb: 16 blocks against 21), then a second one sharing the first's start takes P's last
+    # blocks (the least recently used)
+    long1 = _tokens(rng, 240)
+    assert _complete(url, long1)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    _fresh_digests(url)
+    long2 = long1[:200] + _tokens(rng, 48)
+    assert _complete(url, long2)["usage"]["prompt_tokens_details"]["cached_tokens"] == 200
+    _fresh_digests(url)
+    routed = _per_replica(_metrics(url), "prefixkv_replica_routed_requests_total")
+    assert routed == {ra: 5.0, rb: 1.0}
+
+    before = _metrics(url)
+    assert _complete(url, p + _tokens(rng, 5))["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    after = _metrics(url)
+    assert after['prefixkv_router_decisions_total{reason="no_match"}'] == \
+        before['prefixkv_router_decisions_total{reason="no_match"}'] + 1  # not "prefix": the digest said so
+    # and it went to the replica caching less, rb
+    assert _per_replica(after, "prefixkv_replica_routed_requests_total") == {ra: 5.0, rb: 2.0}
+
+
+def test_greedy_outputs_equal_transformers_through_the_ingress(cluster, tiny_llama):
+    url = cluster
+    rng = random.Random(3)
+    shared = _tokens(rng, 21)
+    prompts = [shared + _tokens(rng, rng.randrange(1, 9)) for _ in range(4)] + [_tokens(rng, 13)]
+    refs = hf_reference(tiny_llama, prompts, max_tokens=6)
+    for p, ref in zip(prompts, refs):
+        status, body = _post(url + "/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 6,
+                                                       "temperature": 0, "ignore_eos": True, "logprobs": 0})
+        assert status == 200, body
+        text = body["choices"][0]["text"]
+        status, detok = _post(url + "/detokenize", {"tokens": ref})
+        assert status == 200 and text == detok["prompt"], (text, detok)
+
+
+def test_openai_client_streams_through_the_ingress(cluster):
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key="unused", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "hello there, general"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content and full.usage.completion_tokens == 12
+    assert chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_errors_are_the_single_process_servers(cluster):
+    url = cluster
+    status, body = _post(url + "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1})
+    assert status == 400 and body["error"]["param"] == "temperature" and body["error"]["type"] == \
+        "invalid_request_error"
+    status, body = _post(url + "/v1/completions", {"model": "other", "prompt": "hi"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    status, body = _post(url + "/v1/completions", {"model": MODEL, "prompt": [5] * 2000, "max_tokens": 1})
+    assert status == 400 and "prompt" in body["error"]["message"]
+    status, body = _post(url + "/v1/completions", {"model": MODEL, "prompt": "hi", "frobnicate": 1})
+    assert status == 400 and body["error"]["param"] == "frobnicate"
+    status, raw = _get(url + "/v1/nothing")
+    assert status == 404 and json.loads(raw)["error"]["code"] == "not_found"
+    status, raw = _get(url + "/v1/completions")
+    assert status == 405 and json.loads(raw)["error"]["code"] == "method_not_allowed"
+    # nothing of that reached an engine or broke one
+    assert _complete(url, [5, 6, 7])["choices"][0]["finish_reason"] == "length"
+
+
+def _replica_actor(replica_id: str):
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["name"].startswith("SERVE_REPLICA::") and a["name"].endswith(replica_id):
+            return ray.get_actor(a["name"], namespace=a["namespace"])
+    raise AssertionError(f"no actor for replica {replica_id}")
+
+
+def test_a_killed_replica_ends_its_streams_cleanly_and_is_replaced(cluster):
+    url = cluster
+    rng = random.Random(11)
+    prefix = _tokens(rng, 40)
+    _complete(url, prefix + [9])
+    _fresh_digests(url)
+    routed = _per_replica(_metrics(url), "prefixkv_replica_routed_requests_total")
+    body = json.dumps({"model": MODEL, "prompt": prefix + [10], "max_tokens": 200, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        first = resp.readline()
+        assert first.startswith(b"data: {")
+        now = _per_replica(_metrics(url), "prefixkv_replica_routed_requests_total")
+        (victim,) = [rid for rid in now if now[rid] > routed.get(rid, 0)]
+        ray.kill(_replica_actor(victim), no_restart=True)
+        events = [line for line in resp.read().split(b"\n\n") if line.strip()]
+    assert events[-1] == b"data: [DONE]"
+    err = json.loads(events[-2][len(b"data: "):])
+    assert err["error"]["code"] == "replica_died", err
+    # the other replica answers meanwhile; Serve starts a new one in the victim's place
+    assert _complete(url, prefix + [11])["choices"][0]["finish_reason"] == "length"
+    _wait(lambda: victim not in _health(url)["replicas"] and len(_health(url)["replicas"]) == 2, 120,
+          "the killed replica replaced")
+    assert _health(url)["status"] == "ok"
+    for _ in range(3):
+        assert _complete(url, _tokens(rng, 9))["choices"][0]["finish_reason"] == "length"
