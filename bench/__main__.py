@@ -22,6 +22,10 @@ Against ``prefixkv serve`` (spawned on loopback, or ``--url``)::
 
     serving            TTFT / TPOT / latency p50-p90-p99 and throughput against the request rate (Poisson)
 
+On Ray Serve (a local Ray instance, replicas of ``prefixkv``)::
+
+    ray-routing        multi-tenant shared prefixes over replicas: Serve's, Ray LLM's and prefixkv's routers
+
 Each run writes one JSON (and a PNG) into ``--out`` (default bench/out/, git-ignored).
 """
 
@@ -161,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.serving import add_arguments
 
     add_arguments(p)
+    p = sub.add_parser("ray-routing", help="Ray Serve replicas: power-of-two vs prefix-affinity vs cache-aware routing")
+    from bench.ray_routing import add_arguments as add_ray_routing
+
+    add_ray_routing(p)
     return parser
 
 

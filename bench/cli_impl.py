@@ -159,6 +159,10 @@ def dispatch(args: argparse.Namespace, command: str) -> int:
                   "gemm": micro.cmd_gemm, "scale": micro.cmd_scale, "roofline": micro.cmd_roofline}
     if args.workload in micro_cmds:
         return micro_cmds[args.workload](args, command)
+    if args.workload == "ray-routing":
+        from bench import ray_routing
+
+        return ray_routing.cmd_ray_routing(args, command)
     if args.workload == "serving":
         from bench import serving
 

@@ -119,6 +119,7 @@ class LLMEngine:
         self.default_sampling: dict[str, Any] = generation_config_defaults(gc_dir)
         self.check_integrity_each_step = False
         self.num_steps = 0
+        self.num_aborted = 0  # requests aborted before they finished (client gone, timeout, shutdown)
         self.dead: BaseException | None = None  # set by a fatal step error (EngineFatalError)
 
     def flush_kv_cache(self) -> int:
@@ -231,6 +232,7 @@ class LLMEngine:
         if group is None:
             return False
         self._release(group, RequestStatus.FINISHED_ABORTED)
+        self.num_aborted += 1
         return True
 
     def _release(self, group: RequestState, status: RequestStatus) -> None:
@@ -391,6 +393,7 @@ class LLMEngine:
             "disk_bytes_read": self.runner.disk.num_bytes_read if self.runner.disk is not None else 0,
             "disk_files_discarded": self.runner.disk.num_discarded if self.runner.disk is not None else 0,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_requests_aborted": self.num_aborted,
             "spec_draft_tokens": self.scheduler.num_draft_tokens,
             "spec_accepted_tokens": self.scheduler.num_accepted_tokens,
         }

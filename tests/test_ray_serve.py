@@ -185,7 +185,7 @@ def test_greedy_outputs_equal_transformers_through_the_ingress(cluster, tiny_lla
     refs = hf_reference(tiny_llama, prompts, max_tokens=6)
     for p, ref in zip(prompts, refs):
         status, body = _post(url + "/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 6,
-                                                       "temperature": 0, "ignore_eos": True, "logprobs": 0})
+                                                       "temperature": 0, "ignore_eos": True})
         assert status == 200, body
         text = body["choices"][0]["text"]
         status, detok = _post(url + "/detokenize", {"tokens": ref})
@@ -260,3 +260,20 @@ def test_a_killed_replica_ends_its_streams_cleanly_and_is_replaced(cluster):
     assert _health(url)["status"] == "ok"
     for _ in range(3):
         assert _complete(url, _tokens(rng, 9))["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_client_that_goes_away_aborts_its_request_on_the_replica(cluster):
+    url = cluster
+    aborted = lambda: sum(_per_replica(_metrics(url), "prefixkv_replica_requests_aborted_total").values())  # noqa: E731
+    before = aborted()
+    body = json.dumps({"model": MODEL, "prompt": [7, 8, 9], "max_tokens": 250, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    resp = urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", body,
+                                                         {"Content-Type": "application/json"}), timeout=60)
+    assert resp.readline().startswith(b"data: {")
+    resp.close()  # gone after the first token
+    running = lambda: sum(_per_replica(_metrics(url), "prefixkv_replica_num_requests_running").values())  # noqa: E731
+    _wait(lambda: running() == 0 and sum(
+        _per_replica(_metrics(url), "prefixkv_replica_kv_blocks_used").values()) == 0, 30,
+        "the abandoned request aborted on its replica")
+    assert aborted() == before + 1

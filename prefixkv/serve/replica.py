@@ -75,9 +75,12 @@ class EngineReplica:
 
     def __init__(self, engine_config: EngineConfig, digest_max_blocks: int = 1 << 20) -> None:
         from ray import serve
+        from ray.serve.exceptions import RayServeException
 
-        ctx = serve.get_replica_context()
-        self.replica_id = ctx.replica_id.unique_id if ctx is not None else "local"
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except RayServeException:  # constructed outside a Serve deployment (tests, a notebook)
+            self.replica_id = "local"
         self.engine = AsyncEngine.from_config(engine_config)
         self.block_size = self.engine.engine.config.cache.block_size
         self.digest_max_blocks = digest_max_blocks

@@ -70,6 +70,7 @@ class _Observed:
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
+        super().on_request_routed(pending_request, replica_id, result)  # Ray LLM's router records its tree here
         if _request_of(pending_request) is not None:
             self.routed[replica_id.unique_id] += 1
 
@@ -150,16 +151,18 @@ class CacheAwareRouter(_Observed, LocalityMixin, MultiplexMixin, RequestRouter):
                            if r.routing_stats.get("block_size")), 16)
         hashes = prompt_block_hashes(req.prompt_token_ids, block_size)
         least = min(self._load(r) for r in candidates)
-        scored = [(self._match(r, hashes), r) for r in candidates]
-        m, best = max(scored, key=lambda s: (s[0].num_blocks, s[0].num_device_blocks, -self._load(s[1])))
-        if m.num_blocks and m.num_blocks * block_size >= self.min_match_tokens:
-            if self._load(best) - least <= self.imbalanced_threshold:
-                return best, "prefix", m.num_blocks * block_size
+        matches = [self._match(r, hashes) for r in candidates]
+        i = max(range(len(candidates)), key=lambda i: (matches[i].num_blocks, matches[i].num_device_blocks,
+                                                         -self._load(candidates[i])))
+        if matches[i].num_blocks and matches[i].num_blocks * block_size >= self.min_match_tokens:
+            if self._load(candidates[i]) - least <= self.imbalanced_threshold:
+                return candidates[i], "prefix", matches[i].num_blocks * block_size
             reason = "imbalanced"
         else:
             reason = "no_match"
-        chosen = min(candidates, key=lambda r: (self._load(r), len(r.routing_stats.get("digest") or ())))
-        return chosen, reason, dict((id(r), s.num_blocks) for s, r in scored)[id(chosen)] * block_size
+        j = min(range(len(candidates)), key=lambda j: (self._load(candidates[j]),
+                                                       len(candidates[j].routing_stats.get("digest") or ())))
+        return candidates[j], reason, matches[j].num_blocks * block_size
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:

@@ -38,6 +38,8 @@ _ENGINE_METRICS = (
     ("prefix_hit_tokens", "prefixkv_prefix_cache_hit_tokens",
      "Prompt tokens found in the prefix cache.", "counter"),
     ("num_preemptions", "prefixkv_preemptions", "Requests preempted (recomputed later).", "counter"),
+    ("num_requests_aborted", "prefixkv_requests_aborted",
+     "Requests aborted before they finished (client gone, timeout, shutdown).", "counter"),
     ("num_host_blocks", "prefixkv_kv_host_blocks_total", "Slots of the host-memory KV tier.", "gauge"),
     ("num_host_blocks_used", "prefixkv_kv_host_blocks_used", "Host-tier slots holding a block.", "gauge"),
     ("prefix_host_hit_tokens", "prefixkv_prefix_cache_host_hit_tokens",

@@ -1,0 +1,166 @@
+"""The Ray Serve ingress without a cluster: ``OpenAIIngress`` driven with Starlette requests, its
+replica handle a stand-in that calls a real ``EngineReplica`` (tiny float64 Llama) in this process.
+What the cluster tests do not vary: the API key, body limits, validation at the ingress, the
+replica's stream protocol, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("ray.serve")
+pytest.importorskip("starlette")
+
+from starlette.requests import Request  # noqa: E402
+
+from prefixkv.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from prefixkv.sampling_params import SamplingParams  # noqa: E402
+from prefixkv.serve.ingress import OpenAIIngress, RemoteEngine  # noqa: E402
+from prefixkv.serve.replica import EngineReplica, ReplicaRequest  # noqa: E402
+from prefixkv.server.serving import ServerConfig  # noqa: E402
+
+
+class _Gen:
+    """What ``handle.options(stream=True).generate.remote(...)`` returns, over a local generator."""
+
+    def __init__(self, agen) -> None:
+        self._agen = agen
+        self.cancelled = False
+
+    def __anext__(self):
+        return self._agen.__anext__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        asyncio.get_running_loop().create_task(self._agen.aclose())
+
+
+class FakeHandle:
+    def __init__(self, replica: EngineReplica) -> None:
+        self.replica = replica
+        self.calls: list[_Gen] = []
+
+    def options(self, **_: object) -> FakeHandle:
+        return self
+
+    @property
+    def describe(self):
+        async def call():
+            return self.replica.describe()
+        return SimpleNamespace(remote=call)
+
+    @property
+    def generate(self):
+        def remote(req: ReplicaRequest) -> _Gen:
+            g = _Gen(self.replica.generate(req))
+            self.calls.append(g)
+            return g
+        return SimpleNamespace(remote=remote)
+
+
+@pytest.fixture(scope="module")
+def replica(tiny_llama):
+    r = EngineReplica(EngineConfig(model=str(tiny_llama), dtype="float64",
+                                   cache=CacheConfig(block_size=4, num_kv_blocks=128),
+                                   scheduler=SchedulerConfig(max_num_seqs=8, max_waiting_requests=4)))
+    yield r
+    r.engine.close()
+
+
+def ingress(replica, tiny_llama, **config) -> tuple[OpenAIIngress, FakeHandle]:
+    handle = FakeHandle(replica)
+    return OpenAIIngress(handle, str(tiny_llama), ServerConfig("tiny", **config), "EngineReplica"), handle
+
+
+def request(method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> Request:
+    pending = [body]
+
+    async def receive():
+        return {"type": "http.request", "body": pending.pop() if pending else b"", "more_body": False}
+
+    hs = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    if body:
+        hs.append((b"content-length", str(len(body)).encode()))
+    scope = {"type": "http", "method": method, "path": path, "headers": hs, "query_string": b"",
+             "server": ("test", 80), "scheme": "http", "root_path": ""}
+    return Request(scope, receive)
+
+
+async def call(ing: OpenAIIngress, method: str, path: str, body: dict | None = None, **headers: str):
+    raw = json.dumps(body).encode() if body is not None else b""
+    resp = await ing(request(method, path, raw, headers))
+    if hasattr(resp, "body_iterator"):
+        return resp.status_code, b"".join([c async for c in resp.body_iterator])
+    return resp.status_code, resp.body
+
+
+def test_completions_through_the_remote_engine_are_the_engines(replica, tiny_llama):
+    from test_lossless import hf_reference
+
+    ing, handle = ingress(replica, tiny_llama)
+    prompt = [5, 9, 14, 3, 77, 21, 8]
+    status, body = asyncio.run(call(ing, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 5,
+                                                                     "temperature": 0, "ignore_eos": True}))
+    assert status == 200
+    ref = replica.engine.tokenizer.decode(hf_reference(tiny_llama, [prompt], max_tokens=5)[0])
+    assert json.loads(body)["choices"][0]["text"] == ref
+    status, raw = asyncio.run(call(ing, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 5,
+                                                                    "temperature": 0, "ignore_eos": True,
+                                                                    "stream": True}))
+    events = [e for e in raw.split(b"\n\n") if e]
+    assert status == 200 and events[-1] == b"data: [DONE]"
+    assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]) == ref
+
+
+def test_the_api_key_and_the_body_limit_hold_at_the_ingress(replica, tiny_llama):
+    ing, _ = ingress(replica, tiny_llama, api_key="sekrit", max_body_bytes=200)
+    status, body = asyncio.run(call(ing, "GET", "/v1/models"))
+    assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+    status, body = asyncio.run(call(ing, "GET", "/v1/models", authorization="Bearer sekrit"))
+    assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == ["tiny"]
+    assert asyncio.run(call(ing, "GET", "/health"))[0] == 200  # no key needed
+    status, body = asyncio.run(call(ing, "POST", "/v1/completions", {"prompt": "x" * 500},
+                                    authorization="Bearer sekrit"))
+    assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+
+
+def test_bad_requests_are_refused_before_a_replica_is_called(replica, tiny_llama):
+    ing, handle = ingress(replica, tiny_llama)
+    status, body = asyncio.run(call(ing, "POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}}))
+    err = json.loads(body)["error"]
+    assert status == 400 and err["param"].startswith("response_format"), err
+    status, body = asyncio.run(call(ing, "POST", "/v1/completions", {"prompt": "hi", "n": 0}))
+    assert status == 400 and json.loads(body)["error"]["param"] == "n"
+    assert handle.calls == []
+    # refused by the replica (the prompt does not fit): a 400 too, nothing left running there
+    status, body = asyncio.run(call(ing, "POST", "/v1/completions", {"prompt": [5] * 2000, "max_tokens": 1}))
+    assert status == 400 and "prompt" in json.loads(body)["error"]["message"]
+    assert replica.engine.stats()["num_running"] == 0
+
+
+def test_the_replica_stream_protocol_and_cancellation(replica, tiny_llama):
+    async def go():
+        engine = RemoteEngine(FakeHandle(replica), replica.describe(), replica.engine.tokenizer, "EngineReplica")
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, output_kind="delta")
+        before = replica.engine.stats()["num_requests_aborted"]
+        (stream,) = await engine.add_requests([("r-cancel", [4, 5, 6])], params)
+        assert stream.replica_id == "local"
+        first = await stream.__anext__()
+        assert first.request_id == "r-cancel" and not first.finished
+        stream.abort()  # the client went away
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if replica.engine.stats()["num_requests_aborted"] == before + 1:
+                break
+        assert replica.engine.stats()["num_requests_aborted"] == before + 1
+        with pytest.raises(ValueError, match="prompt"):
+            await engine.add_requests([("r-long", [5] * 2000)], SamplingParams(max_tokens=1))
+        with pytest.raises(ValueError, match="token ids only"):
+            await engine.add_requests([("r-text", "hello")], SamplingParams(max_tokens=1))
+
+    asyncio.run(go())
