@@ -5,7 +5,7 @@ Traffic: ``--groups`` system prompts of ``--system-tokens`` tokens, ``--users`` 
 question, ``--output-tokens`` greedy tokens), interleaved in one shuffled order with Poisson arrivals
 at ``--rate`` requests/s (``bench serving``'s prompts, client and statistics). Each replica's KV pool
 is ``--num-kv-blocks`` blocks: by default half of the system prompts fit in one replica, with room to
-compute two whole prompts beside them.
+compute one whole prompt beside them.
 
 For every router in ``--routers`` (power_of_two: Serve's default; prefix_affinity: Ray Serve LLM's
 ``PrefixCacheAffinityRouter``; cache_aware: prefixkv's, on the replicas' cache digests) a fresh
@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-tokens", type=int, default=1000)
     p.add_argument("--question-tokens", type=int, default=24)
     p.add_argument("--output-tokens", type=int, default=16)
-    p.add_argument("--rate", type=float, default=1.0, help="requests/s (Poisson)")
+    p.add_argument("--rate", type=float, default=1.5, help="requests/s (Poisson)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="per replica (default: half the system prompts' blocks plus room for 8 requests)")
     p.add_argument("--block-size", type=int, default=16)
@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--routing-stats-period", type=float, default=1.0)
+    p.add_argument("--router-imbalanced-threshold", type=int, default=None,
+                   help="cache_aware's (default: its own, serve/router.py)")
     p.add_argument("--request-timeout", type=float, default=900.0)
     p.add_argument("--max-seconds", type=float, default=3600.0)
     p.add_argument("--seed", type=int, default=0)
@@ -117,8 +119,8 @@ def cmd_ray_routing(args: argparse.Namespace, command: str) -> int:
     bodies = [(p, request_body(pb, p, "completions", args.output_tokens)) for p in prompts]
     bs = args.block_size
     per_prompt = -(-(args.system_tokens + args.question_tokens + args.output_tokens) // bs)
-    # half the system prompts, and room to compute two requests' whole prompts beside them
-    num_blocks = args.num_kv_blocks or (args.groups // 2) * -(-args.system_tokens // bs) + 2 * per_prompt
+    # half the system prompts, and room to compute one request's whole prompt beside them
+    num_blocks = args.num_kv_blocks or (args.groups // 2) * -(-args.system_tokens // bs) + per_prompt
     cfg = EngineConfig(model=args.model, dtype=args.dtype, cache=CacheConfig(block_size=bs, num_kv_blocks=num_blocks),
                        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
@@ -129,7 +131,10 @@ def cmd_ray_routing(args: argparse.Namespace, command: str) -> int:
     try:
         for router in routers:
             t0 = time.perf_counter()
+            kwargs = ({"imbalanced_threshold": args.router_imbalanced_threshold}
+                      if router == "cache_aware" and args.router_imbalanced_threshold is not None else None)
             serve.run(build_app(cfg, ServerConfig("bench"), num_replicas=args.replicas, router=router,
+                                router_kwargs=kwargs,
                                 num_cpus_per_replica=args.num_cpus_per_replica,
                                 routing_stats_period_s=args.routing_stats_period),
                       name="prefixkv", route_prefix="/")

@@ -155,7 +155,7 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--router", choices=tuple(ROUTERS), default="cache_aware",
                    help="cache_aware: the replicas' real cache digests (default); power_of_two: Serve's default; "
                         "prefix_affinity: Ray Serve LLM's PrefixCacheAffinityRouter")
-    g.add_argument("--router-imbalanced-threshold", type=int, default=4,
+    g.add_argument("--router-imbalanced-threshold", type=int, default=16,
                    help="cache_aware: follow a cached prefix only while its replica has at most this many more "
                         "requests in flight than the least loaded one")
     g.add_argument("--router-min-match-tokens", type=int, default=1,

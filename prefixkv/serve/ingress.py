@@ -22,7 +22,8 @@ from ray.exceptions import RayError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
-from prefixkv.errors import EngineDeadError, ReplicaDiedError
+from prefixkv.async_engine import RequestAbortedError, RequestFailedError
+from prefixkv.errors import ReplicaDiedError
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.serve.replica import ReplicaRequest
 from prefixkv.serve.registry import routers_for
@@ -32,15 +33,19 @@ from prefixkv.server.serving import ApiError, OpenAIServing, Reply, ServerConfig
 
 logger = logging.getLogger(__name__)
 
-_ERRORS = {"invalid": ValueError, "overloaded": OverflowError, "dead": EngineDeadError, "fatal": EngineDeadError}
-
-
 def _raise_item(item: tuple, replica_id: str | None) -> None:
+    """A replica's ("error", kind, message) as the exception the single-process engine raises,
+    except that an engine that died or shut down is that replica's, not the service's."""
     _, kind, message = item
-    if kind in _ERRORS:
-        raise _ERRORS[kind](message)
-    raise ReplicaDiedError(f"the request failed on engine replica {replica_id}: {message}") if kind == "failed" \
-        else RuntimeError(message)
+    if kind == "invalid":
+        raise ValueError(message)
+    if kind == "overloaded":
+        raise OverflowError(message)
+    if kind in ("dead", "fatal"):
+        raise ReplicaDiedError(f"the engine of replica {replica_id} stopped ({message}); retry the request")
+    if kind == "aborted":
+        raise RequestAbortedError(message)
+    raise RequestFailedError(message)
 
 
 class RemoteStream:
@@ -282,13 +287,14 @@ class OpenAIIngress:
         return b"".join(chunks)
 
     def _health(self, api: OpenAIServing) -> Reply:
-        """200 while at least one replica runs; the body lists every replica the router sees, with
-        the size and sequence number of its last published cache digest."""
+        """200 while at least one replica runs (503 before the first one has published its routing
+        stats, or when none is left); the body lists every replica the router sees, with the size
+        and sequence number of its last published cache digest."""
         stats = api.engine.replica_stats()
         replicas = {rid: {"status": "ok" if s.get("running", True) else "unavailable",
                           "cached_blocks": s["num_cached_blocks"], "digest_seq": s["digest_seq"]}
                     for rid, s in sorted(stats.items())}
-        ok = any(r["status"] == "ok" for r in replicas.values()) or not replicas
+        ok = any(r["status"] == "ok" for r in replicas.values())
         body = {"status": "ok" if ok else "unavailable", "replicas": replicas}
         return Reply(200 if ok else 503, msgspec.json.encode(body))
 

@@ -45,7 +45,7 @@ from prefixkv.serve import registry
 from prefixkv.serve.digest import PrefixMatch, match_digest, prompt_block_hashes
 from prefixkv.serve.replica import ReplicaRequest
 
-DEFAULT_IMBALANCED_THRESHOLD = 4  # requests in flight
+DEFAULT_IMBALANCED_THRESHOLD = 16  # requests in flight (SGLang's router: 32; Ray LLM's prefix router: inf)
 DEFAULT_MIN_MATCH_TOKENS = 1  # one whole cached block is worth following
 
 
