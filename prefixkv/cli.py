@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 def uses_ray(args: argparse.Namespace) -> bool:
     """``serve`` with any of the replica flags runs on Ray Serve."""
     return (args.replicas is not None or args.ray_address is not None or args.min_replicas is not None
-            or args.max_replicas is not None or args.autoscaling_config is not None)
+            or args.max_replicas is not None or args.target_ongoing_requests is not None
+            or args.autoscaling_config is not None)
 
 
 def main(argv: list[str] | None = None) -> int:

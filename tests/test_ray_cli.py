@@ -40,9 +40,15 @@ def test_replica_flags_select_ray_and_build_the_autoscaling_config(tmp_path):
     assert autoscaling_from_args(_args("--replicas", "2")) is None
     assert autoscaling_from_args(_args("--min-replicas", "1", "--max-replicas", "3", "--target-ongoing-requests",
                                        "4")) == {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 4.0}
+    assert autoscaling_from_args(_args("--replicas", "3", "--target-ongoing-requests", "2")) == {
+        "min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2.0}
+    assert uses_ray(_args("--target-ongoing-requests", "2"))
     f = tmp_path / "as.json"
     f.write_text(json.dumps({"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0.5}))
     assert autoscaling_from_args(_args("--autoscaling-config", str(f)))["upscale_delay_s"] == 0.5
+    # flags override the file's fields, the file's others stay
+    assert autoscaling_from_args(_args("--autoscaling-config", str(f), "--max-replicas", "4")) == {
+        "min_replicas": 1, "max_replicas": 4, "upscale_delay_s": 0.5}
     f.write_text(json.dumps({"min_replicas": 3, "max_replicas": 2}))
     with pytest.raises(ValueError, match="autoscaling_config"):
         autoscaling_from_args(_args("--autoscaling-config", str(f)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,7 @@ pytest.importorskip("ray.serve")
 pytest.importorskip("starlette")
 
 from starlette.requests import Request  # noqa: E402
+from starlette.responses import FileResponse  # noqa: E402
 
 from prefixkv.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from prefixkv.sampling_params import SamplingParams  # noqa: E402
@@ -92,6 +94,8 @@ def request(method: str, path: str, body: bytes = b"", headers: dict[str, str] |
 async def call(ing: OpenAIIngress, method: str, path: str, body: dict | None = None, **headers: str):
     raw = json.dumps(body).encode() if body is not None else b""
     resp = await ing(request(method, path, raw, headers))
+    if isinstance(resp, FileResponse):
+        return resp.status_code, Path(resp.path).read_bytes()
     if hasattr(resp, "body_iterator"):
         return resp.status_code, b"".join([c async for c in resp.body_iterator])
     return resp.status_code, resp.body
@@ -127,6 +131,11 @@ def test_the_api_key_and_the_body_limit_hold_at_the_ingress(replica, tiny_llama)
     status, body = asyncio.run(call(ing, "POST", "/v1/completions", {"prompt": "x" * 500},
                                     authorization="Bearer sekrit"))
     assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+    assert asyncio.run(call(ing, "GET", "/v1/cache/summary"))[0] == 401  # a /v1 route
+    status, body = asyncio.run(call(ing, "GET", "/v1/cache/summary", authorization="Bearer sekrit"))
+    assert status == 503 and json.loads(body)["error"]["code"] == "not_ready"  # no digest published here
+    assert asyncio.run(call(ing, "GET", "/"))[0] == 200  # the pages ask for the key themselves
+    assert asyncio.run(call(ing, "GET", "/static/../pages.py"))[0] == 404
 
 
 def test_bad_requests_are_refused_before_a_replica_is_called(replica, tiny_llama):

@@ -226,6 +226,32 @@ def test_errors_are_the_single_process_servers(cluster):
     assert _complete(url, [5, 6, 7])["choices"][0]["finish_reason"] == "length"
 
 
+def test_the_browser_pages_and_each_replicas_cache_view(cluster):
+    url = cluster
+    status, page = _get(url + "/")
+    assert status == 200 and b"<html" in page.lower()
+    with urllib.request.urlopen(url + "/cache", timeout=30) as r:
+        assert "script-src 'self'" in r.headers["Content-Security-Policy"]
+    assert _get(url + "/static/chat.js")[0] == 200
+    status, raw = _get(url + "/static/nothing.js")
+    assert status == 404 and json.loads(raw)["error"]["code"] == "not_found"
+    _complete(url, list(range(30, 62)))  # something cached somewhere
+    _fresh_digests(url)
+    status, raw = _get(url + "/v1/cache/summary")
+    body = json.loads(raw)
+    assert status == 200 and body["object"] == "cache.summary" and body["replica"] in body["replicas"]
+    assert sorted(body["replicas"]) == sorted(_health(url)["replicas"])
+    assert body["tiers"]["device"]["cached"] == _health(url)["replicas"][body["replica"]]["cached_blocks"]
+    assert body["text_shown"] is False and "text" not in json.dumps(body["tree"])
+    other = next(r for r in body["replicas"] if r != body["replica"])
+    one = json.loads(_get(url + f"/v1/cache/summary?replica={other}&max_nodes=1")[1])
+    assert one["replica"] == other and one["tree"]["num_shown_nodes"] <= 1
+    status, raw = _get(url + "/v1/cache/summary?replica=nope")
+    assert status == 404 and json.loads(raw)["error"]["param"] == "replica"
+    status, raw = _get(url + "/v1/cache/summary?max_nodes=65")
+    assert status == 400 and json.loads(raw)["error"]["param"] == "max_nodes"
+
+
 def _replica_actor(replica_id: str):
     for a in ray.util.list_named_actors(all_namespaces=True):
         if a["name"].startswith("SERVE_REPLICA::") and a["name"].endswith(replica_id):

@@ -132,3 +132,36 @@ def test_a_dead_replica_leaves_no_state_and_routers_register_by_deployment():
     assert a.replica_id not in r._recent and a.replica_id not in r._in_flight
     assert r in registry.routers_for("EngineReplica")
     assert r.routed[a.replica_id.unique_id] == 1
+
+
+def test_a_cache_summary_trims_breadth_first():
+    from prefixkv.server.cache_view import trim_tree
+
+    def node(name, *children):
+        return {"name": name, "children": list(children)}
+
+    tree = {"num_nodes": 6, "num_shown_nodes": 5,
+            "root": {"num_children": 2, "children": [node("a", node("a1"), node("a2")), node("b", node("b1"))]}}
+    cut = trim_tree(tree, 3)
+    assert cut["num_shown_nodes"] == 3 and cut["num_nodes"] == 6
+    assert [(c["name"], [g["name"] for g in c["children"]]) for c in cut["root"]["children"]] == [
+        ("a", ["a1"]), ("b", [])]
+    assert trim_tree(tree, 64)["root"] == tree["root"]
+
+
+def test_rays_routers_are_selectable_with_the_same_bookkeeping():
+    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
+    from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+
+    from prefixkv.serve.app import ROUTERS
+    from prefixkv.serve import router as routers
+
+    assert ROUTERS == {"cache_aware": "CacheAwareRouter", "power_of_two": "PowerOfTwoRouter",
+                       "prefix_affinity": "PrefixAffinityRouter"}
+    assert issubclass(routers.PowerOfTwoRouter, PowerOfTwoChoicesRequestRouter)
+    assert issubclass(routers.PrefixAffinityRouter, PrefixCacheAffinityRouter)
+    # their own choose_replicas runs, counted (on_request_routed chains to Ray's: its tree insert)
+    assert routers.PrefixAffinityRouter.on_request_routed is routers._Observed.on_request_routed
+    assert (routers.PowerOfTwoRouter.decision, routers.PrefixAffinityRouter.decision) == (
+        "power_of_two", "prefix_affinity")
+    assert request(P).prompt == "".join(map(chr, P))  # what Ray's prefix tree matches: one char per token

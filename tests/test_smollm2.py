@@ -79,7 +79,7 @@ def test_gguf_conversion_matches_transformers(llm):
 @pytest.mark.skipif(not __import__("prefixkv.cpu_ops").cpu_ops.gemm_available(),
                     reason="C kernels without AVX-512 or AVX2: no batch-invariant mode")
 def test_batch_invariant_outputs_are_bitwise_the_prompt_alone():
-    """Issue 14 on the real model: 24 prompts (half sharing a long system prompt), each run alone on
+    """Issue 14 on the real model: 16 prompts (half sharing a long system prompt), each run alone on
     a cold engine, then all together, in batches of 3, with chunk budgets 7 / 64 / 512, with the
     cache warm, under forced preemption and with speculative decoding: token ids and logprobs
     (chosen and top-2) bitwise equal (``==``) to the run alone."""
@@ -90,13 +90,13 @@ def test_batch_invariant_outputs_are_bitwise_the_prompt_alone():
 
     tok = Tokenizer.from_pretrained(str(resolve_model(None)))
     system = "You are a careful assistant for a small library. Answer briefly and never invent facts. " * 3
-    topics = ["tea", "rivers", "owls", "glass", "maps", "bread", "comets", "ink", "moss", "bells", "salt", "kites"]
+    topics = ["tea", "rivers", "owls", "glass", "maps", "bread", "comets", "ink"]  # 16 prompts: the suite's time
     prompts = []
     for i, topic in enumerate(topics * 2):
         msgs = ([{"role": "system", "content": system}] if i % 2 == 0 else []) + [
             {"role": "user", "content": f"Tell me one fact about {topic}." + " Please." * (i % 3)}]
         prompts.append(tok.apply_chat_template(msgs, add_generation_prompt=True))
-    assert len(prompts) == 24 and len(prompts[0]) > 64
+    assert len(prompts) == 16 and len(prompts[0]) > 64
     ref = alone(None, prompts, 16)
     for case in [c for c in CASES if c != "chunk-64"] + ["chunk-64", "chunk-512"]:
         got = run_case(None, prompts, case, 16)

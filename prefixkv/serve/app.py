@@ -76,13 +76,15 @@ def build_app(engine_config: EngineConfig | None = None, server_config: ServerCo
         health_check_timeout_s=60.0,
         graceful_shutdown_timeout_s=10.0,
         request_router_config=RequestRouterConfig(
-            request_router_class=f"prefixkv.serve.router:{ROUTERS[router]}", request_router_kwargs=dict(router_kwargs or {}),
+            request_router_class=f"prefixkv.serve.router:{ROUTERS[router]}",
+            request_router_kwargs=dict(router_kwargs or {}),
             request_routing_stats_period_s=routing_stats_period_s,
             request_routing_stats_timeout_s=max(5.0, 5 * routing_stats_period_s)),
     )
     ingress = serve.deployment(OpenAIIngress, name=INGRESS_DEPLOYMENT).options(
         num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
-    return ingress.bind(replica.bind(engine_config), str(model_path), server_config, REPLICA_DEPLOYMENT)
+    return ingress.bind(replica.bind(engine_config, server_config.cache_view_text), str(model_path), server_config,
+                        REPLICA_DEPLOYMENT)
 
 
 def autoscaling_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -96,11 +98,13 @@ def autoscaling_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
             raise ValueError(f"autoscaling_config: cannot read {args.autoscaling_config}: {e}") from None
         if not isinstance(conf, dict):
             raise ValueError("autoscaling_config: the file must hold a JSON object")
-    if args.min_replicas is not None or args.max_replicas is not None:
+    if args.min_replicas is not None or args.max_replicas is not None or args.target_ongoing_requests is not None:
         conf = dict(conf or {})
-        conf["min_replicas"] = args.min_replicas if args.min_replicas is not None else 1
-        conf["max_replicas"] = args.max_replicas if args.max_replicas is not None else max(conf["min_replicas"],
-                                                                                           args.replicas)
+        if args.min_replicas is not None or "min_replicas" not in conf:
+            conf["min_replicas"] = args.min_replicas if args.min_replicas is not None else 1
+        if args.max_replicas is not None or "max_replicas" not in conf:
+            conf["max_replicas"] = (args.max_replicas if args.max_replicas is not None
+                                    else max(conf["min_replicas"], args.replicas or 1))
         if args.target_ongoing_requests is not None:
             conf["target_ongoing_requests"] = args.target_ongoing_requests
     if conf is not None:

@@ -5,8 +5,10 @@ replicas, behind Serve's HTTP proxy (Starlette requests in, Starlette responses 
 The ingress renders chat templates and tokenizes (it loads the tokenizer, not the model), validates
 grammars, and hands each prompt's token ids to a replica chosen by the deployment's request router
 (serve/router.py). Routes, request and error bodies, SSE streams and the API key are the aiohttp
-server's; ``/health`` and ``/metrics`` cover every replica (``replica`` labels). A client that goes
-away closes its stream, which cancels the replica call, which aborts the request there.
+server's; ``/health`` and ``/metrics`` cover every replica (``replica`` labels); the browser pages
+are served too, ``/v1/cache/summary`` showing one replica's cache (``?replica=ID``) from the summary
+its digest carried. A client that goes away closes its stream, which cancels the replica call, which
+aborts the request there.
 """
 
 from __future__ import annotations
@@ -20,14 +22,16 @@ from typing import Any
 import msgspec
 from ray.exceptions import RayError
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import FileResponse, Response, StreamingResponse
 
 from prefixkv.async_engine import RequestAbortedError, RequestFailedError
 from prefixkv.errors import ReplicaDiedError
 from prefixkv.sampling_params import SamplingParams
-from prefixkv.serve.replica import ReplicaRequest
+from prefixkv.serve.replica import SUMMARY_NODES, ReplicaRequest
 from prefixkv.serve.registry import routers_for
+from prefixkv.server.cache_view import parse_max_nodes, summary_payload, trim_tree
 from prefixkv.server.metrics import ReplicaCollector
+from prefixkv.server.pages import PAGE_HEADERS, PAGES, STATIC_DIR, static_file
 from prefixkv.server.protocol import ProtocolError
 from prefixkv.server.serving import ApiError, OpenAIServing, Reply, ServerConfig, _timeout_at, bad_request
 
@@ -107,16 +111,21 @@ class RemoteEngine:
         """Validates here (a 400 before routing); the replica compiles it again into its own cache."""
         self._grammars.compile(structured_outputs)
 
-    def replica_stats(self) -> dict[str, dict[str, Any]]:
-        """replica id -> engine statistics, as last published to this process's router, with the
-        size of its cache digest and how many requests the router sent it."""
+    def published(self) -> dict[str, dict[str, Any]]:
+        """replica id -> its routing stats (digest, engine statistics, cache summary) as last
+        published to this process's router."""
         out: dict[str, dict[str, Any]] = {}
         for router in routers_for(self.deployment):
             for rid, rs in router.replica_stats().items():
                 if "stats" in rs:
-                    out[rid] = {**rs["stats"], "num_cached_blocks": len(rs.get("digest") or ()),
-                                "digest_seq": rs.get("seq", 0), "num_routed": router.routed[rid]}
+                    out[rid] = {**rs, "num_routed": router.routed[rid]}
         return out
+
+    def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """replica id -> engine statistics, with the size of its cache digest, the digest's sequence
+        number and how many requests the router sent it."""
+        return {rid: {**rs["stats"], "num_cached_blocks": len(rs.get("digest") or ()), "digest_seq": rs.get("seq", 0),
+                      "num_routed": rs["num_routed"]} for rid, rs in self.published().items()}
 
     def router_decisions(self) -> dict[str, int]:
         total: dict[str, int] = {}
@@ -169,6 +178,8 @@ _ROUTES: dict[tuple[str, str], str] = {
     ("POST", "/detokenize"): "detokenize",
     ("GET", "/version"): "version",
     ("GET", "/metrics"): "metrics",
+    ("GET", "/v1/cache/summary"): "cache_summary",
+    **{("GET", page): "page" for page in PAGES},
 }
 _MODEL_ROUTE = re.compile(r"/v1/models/(?P<model>[^/]+)")
 
@@ -249,6 +260,15 @@ class OpenAIIngress:
         model = _MODEL_ROUTE.fullmatch(path)
         if name is None and model is not None and method == "GET":
             return _response(api.model(model.group("model")))
+        if name is None and path.startswith("/static/") and method == "GET":
+            f = static_file(path[len("/static/"):])
+            if f is None:
+                raise ApiError(404, f"Not Found: {method} {path}", code="not_found")
+            return FileResponse(f, headers=PAGE_HEADERS)
+        if name == "page":
+            return FileResponse(STATIC_DIR / PAGES[path], headers=PAGE_HEADERS)
+        if name == "cache_summary":
+            return _response(self._cache_summary(api, request.query_params))
         if name is None:
             allowed = sorted(m for m, p in _ROUTES if p == path) or (["GET"] if model is not None else [])
             if allowed:
@@ -285,6 +305,23 @@ class OpenAIIngress:
             raise ApiError(408, "the request body did not arrive within the request timeout",
                            code="request_timeout") from None
         return b"".join(chunks)
+
+    def _cache_summary(self, api: OpenAIServing, query: Any) -> Reply:
+        """``/v1/cache/summary`` for one replica (``?replica=ID``; default the one caching the most),
+        from the summary its last digest carried (at most ``SUMMARY_NODES`` nodes)."""
+        max_nodes = parse_max_nodes(query.get("max_nodes"), SUMMARY_NODES)
+        published = {rid: rs for rid, rs in api.engine.published().items() if rs.get("cache_summary")}
+        if not published:
+            raise ApiError(503, "no replica has published its cache yet", type="server_error", code="not_ready")
+        rid = query.get("replica") or max(published, key=lambda r: len(published[r].get("digest") or ()))
+        if rid not in published:
+            raise ApiError(404, f"replica: {rid!r} is not a running replica (running: {', '.join(sorted(published))})",
+                           param="replica", code="replica_not_found")
+        summary = dict(published[rid]["cache_summary"])
+        summary["tree"] = trim_tree(summary["tree"], max_nodes)
+        body = summary_payload(summary, self.config.model_name, self.config.cache_view_text)
+        body["replica"], body["replicas"] = rid, sorted(published)
+        return Reply(200, msgspec.json.encode(body), headers={"Cache-Control": "no-store"})
 
     def _health(self, api: OpenAIServing) -> Reply:
         """200 while at least one replica runs (503 before the first one has published its routing

@@ -11,8 +11,8 @@ Cancelling the stream (the client went away) aborts the request here, which free
 
 Every ``request_routing_stats_period_s`` Serve's controller calls ``record_routing_stats``: the
 replica answers with its cache digest (``KVCacheManager.cache_digest``: block hash -> tier of every
-cached block) and its engine statistics, which reach the router in the ingress's process
-(serve/router.py) and its ``/metrics``.
+cached block), its engine statistics and a bounded summary of its radix tree, which reach the router
+in the ingress's process (serve/router.py), its ``/metrics`` and its ``/v1/cache/summary``.
 """
 
 from __future__ import annotations
@@ -29,8 +29,11 @@ from prefixkv.async_engine import AsyncEngine, RequestAbortedError, RequestFaile
 from prefixkv.config import EngineConfig
 from prefixkv.errors import EngineDeadError, EngineFatalError
 from prefixkv.sampling_params import SamplingParams
+from prefixkv.server.cache_view import TEXT_TOKENS
 
 logger = logging.getLogger(__name__)
+
+SUMMARY_NODES = 64  # radix nodes in the cache summary each digest carries (the /cache page's view)
 
 # exception class -> the kind a stream's error item names (checked in order: subclasses first)
 ERROR_KINDS = (
@@ -73,7 +76,8 @@ def _token_char(t: int) -> str:
 class EngineReplica:
     """The deployment class (``serve.deployment(EngineReplica)`` in serve/app.py)."""
 
-    def __init__(self, engine_config: EngineConfig, digest_max_blocks: int = 1 << 20) -> None:
+    def __init__(self, engine_config: EngineConfig, cache_view_text: bool = False,
+                 digest_max_blocks: int = 1 << 20) -> None:
         from ray import serve
         from ray.serve.exceptions import RayServeException
 
@@ -84,6 +88,7 @@ class EngineReplica:
         self.engine = AsyncEngine.from_config(engine_config)
         self.block_size = self.engine.engine.config.cache.block_size
         self.digest_max_blocks = digest_max_blocks
+        self.summary_text_tokens = TEXT_TOKENS if cache_view_text else 0
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefixkv-grammar")
         self._digest_seq = itertools.count(1)
         logger.info("engine replica %s ready (%d KV blocks of %d tokens)", self.replica_id,
@@ -118,9 +123,12 @@ class EngineReplica:
         """The digest of the prefix cache and the engine's statistics, for the router."""
         running = self.engine.is_running
         digest: dict[int, int] = {}
+        summary = None
+        text_tokens = self.summary_text_tokens
         if running:
             try:
-                digest = await self.engine.run(lambda e: e.scheduler.kv.cache_digest())
+                digest, summary = await self.engine.run(lambda e: (
+                    e.scheduler.kv.cache_digest(), e.cache_summary(SUMMARY_NODES, text_tokens)))
             except EngineDeadError:
                 running = False
         if len(digest) > self.digest_max_blocks:  # bounded: keep the device tier first
@@ -128,7 +136,7 @@ class EngineReplica:
         stats = self.engine.stats()
         stats["running"] = running
         return {"replica_id": self.replica_id, "seq": next(self._digest_seq), "time": time.time(),
-                "block_size": self.block_size, "digest": digest, "stats": stats}
+                "block_size": self.block_size, "digest": digest, "stats": stats, "cache_summary": summary}
 
     def check_health(self) -> None:
         """Serve's health check: a dead engine makes Serve replace this replica."""

@@ -75,15 +75,23 @@ class _Observed:
             self.routed[replica_id.unique_id] += 1
 
 
-class PowerOfTwoRouter(_Observed, PowerOfTwoChoicesRequestRouter):
+class _Counted(_Observed):
+    """One of Ray's routers as it is, its decisions counted under ``decision``."""
+
+    decision: str
+
     def initialize_state(self, **kwargs: Any) -> None:
         self._register()
         super().initialize_state(**kwargs)
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         if _request_of(pending_request) is not None:
-            self.decisions["power_of_two"] += 1
+            self.decisions[self.decision] += 1
         return await super().choose_replicas(candidate_replicas, pending_request)
+
+
+class PowerOfTwoRouter(_Counted, PowerOfTwoChoicesRequestRouter):
+    decision = "power_of_two"
 
 
 def _prefix_affinity_base() -> type:
@@ -96,15 +104,8 @@ def _prefix_affinity_base() -> type:
     return PrefixCacheAffinityRouter
 
 
-class PrefixAffinityRouter(_Observed, _prefix_affinity_base()):
-    def initialize_state(self, **kwargs: Any) -> None:
-        self._register()
-        super().initialize_state(**kwargs)
-
-    async def choose_replicas(self, candidate_replicas, pending_request=None):
-        if _request_of(pending_request) is not None:
-            self.decisions["prefix_affinity"] += 1
-        return await super().choose_replicas(candidate_replicas, pending_request)
+class PrefixAffinityRouter(_Counted, _prefix_affinity_base()):
+    decision = "prefix_affinity"
 
 
 class CacheAwareRouter(_Observed, LocalityMixin, MultiplexMixin, RequestRouter):

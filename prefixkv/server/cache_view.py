@@ -48,7 +48,31 @@ def summary_payload(engine_summary: dict[str, Any], model_name: str, text_shown:
     }
 
 
-SUMMARY_MAX_AGE_S = 0.2  # one summary serves every poll within this long (several open /cache tabs)
+def parse_max_nodes(raw: str | None, limit: int) -> int:
+    """The ``max_nodes`` query parameter (default 64); 400 naming it outside 1 .. ``limit``."""
+    raw = "64" if raw is None else raw
+    try:
+        max_nodes = int(raw)
+    except ValueError:
+        max_nodes = 0
+    if not 1 <= max_nodes <= limit:
+        raise ProtocolError(f"max_nodes: must be an integer from 1 to {limit}, got {raw!r}", param="max_nodes")
+    return max_nodes
+
+
+def trim_tree(tree: dict[str, Any], max_nodes: int) -> dict[str, Any]:
+    """A summary tree (``RadixIndex.summary``) cut to its first ``max_nodes`` shown nodes,
+    breadth first (the order the summary ranks them in)."""
+    root = {**tree["root"], "children": []}
+    queue = [(child, root) for child in tree["root"]["children"]]
+    shown = 0
+    while queue and shown < max_nodes:
+        node, parent = queue.pop(0)
+        copy = {**node, "children": []}
+        parent["children"].append(copy)
+        shown += 1
+        queue.extend((child, copy) for child in node["children"])
+    return {**tree, "num_shown_nodes": shown, "root": root}
 
 
 class CacheSummaries:
@@ -61,15 +85,7 @@ class CacheSummaries:
     async def reply(self, max_nodes_param: str | None) -> Reply:
         """The summary for the query parameter ``max_nodes`` (default 64; 400 naming it outside
         1 .. MAX_SUMMARY_NODES; 503 when the engine is not running)."""
-        raw = "64" if max_nodes_param is None else max_nodes_param
-        try:
-            max_nodes = int(raw)
-        except ValueError:
-            max_nodes = 0
-        if not 1 <= max_nodes <= MAX_SUMMARY_NODES:
-            raise ProtocolError(f"max_nodes: must be an integer from 1 to {MAX_SUMMARY_NODES}, got {raw!r}",
-                                param="max_nodes")
-        summary = await self._summary(max_nodes)
+        summary = await self._summary(parse_max_nodes(max_nodes_param, MAX_SUMMARY_NODES))
         reply = json_reply(summary_payload(summary, self.model_name, self.show_text))
         reply.headers = {"Cache-Control": "no-store"}
         return reply

@@ -15,25 +15,12 @@ Policy allows no inline script at all.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from aiohttp import web
 
 from prefixkv.async_engine import AsyncEngine
 from prefixkv.server.cache_view import MAX_SUMMARY_NODES, TEXT_TOKENS, CacheSummaries  # noqa: F401
-
-STATIC_DIR = Path(__file__).parent / "static"
-
-# no inline script or style, nothing from elsewhere, no framing: model text that slipped through the
-# renderer still could not run
-_PAGE_HEADERS = {
-    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-                               "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'; "
-                               "form-action 'none'",
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "Cache-Control": "no-cache",
-}
+from prefixkv.server.pages import PAGE_HEADERS as _PAGE_HEADERS
+from prefixkv.server.pages import STATIC_DIR
 
 
 def _page(name: str):
