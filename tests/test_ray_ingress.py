@@ -175,3 +175,16 @@ def test_the_replica_stream_protocol_and_cancellation(replica, tiny_llama):
             await engine.add_requests([("r-text", "hello")], SamplingParams(max_tokens=1))
 
     asyncio.run(go())
+
+
+def test_no_replica_answering_is_a_503_not_a_crash(replica, tiny_llama):
+    class Unreachable(FakeHandle):
+        @property
+        def describe(self):
+            async def call():
+                raise RuntimeError("no replica")
+            return SimpleNamespace(remote=call)
+
+    ing = OpenAIIngress(Unreachable(replica), str(tiny_llama), ServerConfig("tiny"), "EngineReplica")
+    status, body = asyncio.run(call(ing, "GET", "/v1/models"))
+    assert status == 503 and json.loads(body)["error"]["code"] == "not_ready"

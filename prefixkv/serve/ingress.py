@@ -226,16 +226,17 @@ class OpenAIIngress:
                     self.api = api
         return self.api
 
-    def check_health(self) -> None:
-        pass
-
     async def __call__(self, request: Request) -> Response:
-        api = await self._api()
+        try:
+            api = await self._api()
+        except Exception as e:  # no replica could answer describe(): not ready
+            logger.warning("no engine replica answered: %s", e)
+            return _response(ApiError(503, "no engine replica is available yet; retry later", type="server_error",
+                                      code="not_ready", headers={"Retry-After": "1"}).reply())
         t0 = asyncio.get_running_loop().time()
         path, method = request.url.path, request.method
         route = path if (method, path) in _ROUTES else ("/v1/models/{model}" if _MODEL_ROUTE.fullmatch(path)
                                                         else "unmatched")
-        status = 500
         try:
             resp = await self._route(api, request, t0)
         except ApiError as e:
@@ -248,8 +249,7 @@ class OpenAIIngress:
             logger.exception("unhandled error in %s %s", method, path)
             resp = _response(ApiError(500, "internal server error", type="server_error",
                                       code="internal_error").reply())
-        status = resp.status_code
-        api.metrics.requests.labels(route, str(status)).inc()
+        api.metrics.requests.labels(route, str(resp.status_code)).inc()
         return resp
 
     async def _route(self, api: OpenAIServing, request: Request, t0: float) -> Response:

@@ -59,9 +59,10 @@ class _Observed:
     """Bookkeeping common to the routers: the replicas' routing stats and the decisions taken."""
 
     def _register(self) -> None:
+        # decisions by reason, one per choose_replicas call for a request (a retry after every
+        # chosen replica refused counts again)
         self.decisions: collections.Counter[str] = collections.Counter()
         self.routed: collections.Counter[str] = collections.Counter()  # replica -> requests routed
-        self.matched_tokens = 0  # cached prompt tokens on the chosen replica, as the router saw it
         registry.register(self._deployment_id.name, self)
 
     def replica_stats(self) -> dict[str, dict[str, Any]]:
@@ -170,9 +171,8 @@ class CacheAwareRouter(_Observed, LocalityMixin, MultiplexMixin, RequestRouter):
         req = _request_of(pending_request)
         if req is None or not candidate_replicas:  # describe() and the like: any replica
             return [candidate_replicas]
-        chosen, reason, matched = self.choose(candidate_replicas, req)
+        chosen, reason, _ = self.choose(candidate_replicas, req)
         self.decisions[reason] += 1
-        self.matched_tokens += matched
         rest = sorted((r for r in candidate_replicas if r is not chosen), key=self._load)
         return [[chosen]] + ([rest] if rest else [])
 
