@@ -94,8 +94,6 @@ def main(argv: list[str] | None = None) -> int:
             from prefixkv.serve.app import run_ray_server
             from prefixkv.server.app import server_config_from_args
 
-            if args.replicas is None:
-                args.replicas = args.min_replicas or 1
             return run_ray_server(args, engine_config_from_args(args), server_config_from_args(args))
         if args.cmd == "serve":
             from prefixkv.server.app import run_server

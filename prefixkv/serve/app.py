@@ -124,6 +124,8 @@ def run_ray_server(args: argparse.Namespace, engine_config: EngineConfig, server
     from ray import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.replicas is None:  # autoscaling or --ray-address alone
+        args.replicas = args.min_replicas or 1
     app = build_app(engine_config, server_config, num_replicas=args.replicas,
                     autoscaling_config=autoscaling_from_args(args), num_cpus_per_replica=args.num_cpus_per_replica,
                     num_gpus_per_replica=args.num_gpus_per_replica, router=args.router,

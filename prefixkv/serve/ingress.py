@@ -116,7 +116,7 @@ class RemoteEngine:
         published to this process's router."""
         out: dict[str, dict[str, Any]] = {}
         for router in routers_for(self.deployment):
-            for rid, rs in router.replica_stats().items():
+            for rid, rs in router.routing_stats().items():
                 if "stats" in rs:
                     out[rid] = {**rs, "num_routed": router.routed[rid]}
         return out
@@ -135,9 +135,10 @@ class RemoteEngine:
         return total
 
     def stats(self) -> dict[str, Any]:
+        """The replicas' engine statistics, summed."""
         total: dict[str, Any] = {}
-        for stats in self.replica_stats().values():
-            for k, v in stats.items():
+        for rs in self.published().values():
+            for k, v in rs["stats"].items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     total[k] = total.get(k, 0) + v
         return total

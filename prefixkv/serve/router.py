@@ -49,6 +49,11 @@ DEFAULT_IMBALANCED_THRESHOLD = 16  # requests in flight (SGLang's router: 32; Ra
 DEFAULT_MIN_MATCH_TOKENS = 1  # one whole cached block is worth following
 
 
+def _block_size(replicas: list[RunningReplica]) -> int:
+    """The replicas' KV block size, as they publish it (one engine config: the same for all)."""
+    return next((r.routing_stats["block_size"] for r in replicas if r.routing_stats.get("block_size")), 16)
+
+
 def _request_of(pending: PendingRequest | None) -> ReplicaRequest | None:
     if pending is None:
         return None
@@ -65,7 +70,7 @@ class _Observed:
         self.routed: collections.Counter[str] = collections.Counter()  # replica -> requests routed
         registry.register(self._deployment_id.name, self)
 
-    def replica_stats(self) -> dict[str, dict[str, Any]]:
+    def routing_stats(self) -> dict[str, dict[str, Any]]:
         """replica id -> its last published routing stats (digest, engine statistics)."""
         return {rid.unique_id: dict(r.routing_stats) for rid, r in list(self.curr_replicas.items())}
 
@@ -128,31 +133,32 @@ class CacheAwareRouter(_Observed, LocalityMixin, MultiplexMixin, RequestRouter):
     def _load(self, r: RunningReplica) -> int:
         return self._in_flight[r.replica_id]
 
-    def _match(self, r: RunningReplica, hashes: list[int]) -> PrefixMatch:
-        stats = r.routing_stats
-        digest = stats.get("digest") or {}
-        seq = stats.get("seq", 0)
+    def _expire(self, r: RunningReplica) -> None:
+        """Drop the routed requests whose blocks ``r``'s digests now tell (or no longer hold): those
+        that ended two digests ago."""
         recent = self._recent.get(r.replica_id)
-        best = match_digest(hashes, digest)
         if recent:
-            for rid, entry in list(recent.items()):
-                if entry[1] is not None and seq >= entry[1] + 2:  # the digests have it (or evicted it)
-                    del recent[rid]
-                    continue
-                h = entry[0]
-                n = 0
-                while n < len(h) and n < len(hashes) and h[n] == hashes[n]:
-                    n += 1
-                if n > best.num_blocks:
-                    best = PrefixMatch(n, n)
+            seq = r.routing_stats.get("seq", 0)
+            for rid in [rid for rid, (_, end_seq) in recent.items() if end_seq is not None and seq >= end_seq + 2]:
+                del recent[rid]
+
+    def _match(self, r: RunningReplica, hashes: list[int]) -> PrefixMatch:
+        best = match_digest(hashes, r.routing_stats.get("digest") or {})
+        for h, _ in self._recent.get(r.replica_id, {}).values():  # routed here, not yet in a digest
+            n = 0
+            while n < len(h) and n < len(hashes) and h[n] == hashes[n]:
+                n += 1
+            if n > best.num_blocks:
+                best = PrefixMatch(n, n)
         return best
 
     def choose(self, candidates: list[RunningReplica], req: ReplicaRequest) -> tuple[RunningReplica, str, int]:
         """(replica, reason, matched tokens) for one request: the routing decision, no I/O."""
-        block_size = next((r.routing_stats.get("block_size") for r in candidates
-                           if r.routing_stats.get("block_size")), 16)
+        block_size = _block_size(candidates)
         hashes = prompt_block_hashes(req.prompt_token_ids, block_size)
         least = min(self._load(r) for r in candidates)
+        for r in candidates:
+            self._expire(r)
         matches = [self._match(r, hashes) for r in candidates]
         i = max(range(len(candidates)), key=lambda i: (matches[i].num_blocks, matches[i].num_device_blocks,
                                                          -self._load(candidates[i])))
@@ -186,10 +192,7 @@ class CacheAwareRouter(_Observed, LocalityMixin, MultiplexMixin, RequestRouter):
         rid = pending_request.metadata.internal_request_id
         self._in_flight[replica_id] += 1
         self._where[rid] = replica_id
-        block_size = 16
-        r = self.curr_replicas.get(replica_id)
-        if r is not None:
-            block_size = r.routing_stats.get("block_size", block_size)
+        block_size = _block_size(list(self.curr_replicas.values()))
         self._recent[replica_id][rid] = [prompt_block_hashes(req.prompt_token_ids, block_size), None]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
