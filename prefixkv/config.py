@@ -30,6 +30,11 @@ class CacheConfig:
     # they survive restarts; needs the host tier
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 0
+    # A model with sliding-window layers keeps its layers' KV in groups by attention type, and a
+    # windowed group's blocks that fall wholly before its window go back to the pool as a request
+    # advances (kv/groups.py). True keeps every layer's KV for every block in one group (as for a
+    # model without windows), e.g. to compare; the host and disk tiers need it for such models.
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         require(isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,

@@ -65,8 +65,12 @@ class LLMEngine:
                            "factors), not %d", shape.model_type, shape.longrope_short_max, max_len)
             max_len = shape.longrope_short_max
         bs = config.cache.block_size
-        num_blocks = config.cache.num_kv_blocks or max(
-            1, self._kv_cache_bytes() // ModelRunner.bytes_per_block(self.model, bs, dtype))
+        self.kv_plan = self._plan_kv_groups(shape)
+        # a page holds one block of the layers of one group (every layer, without groups);
+        # num_kv_blocks counts whole-model blocks: the same memory in pages
+        lpg = self.kv_plan.layers_per_page
+        num_blocks = (config.cache.num_kv_blocks * shape.num_layers // lpg if config.cache.num_kv_blocks else max(
+            1, self._kv_cache_bytes() // ModelRunner.bytes_per_block(self.model, bs, dtype, lpg)))
         self.info = RuntimeInfo(num_kv_blocks=num_blocks, max_model_len=max_len,
                                 eos_token_ids=list(self.tokenizer.eos_token_ids), vocab_size=shape.vocab_size)
         backend = get_backend(config.attention_backend or ("cpu" if config.device == "cpu" else "cuda"))
@@ -93,9 +97,9 @@ class LLMEngine:
                 raise ValueError(f"kv_disk_cache_gb: {config.cache.disk_cache_bytes} bytes hold no KV block "
                                  f"({disk.payload_bytes} bytes each)")
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_len, num_host_blocks,
-                                   num_disk_blocks)
+                                   num_disk_blocks, self.kv_plan.windows)
         self.runner = ModelRunner(self.model, backend, num_blocks, bs, config.device, dtype, self.info.eos_token_ids,
-                                  max_len, num_host_blocks, disk)
+                                  max_len, num_host_blocks, disk, self.kv_plan)
         if disk is not None:  # the files of an earlier run: the disk tier's index again
             kv = self.scheduler.kv
             for key, tokens in disk.scan():
@@ -106,6 +110,9 @@ class LLMEngine:
             if shape.is_moe:  # the torch MoE path picks each step's experts on the host: no graph holds it
                 logger.warning("model: %s's sparse MoE layers route on the host; decode runs eagerly (no CUDA "
                                "graphs)", shape.model_type)
+            elif self.kv_plan.num_groups > 1:  # the graphs hold one block table
+                logger.warning("model: %s's KV cache groups (sliding-window layers) decode eagerly (no CUDA graphs)",
+                               shape.model_type)
             else:
                 self.graph_capture_seconds = self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, max_len)
         self._rng = random.Random(config.seed)
@@ -121,6 +128,24 @@ class LLMEngine:
         self.num_steps = 0
         self.num_aborted = 0  # requests aborted before they finished (client gone, timeout, shutdown)
         self.dead: BaseException | None = None  # set by a fatal step error (EngineFatalError)
+
+    def _plan_kv_groups(self, shape):
+        """KV cache groups for this model (kv/groups.py): by attention type when some layers are
+        windowed, unless disabled or a host/disk tier is set (they keep whole blocks)."""
+        from prefixkv.kv.groups import plan_kv_groups
+
+        cache = self.config.cache
+        windows = shape.layer_windows or (None,) * shape.num_layers
+        hybrid = not cache.disable_hybrid_kv_cache_manager
+        if hybrid and any(w is not None for w in windows) and (cache.host_cache_bytes or cache.disk_cache_dir):
+            logger.warning("kv cache: the host/disk tiers keep whole blocks, so %s's sliding-window layers keep "
+                           "every block too (no KV cache groups)", shape.model_type)
+            hybrid = False
+        plan = plan_kv_groups(windows, hybrid)
+        if plan.hybrid:
+            logger.info("kv cache: %d groups of %d layers (windows %s); out-of-window blocks are freed",
+                        plan.num_groups, plan.layers_per_page, list(plan.windows))
+        return plan
 
     def flush_kv_cache(self) -> int:
         """Write every cached block the disk tier lacks (on the device and in the host tier) to the
@@ -203,7 +228,8 @@ class LLMEngine:
         if len(ids) >= max_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within the model's "
                              f"context of {max_len} tokens")
-        need_blocks = -(-(len(ids) + 1) // self.config.cache.block_size)
+        need_blocks = self.kv_plan.pages_for(len(ids) + 1, self.config.cache.block_size,
+                                             self.config.scheduler.max_num_batched_tokens)
         if need_blocks > self.info.num_kv_blocks:
             raise ValueError(f"prompt: {len(ids)} tokens need {need_blocks} KV blocks but the cache has only "
                              f"{self.info.num_kv_blocks}")
@@ -429,6 +455,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         num_kv_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None,
+        disable_hybrid_kv_cache_manager: bool = False,
         kv_host_cache_gb: float = 0.0,
         kv_disk_cache_dir: str | None = None,
         kv_disk_cache_gb: float = 0.0,
@@ -459,6 +486,7 @@ class LLM:
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching,
+                              disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
                               host_cache_bytes=int(kv_host_cache_gb * (1 << 30)),
                               disk_cache_dir=kv_disk_cache_dir, disk_cache_bytes=int(kv_disk_cache_gb * (1 << 30))),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

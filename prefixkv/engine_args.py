@@ -28,6 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=None, choices=["cpu", "torch", "cuda"],
                    help="default: cpu (C kernels) on cpu, cuda (CuPy kernels) on cuda; torch: the plain torch path")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="keep every layer's KV for every block, also for sliding-window layers (which otherwise "
+                        "free the blocks before their window)")
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -65,6 +68,7 @@ def engine_config_from_args(args: argparse.Namespace):
                           kv_cache_memory_bytes=None if args.kv_cache_memory is None
                           else int(args.kv_cache_memory * (1 << 30)),
                           enable_prefix_caching=not args.no_prefix_caching,
+                          disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
                           host_cache_bytes=int(args.kv_host_cache_gb * (1 << 30)),
                           disk_cache_dir=args.kv_disk_cache_dir,
                           disk_cache_bytes=int(args.kv_disk_cache_gb * (1 << 30))),

@@ -76,12 +76,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int | None = None, num_host_blocks: int = 0, num_disk_blocks: int = 0) -> None:
+                 max_model_len: int | None = None, num_host_blocks: int = 0, num_disk_blocks: int = 0,
+                 kv_windows: tuple[int | None, ...] = (None,)) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
+        # kv_windows: per KV cache group (kv/groups.py) its sliding window or None; counts are in pages
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                 num_host_blocks, num_disk_blocks)
+                                 num_host_blocks, num_disk_blocks, kv_windows)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # seq_id -> live request

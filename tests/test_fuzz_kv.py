@@ -223,3 +223,101 @@ DiskTieredKVMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow])
 TestDiskTieredKVMachine = DiskTieredKVMachine.TestCase
 
+
+
+class GroupedKVMachine(KVMachine):
+    """KV cache groups (kv/groups.py): a full group and a windowed one (window 3 tokens). Each
+    group's pages have their own truth; pages before a group's window are given back as requests
+    advance; every match is checked in every group, and each windowed group must hold every page
+    its window needs at the match's end; every evictable page stays reachable."""
+
+    WINDOWS: tuple = (None, 3)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, windows=self.WINDOWS)
+
+    def _tables(self, seq: str) -> tuple[list[int], ...]:
+        return (self.kv.block_tables[seq], *self.kv.extra_tables[seq])
+
+    def _apply(self, seq: str, tokens: list[int], start: int, ops) -> None:
+        for op in ops:
+            self.truth[op.dst] = list(self.truth[op.src])
+        for t in self._tables(seq):
+            for p in range(start, len(tokens)):
+                b = t[p // BLOCK_SIZE]
+                assert b != self.kv.NULL, f"{seq} writes position {p} into a freed page"
+                assert self.kv.pool.ref_cnt[b] == 1, f"write into shared page {b} (ref {self.kv.pool.ref_cnt[b]})"
+                self.truth.setdefault(b, [None] * BLOCK_SIZE)[p % BLOCK_SIZE] = tokens[p]
+        self.kv.cache_blocks(seq, tokens, len(tokens))
+        self.seqs[seq] = list(tokens)
+
+    def _check_match(self, tokens: list[int]) -> None:
+        m = self.kv.match_prefix(tokens)
+        assert m.num_tokens == len(m.block_ids) * BLOCK_SIZE and m.num_tokens <= max(0, len(tokens) - 1)
+        n = len(m.block_ids)
+        for g, pages in enumerate((m.block_ids, *m.extra)):
+            assert len(pages) == n
+            w = self.kv.windows[g]
+            start = 0 if w is None else self.kv.radix.window_start(w, m.num_tokens)
+            for i, b in enumerate(pages):
+                if i < start:
+                    assert b == self.kv.NULL, f"group {g} hands out page {b} before its window"
+                    continue
+                assert b != self.kv.NULL, f"group {g} lacks block {i} of its window"
+                assert self.truth[b] == tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE], (g, b, self.truth[b], tokens)
+
+    @invariant()
+    def integrity(self):
+        self.kv.check_integrity()
+        for b, toks in self.kv.radix.cached_blocks().items():
+            assert self.truth[b] == list(toks), (b, self.truth[b], toks)
+        for seq, tokens in self.seqs.items():
+            for g, t in enumerate(self._tables(seq)):
+                w = self.kv.windows[g]
+                start = 0 if w is None else self.kv.radix.window_start(w, len(tokens))
+                for p, tok in enumerate(tokens):
+                    b = t[p // BLOCK_SIZE]
+                    if b == self.kv.NULL:
+                        assert p // BLOCK_SIZE < start, (seq, g, p, "a page inside the window is missing")
+                        continue
+                    assert self.truth[b][p % BLOCK_SIZE] == tok, (seq, g, p)
+
+    @rule(n=st.integers(1, NUM_BLOCKS))
+    def evict(self, n):
+        before = self.kv.pool.num_evictable
+        freed = self.kv.radix.evict(n)
+        # every evictable page is reachable; a leaf's block goes with all its pages (n + groups - 1 at most)
+        assert min(n, before) <= len(freed) <= min(before, n + len(self.kv.windows) - 1), (n, before, freed)
+        for b in freed:
+            self.truth.pop(b, None)
+
+
+GroupedKVMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestGroupedKVMachine = GroupedKVMachine.TestCase
+
+
+class WindowedAnchorKVMachine(GroupedKVMachine):
+    """Every layer windowed (Mistral v0.1): one group, whose pages the tree too loses out of the window."""
+
+    WINDOWS = (4,)
+
+
+WindowedAnchorKVMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestWindowedAnchorKVMachine = WindowedAnchorKVMachine.TestCase
+
+
+class TwoWindowsKVMachine(GroupedKVMachine):
+    """No full group, two windows (3 and 6 tokens): the anchor windowed beside a wider windowed group."""
+
+    WINDOWS = (3, 6)
+
+
+TwoWindowsKVMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestTwoWindowsKVMachine = TwoWindowsKVMachine.TestCase

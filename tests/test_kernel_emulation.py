@@ -225,16 +225,18 @@ def test_backend_forward_mixed_batch(emulator, dtype):
     _assert_close(out, want, dtype)
 
 
-def test_engine_with_the_cuda_backend_equals_transformers(emulator, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_engine_with_the_cuda_backend_equals_transformers(emulator, tmp_path, arch):
     """The whole engine (chunked prefill, shared prefixes, n=2 forks with copy-on-write) with
     attention_backend="cuda" running the emulated kernels: greedy tokens equal transformers'
-    (float32), as tests/gpu/test_engine_gpu.py checks on a device."""
+    (float32), as tests/gpu/test_engine_gpu.py checks on a device. Gemma 3's shape: KV cache
+    groups, window 4 on two of three layers, its blocks before the window freed (kv/groups.py)."""
     from transformers import AutoModelForCausalLM
 
     from prefixkv import LLM, SamplingParams
     from tiny_models import build_model, build_tokenizer
 
-    build_model(tmp_path, "llama", build_tokenizer(tmp_path), head_dim=64)
+    build_model(tmp_path, arch, build_tokenizer(tmp_path), head_dim=64)
     rng = random.Random(0)
     shared = [rng.randrange(3, 384) for _ in range(40)]
     prompts = [(shared if i % 2 else []) + [rng.randrange(3, 384) for _ in range(rng.randrange(1, 70))]
@@ -249,6 +251,7 @@ def test_engine_with_the_cuda_backend_equals_transformers(emulator, tmp_path):
         outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
         forks = llm.generate(prompts[1:3], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, n=2))
     assert emulator.num_launches > launches
+    assert llm.engine.kv_plan.num_groups == (3 if arch == "gemma3" else 1)
     assert [o.token_ids for o in outs] == refs
     assert [[c.token_ids for c in o.outputs] for o in forks] == [[r[:6], r[:6]] for r in refs[1:3]]
     assert llm.engine.scheduler.kv.num_used_blocks == 0

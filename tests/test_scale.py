@@ -223,7 +223,7 @@ def _prep_runner(block_size: int, max_blocks: int = 8):
     from prefixkv.runner.block_table import BlockTables
 
     return SimpleNamespace(block_size=block_size, device=torch.device("cpu"), max_model_len=1 << 20,
-                           block_tables=BlockTables(max_blocks, num_rows=2))
+                           block_tables=BlockTables(max_blocks, num_rows=2), group_tables=[], grouped=False)
 
 
 def _check_step_inputs(s: Scheduler, runner, out) -> None:

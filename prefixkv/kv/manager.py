@@ -15,6 +15,14 @@ The runner keeps its own copy of every live table (a persistent array, as vLLM's
 ``BlockTable``); ``take_table_deltas`` tells it what changed since a request was last
 scheduled (first changed index, the ids from there), and ``take_released`` which tables
 were dropped, so a step hands over the new blocks only, never whole tables.
+
+KV cache groups (kv/groups.py, ``windows`` given): a request has one table per group, all as long
+as each other (``block_tables`` holds the anchor group's, ``extra_tables`` the others'); a block
+takes one page of every group, and a copy-on-write copies each. Before a request is scheduled
+from ``num_computed`` tokens, each windowed group's pages wholly before its window
+(``RadixIndex.window_start``) go back: the entry becomes ``NULL`` (the dummy page), the runner's
+copy keeps the stale id (no kernel reads before a window), and a page the tree also holds becomes
+evictable on its own. Every count here (``num_blocks``, free, evictable, needed) is in pages.
 """
 
 from __future__ import annotations
@@ -36,11 +44,25 @@ class CopyOp(NamedTuple):
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0, num_disk_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, num_disk_blocks: int = 0,
+                 windows: tuple[int | None, ...] = (None,)) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
-        self.radix = RadixIndex(self.pool, block_size)
+        self.radix = RadixIndex(self.pool, block_size, windows)
         self.enable_prefix_caching = enable_prefix_caching
+        # KV cache groups: per group its window (None: full attention); group 0 is the anchor
+        self.windows = windows
+        self.num_groups = len(windows)
+        self.grouped = self.num_groups > 1 or windows[0] is not None
+        self.windowed = [(g, w) for g, w in enumerate(windows) if w is not None]
+        self.NULL = num_blocks  # the entry of a page freed out of its group's window
+        if self.grouped and (num_host_blocks or num_disk_blocks):
+            raise ValueError("kv_host_cache_gb: the host and disk tiers keep whole blocks; with sliding-window "
+                             "KV groups they are not supported yet (disable_hybrid_kv_cache_manager keeps every "
+                             "layer's KV in one group)")
+        self.extra_tables: dict[str, tuple[list[int], ...]] = {}  # groups after the anchor
+        self._win_start: dict[str, list[int]] = {}  # per group: its first entry not yet freed
+        self._stopped: set[str] = set()  # tables whose insertion stopped at a duplicate block
         # the host tier (kv/host_cache.py): evicted cached blocks are copied there, and matched back
         self.host = HostBlockCache(num_host_blocks) if num_host_blocks and enable_prefix_caching else None
         self._swap_out: list[tuple[int, int]] = []  # (device block, host slot): copy before the step
@@ -88,7 +110,7 @@ class KVCacheManager:
         need = -(-(num_computed + num_new_tokens) // bs) - len(table)
         if num_computed % bs and self.pool.ref_cnt[table[num_computed // bs]] > 1:
             need += 1  # copy-on-write of the shared partial block
-        return max(need, 0)
+        return max(need, 0) * self.num_groups  # a page of every group per block
 
     def allocate_slots(
         self,
@@ -105,18 +127,23 @@ class KVCacheManager:
         ``host_keys`` (``match_host``) the host-tier blocks that follow them (fresh device blocks,
         copied in before the step); ``num_computed`` must then equal the tokens of both. Leaves ``reserve`` blocks
         reclaimable for others (a watermark). Returns the copy-on-write ops, or None if the blocks
-        cannot be had, in which case nothing changed.
+        cannot be had, in which case nothing changed (but pages out of a window were given back).
         """
         bs = self.block_size
         new_table = seq_id not in self.block_tables
         if new_table:
             prefix = prefix or MatchResult([], 0)
             assert prefix.num_tokens + len(host_keys) * bs == num_computed, (prefix.num_tokens, num_computed)
-            for b in prefix.block_ids:
-                self.pool.incref(b)
-            self.block_tables[seq_id] = list(prefix.block_ids)
+            if self.grouped:
+                self._adopt(seq_id, prefix, num_computed)
+            else:
+                for b in prefix.block_ids:
+                    self.pool.incref(b)
+                self.block_tables[seq_id] = list(prefix.block_ids)
             self.num_indexed_blocks[seq_id] = len(prefix.block_ids)
             self._dirty[seq_id] = 0
+        elif self.windowed:
+            self.free_out_of_window(seq_id, num_computed)
         table = self.block_tables[seq_id]
         if (not new_table and num_computed + num_new_tokens <= len(table) * bs
                 and (not num_computed % bs or self.pool.ref_cnt[table[num_computed // bs]] == 1)):
@@ -140,20 +167,63 @@ class KVCacheManager:
                     self._swap_in.append((src, b))
                 table.append(b)
         ops: list[CopyOp] = []
+        tables = (table, *self.extra_tables[seq_id]) if self.grouped else (table,)
         if num_computed % bs:
             i = num_computed // bs
-            src = table[i]
-            if self.pool.ref_cnt[src] > 1:
-                dst = self.pool.allocate()
-                self.pool.decref(src)
-                table[i] = dst
-                ops.append(CopyOp(src, dst))
+            if self.pool.ref_cnt[table[i]] > 1:  # (a fork's shared partial block: shared in every group)
+                for t in tables:
+                    src = t[i]
+                    dst = self.pool.allocate()
+                    self.pool.decref(src)
+                    t[i] = dst
+                    ops.append(CopyOp(src, dst))
                 self._mark(seq_id, i)
         if len(table) * bs < num_computed + num_new_tokens:
             self._mark(seq_id, len(table))
             while len(table) * bs < num_computed + num_new_tokens:
-                table.append(self.pool.allocate())
+                for t in tables:
+                    t.append(self.pool.allocate())
         return ops
+
+    def _adopt(self, seq_id: str, prefix: MatchResult, num_computed: int) -> None:
+        """A new table per group from a match (NULL before each windowed group's window)."""
+        NULL, incref = self.NULL, self.pool.incref
+        extra = prefix.extra or tuple([] for _ in range(self.num_groups - 1))
+        groups = (list(prefix.block_ids), *(list(e) for e in extra))
+        assert len(groups) == self.num_groups and all(len(t) == len(groups[0]) for t in groups)
+        for t in groups:
+            for b in t:
+                if b != NULL:
+                    incref(b)
+        self.block_tables[seq_id] = groups[0]
+        self.extra_tables[seq_id] = tuple(groups[1:])
+        self._win_start[seq_id] = [self.radix.window_start(w, num_computed) if w is not None else 0
+                                   for w in self.windows]
+
+    def free_out_of_window(self, seq_id: str, num_computed: int) -> int:
+        """Give back the pages of each windowed group that lie wholly before its window, once
+        ``num_computed`` tokens are computed. Returns how many pages this freed or released."""
+        starts = self._win_start[seq_id]
+        tables = (self.block_tables[seq_id], *self.extra_tables[seq_id])
+        n = 0
+        for g, w in self.windowed:
+            end = self.radix.window_start(w, num_computed)
+            t = tables[g]
+            for i in range(starts[g], min(end, len(t))):
+                b = t[i]
+                if b != self.NULL:
+                    t[i] = self.NULL
+                    self._drop(b)
+                    n += 1
+            if end > starts[g]:
+                starts[g] = end
+        return n
+
+    def _drop(self, page: int) -> None:
+        """A request lets go of a windowed group's page (the tree may keep it, evictable)."""
+        self.pool.decref(page)
+        if self.pool.cached[page] and self.pool.ref_cnt[page] == 1:
+            self.radix.note_released(page)
 
     def _evict(self, num_blocks: int) -> None:
         """Free cached blocks from the device pool; with a host tier, each goes there first."""
@@ -243,6 +313,12 @@ class KVCacheManager:
         block ids from there to the end: the table's new length is their sum), or None if nothing did."""
         pop, tables = self._dirty.pop, self.block_tables
         out = []
+        if self.num_groups > 1:  # (first changed index, the anchor's ids, the other groups' ids)
+            extra = self.extra_tables
+            for sid in seq_ids:
+                d = pop(sid, None)
+                out.append(None if d is None else (d, tables[sid][d:], tuple(t[d:] for t in extra[sid])))
+            return out
         for sid in seq_ids:
             d = pop(sid, None)
             out.append(None if d is None else (d, tables[sid][d:]))
@@ -263,6 +339,14 @@ class KVCacheManager:
         if num_full <= done:
             return
         table = self.block_tables[seq_id]
+        if self.grouped:
+            if seq_id not in self._stopped:
+                self.radix.insert(token_ids, table, num_done=done, num_blocks=num_full,
+                                  extra=self.extra_tables[seq_id])
+                if not self.pool.cached[table[num_full - 1]]:  # (in the window: not NULL)
+                    self._stopped.add(seq_id)
+            self.num_indexed_blocks[seq_id] = num_full
+            return
         # a path that stopped at a duplicate block (see RadixIndex.insert) stays stopped: the
         # block before the new ones is then not the tree's
         if not done or self.pool.cached[table[done - 1]]:
@@ -275,12 +359,14 @@ class KVCacheManager:
         copy-on-write). False, and nothing changed, if the free blocks do not suffice."""
         table = self.block_tables[seq_id]
         need = -(-num_tokens // self.block_size) - len(table)
-        if need + reserve > self.pool.num_free:
+        if need * self.num_groups + reserve > self.pool.num_free:
             return False
         if need > 0:
             self._mark(seq_id, len(table))
+        tables = (table, *self.extra_tables[seq_id]) if self.grouped else (table,)
         for _ in range(need):
-            table.append(self.pool.allocate())
+            for t in tables:
+                t.append(self.pool.allocate())
         return True
 
     def trim(self, seq_id: str, num_tokens: int) -> None:
@@ -290,16 +376,28 @@ class KVCacheManager:
         keep = -(-num_tokens // self.block_size)
         if len(table) > keep:
             self._mark(seq_id, keep)
-        while len(table) > keep:
-            b = table.pop()
-            assert self.pool.ref_cnt[b] == 1 and not self.pool.cached[b], (seq_id, b)
-            self.pool.decref(b)
+        for t in (table, *self.extra_tables[seq_id]) if self.grouped else (table,):
+            while len(t) > keep:
+                b = t.pop()
+                assert self.pool.ref_cnt[b] == 1 and not self.pool.cached[b], (seq_id, b)
+                self.pool.decref(b)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent (including the partial last block)."""
         table = self.block_tables[parent_id]
-        for b in table:
-            self.pool.incref(b)
+        if self.grouped:
+            NULL = self.NULL
+            for t in (table, *self.extra_tables[parent_id]):
+                for b in t:
+                    if b != NULL:
+                        self.pool.incref(b)
+            self.extra_tables[child_id] = tuple(list(t) for t in self.extra_tables[parent_id])
+            self._win_start[child_id] = list(self._win_start[parent_id])
+            if parent_id in self._stopped:
+                self._stopped.add(child_id)
+        else:
+            for b in table:
+                self.pool.incref(b)
         self.block_tables[child_id] = list(table)
         self.num_indexed_blocks[child_id] = self.num_indexed_blocks[parent_id]
         self._dirty[child_id] = 0
@@ -316,6 +414,19 @@ class KVCacheManager:
         self._dirty.pop(seq_id, None)
         if report:
             self._released.append(seq_id)
+        if self.grouped:
+            NULL = self.NULL
+            self._win_start.pop(seq_id)
+            self._stopped.discard(seq_id)
+            for g, t in enumerate((table, *self.extra_tables.pop(seq_id))):
+                if self.windows[g] is None:
+                    for b in reversed(t):
+                        self.pool.decref(b)
+                    continue
+                for b in t:  # earliest first: the tree's copies then go before the window's end
+                    if b != NULL:
+                        self._drop(b)
+            return
         for b in reversed(table):
             self.pool.decref(b)
 
@@ -344,9 +455,18 @@ class KVCacheManager:
         if self.host is not None:
             self.host.check_integrity()
         holders = [1 if c else 0 for c in self.pool.cached]
+        NULL = self.NULL
         for seq_id, table in self.block_tables.items():
-            assert len(set(table)) == len(table), f"{seq_id} holds a block twice: {table}"
-            for b in table:
+            tables = (table, *self.extra_tables[seq_id]) if self.grouped else (table,)
+            assert all(len(t) == len(table) for t in tables), f"{seq_id}: group tables of different lengths"
+            pages = [b for t in tables for b in t if b != NULL]
+            assert len(set(pages)) == len(pages), f"{seq_id} holds a block twice: {tables}"
+            for g, w in self.windowed:  # nothing before a window is held; everything after it is
+                start = self._win_start[seq_id][g]
+                t = tables[g]
+                assert all(b == NULL for b in t[:start]), f"{seq_id} holds group {g}'s pages before its window"
+                assert NULL not in t[start:], f"{seq_id} lacks a page of group {g} inside its window: {t}"
+            for b in pages:
                 holders[b] += 1
         bad = {b: (self.pool.ref_cnt[b], h) for b, h in enumerate(holders) if self.pool.ref_cnt[b] != h}
         assert not bad, f"ref_cnt != holders for blocks {{id: (ref_cnt, holders)}} {bad}"

@@ -376,6 +376,10 @@ class LlamaModel(nn.Module):
         if not shape.tie_word_embeddings:
             self.lm_head = Linear(shape.hidden_size, shape.vocab_size, bias=False)
         self.layer_rope = shape.layer_rope or ("default",) * shape.num_layers
+        # KV cache groups (kv/groups.py): per layer its slot in a page and its group's metadata;
+        # the runner sets them for a grouped cache, else layer i reads kv_cache[i] and ``meta``
+        self.kv_slots: tuple[int, ...] | None = None
+        self.kv_groups: tuple[int, ...] | None = None
         self.set_rope(ropes)
         self.packed_lm_head: Linear | None = None
 
@@ -449,18 +453,24 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks + 1, KVH, block_size, D]
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],  # a list: one per KV cache group
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # [S] rows of the batch whose logits are needed
     ) -> torch.Tensor:  # [S, vocab] float32 (float64 models: float64)
+        """With KV cache groups, ``kv_cache`` is [layers_per_page, 2, num_pages + 1, ...] and layer
+        i uses ``kv_cache[kv_slots[i]]`` with ``meta[kv_groups[i]]``."""
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         if self.shape.gemma:  # sqrt(hidden) as a tensor of the model's dtype, as transformers'
             h = h * torch.tensor(self.shape.hidden_size ** 0.5, dtype=h.dtype)
         tables = {k: self.rope(positions, h.dtype, k) for k in self.ropes}  # [T, D] cos, sin each
         residual = None
+        grouped = isinstance(meta, list)
         for i, layer in enumerate(self.model.layers):
             cos, sin = tables[self.layer_rope[i]]
-            h, residual = layer(h, residual, cos, sin, kv_cache[i], meta, backend)
+            if grouped:
+                h, residual = layer(h, residual, cos, sin, kv_cache[self.kv_slots[i]], meta[self.kv_groups[i]], backend)
+            else:
+                h, residual = layer(h, residual, cos, sin, kv_cache[i], meta, backend)
         h, _ = self.model.norm.add_forward(h[logits_indices], residual[logits_indices])  # [S, hidden]
         logits = self.logits(h)
         if self.shape.final_softcap is not None:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from prefixkv.attention import AttentionBackend, AttentionMetadata, kv_cache_shape
+from prefixkv.kv.groups import KVGroupPlan, plan_kv_groups
 from prefixkv.model.llama import LlamaModel
 from prefixkv.request import Request
 from prefixkv.runner.block_table import BlockTables
@@ -50,6 +51,7 @@ class ModelRunner:
         max_model_len: int,
         num_host_blocks: int = 0,
         disk: "DiskKVStore | None" = None,
+        kv_plan: KVGroupPlan | None = None,
     ) -> None:
         self.max_model_len = max_model_len
         self.model = model
@@ -60,12 +62,19 @@ class ModelRunner:
         s = model.shape
         self.vocab_size = s.vocab_size
         self.eos_token_ids = eos_token_ids
-        # [num_layers, 2, num_blocks + 1, KVH, block_size, D]; the last block is the dummy block
+        # [num_layers, 2, num_blocks + 1, KVH, block_size, D]; the last block is the dummy block.
+        # KV cache groups (kv/groups.py): [layers_per_page, 2, num_pages + 1, ...], a block table per
+        # group (the anchor's is block_tables), layer i at slot kv_plan.layer_slot[i]
+        self.kv_plan = kv_plan or plan_kv_groups((None,) * s.num_layers)
         self.kv_cache = torch.zeros(
-            kv_cache_shape(s.num_layers, num_blocks, s.num_kv_heads, block_size, s.head_dim),
+            kv_cache_shape(self.kv_plan.layers_per_page, num_blocks, s.num_kv_heads, block_size, s.head_dim),
             dtype=dtype, device=self.device)
         self.graphs: CudaGraphRunner | None = None
         self.block_tables = BlockTables(-(-max_model_len // block_size))
+        self.group_tables = [BlockTables(-(-max_model_len // block_size)) for _ in range(self.kv_plan.num_groups - 1)]
+        self.grouped = self.kv_plan.num_groups > 1
+        if self.grouped:
+            model.kv_slots, model.kv_groups = self.kv_plan.layer_slot, self.kv_plan.layer_group
         # the host tier's KV: [num_layers, 2, num_host_blocks, KVH, block_size, D], in host memory
         # (pinned when the device is a GPU, so its copies can be asynchronous)
         self.host_kv = None
@@ -83,17 +92,23 @@ class ModelRunner:
         return self.graphs.capture()
 
     @staticmethod
-    def bytes_per_block(model: LlamaModel, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(model: LlamaModel, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+        """Bytes of one block of KV for every layer (or for ``num_layers`` layers: a page)."""
         s = model.shape
-        return s.num_layers * 2 * s.num_kv_heads * block_size * s.head_dim * torch.empty((), dtype=dtype).element_size()
+        return ((num_layers or s.num_layers) * 2 * s.num_kv_heads * block_size * s.head_dim
+                * torch.empty((), dtype=dtype).element_size())
 
     # ------------------------------------------------------------------ inputs
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list, torch.Tensor]:
         """Step inputs; the returned logits rows hold one row per sampling sequence (a fork step's
         n samples share it). Host work follows this step's tokens and new blocks: the block
         tables are the runner's persistent copies (``BlockTables``), updated by the step's deltas."""
         tables = self.block_tables
         tables.release(out.released_seq_ids)
+        for t in self.group_tables:
+            t.release(out.released_seq_ids)
+        grouped = self.grouped
+        group_rows: list[list[int]] = [[] for _ in self.group_tables]
         rows: list[int] = []
         computed: list[int] = []
         counts: list[int] = []
@@ -102,8 +117,14 @@ class ModelRunner:
         end = 0
         known = tables.rows
         for s in out.scheduled:
-            row = known.get(s.req.seq_id) if s.block_delta is None else None
-            rows.append(tables.apply(s.req.seq_id, s.block_delta) if row is None else row)
+            if grouped:  # delta: (first changed index, the anchor's ids, the other groups' ids)
+                sid, delta = s.req.seq_id, s.block_delta
+                rows.append(tables.apply(sid, None if delta is None else delta[:2]))
+                for g, t in enumerate(self.group_tables):
+                    group_rows[g].append(t.apply(sid, None if delta is None else (delta[0], delta[2][g])))
+            else:
+                row = known.get(s.req.seq_id) if s.block_delta is None else None
+                rows.append(tables.apply(s.req.seq_id, s.block_delta) if row is None else row)
             computed.append(s.num_computed_tokens)
             counts.append(s.num_scheduled_tokens)
             input_ids.extend(s.token_ids)
@@ -143,6 +164,18 @@ class ModelRunner:
             seq_lens_cpu=seq_lens_cpu,
             query_start_loc_cpu=starts_cpu,
         )
+        if grouped:  # the same batch through each group's tables (rows line up in every group)
+            metas = [meta]
+            for t, g_rows in zip(self.group_tables, group_rows):
+                g_np = np.asarray(g_rows, dtype=np.int64)
+                g_tok = g_np if end == len(rows) else np.repeat(g_np, counts_np)
+                g_slots = t.table[g_tok, positions // bs].astype(np.int64) * bs + positions % bs
+                metas.append(AttentionMetadata(
+                    slot_mapping=torch.from_numpy(g_slots).to(dev), query_start_loc=meta.query_start_loc,
+                    seq_lens=meta.seq_lens, block_tables=torch.from_numpy(t.gather(g_rows, max_blocks)).to(dev),
+                    num_decode_seqs=meta.num_decode_seqs, max_seq_len=meta.max_seq_len,
+                    max_query_len=meta.max_query_len, seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=starts_cpu))
+            meta = metas
         return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
                 torch.from_numpy(positions).to(dev), meta,
                 torch.tensor(logits_rows, dtype=torch.int64, device=dev))

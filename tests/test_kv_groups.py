@@ -1,0 +1,168 @@
+"""KV cache groups (kv/groups.py): sliding-window layers' blocks outside the window go back to the
+pool. Exact page ids and counts per group while a request advances, prefix hits that need only the
+window's pages, eviction of released windowed pages before the window's end, and the engine on a
+Gemma-3-shaped model: token-identical to transformers and holding several times more requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixkv import LLM, SamplingParams
+from prefixkv.kv import KVCacheManager
+from prefixkv.kv.groups import plan_kv_groups
+
+
+def test_plan_groups_layers_by_attention_type():
+    # Gemma 3 1B: 26 layers, every sixth full attention, the rest a window of 512
+    windows = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(26))
+    plan = plan_kv_groups(windows)
+    assert plan.layers_per_page == 4 and plan.windows == (None,) + (512,) * 6
+    assert [i for i in range(26) if plan.layer_group[i] == 0] == [5, 11, 17, 23]
+    assert [i for i in range(26) if plan.layer_group[i] == 2] == [4, 6, 7, 8]
+    assert [i for i in range(26) if plan.layer_group[i] == 6] == [24, 25]  # two slots unused
+    assert [plan.layer_slot[i] for i in (5, 11, 17, 23)] == [0, 1, 2, 3]
+    assert plan.hybrid
+    # Gemma 2: alternating, two groups of half the layers
+    g2 = plan_kv_groups((4096, None) * 3)
+    assert g2.windows == (None, 4096) and g2.layers_per_page == 3 and g2.layer_group == (1, 0) * 3
+    # Mistral v0.1: every layer windowed, one group whose pages are freed too
+    assert plan_kv_groups((8,) * 4) == plan_kv_groups((8,) * 4)
+    m = plan_kv_groups((8,) * 4)
+    assert m.windows == (8,) and m.layers_per_page == 4 and m.hybrid
+    # no window, or disabled: the classic layout, one page = one block of every layer
+    for plan in (plan_kv_groups((None,) * 4), plan_kv_groups(windows, hybrid=False)):
+        assert plan.windows == (None,) and plan.layers_per_page == plan.num_layers and not plan.hybrid
+        assert plan.layer_slot == tuple(range(plan.num_layers))
+    # the most pages a 100-token sequence holds in 16-token chunks: all 25 full blocks, a window +
+    # a chunk (8 + 16 tokens: 6 + 1 blocks) per windowed group
+    assert plan_kv_groups((None, 8, 8)).pages_for(100, 4, 16) == 25 + 2 * 7
+
+
+def test_windowed_pages_go_back_as_a_request_decodes():
+    kv = KVCacheManager(40, 4, enable_prefix_caching=False, windows=(None, 8))
+    N = kv.NULL
+    assert kv.allocate_slots("a", 0, 10) == []
+    assert kv.block_tables["a"] == [0, 2, 4] and kv.extra_tables["a"] == ([1, 3, 5],)
+    assert kv.pool.num_free == 34
+    assert kv.allocate_slots("a", 10, 1) == []  # the query at 10 sees 3 .. 10: block 0 still needed
+    assert kv.extra_tables["a"] == ([1, 3, 5],)
+    assert kv.allocate_slots("a", 11, 1) == []  # 4 .. 11: block 0 of the windowed group goes back
+    assert kv.extra_tables["a"] == ([N, 3, 5],) and kv.pool.num_free == 35 and kv.pool.free_ids[-1] == 1
+    assert kv.allocate_slots("a", 12, 1) == []  # a new block: a page in each group
+    assert kv.block_tables["a"] == [0, 2, 4, 6] and kv.extra_tables["a"] == ([N, 3, 5, 7],)
+    for n in range(13, 60):
+        assert kv.allocate_slots("a", n, 1) == []
+        blocks = -(-(n + 1) // 4)
+        start = max(0, n - 7) // 4
+        extra = kv.extra_tables["a"][0]
+        assert len(kv.block_tables["a"]) == len(extra) == blocks
+        assert extra[:start] == [N] * start and N not in extra[start:]
+        assert kv.pool.num_free == 40 - blocks - (blocks - start), n  # the window holds 2-3 pages
+        kv.check_integrity()
+    assert kv.pool.num_free == 40 - 15 - 2  # at 59: blocks 13 and 14 (tokens 52 .. 59) of the window
+    kv.free("a")
+    assert kv.pool.num_free == 40
+    kv.check_integrity()
+
+
+def test_prefix_hit_needs_only_the_windows_pages_and_released_ones_go_first():
+    kv = KVCacheManager(64, 4, enable_prefix_caching=True, windows=(None, 8))
+    N = kv.NULL
+    toks = list(range(100, 121))  # 21 tokens: 5 full blocks
+    assert kv.allocate_slots("a", 0, 21) == []
+    kv.cache_blocks("a", toks, 21)
+    anchor, (extra,) = list(kv.block_tables["a"]), [list(t) for t in kv.extra_tables["a"]]
+    assert anchor == [0, 2, 4, 6, 8, 10] and extra == [1, 3, 5, 7, 9, 11]
+    kv.free("a")  # the tree keeps the 5 full blocks' pages of both groups
+    assert kv.radix.num_cached_blocks == 10 and kv.pool.num_evictable == 10
+    kv.check_integrity()
+    m = kv.match_prefix(toks + [7, 8])
+    # a query at 20 sees 13 .. 20: of the windowed group only blocks 3 and 4 are handed out
+    assert m.num_tokens == 20 and m.block_ids == [0, 2, 4, 6, 8] and m.extra == ([N, N, N, 7, 9],)
+    # released windowed pages go first, earliest first; the full group's stay
+    assert kv.radix.evict(3) == [1, 3, 5]
+    m = kv.match_prefix(toks + [7, 8])
+    assert m.num_tokens == 20 and m.extra == ([N, N, N, 7, 9],)
+    assert kv.allocate_slots("b", 20, 3, prefix=m) == []
+    assert kv.block_tables["b"] == [0, 2, 4, 6, 8, 12] and kv.extra_tables["b"] == ([N, N, N, 7, 9, 13],)
+    assert [kv.pool.ref_cnt[b] for b in (0, 8, 7, 9)] == [2, 2, 2, 2]
+    kv.check_integrity()
+    kv.free("b")
+    # the page at block 3 lost: a query at 20 (or 16, 12, ...) lacks part of its window: no hit
+    assert kv.radix.evict(1) == [7]
+    m = kv.match_prefix(toks + [7, 8])
+    assert m.num_tokens == 0 and m.block_ids == [] and m.extra == ([],)
+    assert kv.match_prefix(toks[:9]).num_tokens == 0  # a query at 8 sees 1 .. 8: blocks 0 and 1, gone
+    assert kv.radix.evict(64)  # everything else
+    kv.check_integrity()
+    assert kv.pool.num_free == 64
+
+
+def test_a_windowed_anchor_loses_its_pages_in_the_tree_too():
+    """Mistral v0.1: every layer windowed, one group; the tree holds its blocks' tokens, and pages only
+    where a window may still need them."""
+    kv = KVCacheManager(32, 4, enable_prefix_caching=True, windows=(8,))
+    N = kv.NULL
+    toks = list(range(1, 30))
+    assert kv.allocate_slots("a", 0, 16) == []
+    kv.cache_blocks("a", toks, 16)
+    assert kv.allocate_slots("a", 16, 8) == []  # from 16: blocks 0 and 1 (tokens 0 .. 7) go back
+    kv.cache_blocks("a", toks, 24)
+    assert kv.block_tables["a"][:3] == [N, N, 2]
+    assert kv.pool.num_evictable == 2  # the tree's copies of blocks 0 and 1
+    kv.check_integrity()
+    assert kv.radix.evict(2) == [0, 1]
+    assert kv.match_prefix(toks[:25]).num_tokens == 24  # a query at 24 sees 17 .. 24: blocks 4, 5
+    assert kv.match_prefix(toks[:9]).num_tokens == 0  # a query at 8 would need block 0
+    kv.free("a")
+    kv.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def long_prompts():
+    import random
+
+    rng = random.Random(5)
+    return [[rng.randrange(3, 384) for _ in range(110 + 3 * i)] for i in range(8)]
+
+
+def test_engine_frees_out_of_window_blocks_and_fits_more_requests(tiny_gemma3, long_prompts):
+    """Gemma 3 shape (window 4 on 2 of 3 layers), prompts of 110-131 tokens, the same KV memory with
+    and without groups: token-identical to transformers both ways, and the groups run 2x as many
+    requests at once."""
+    from test_lossless import hf_reference
+
+    refs = hf_reference(tiny_gemma3, long_prompts, max_tokens=12)
+    peaks = {}
+    for disable in (False, True):
+        llm = LLM(model=str(tiny_gemma3), dtype="float64", block_size=4, num_kv_blocks=110,
+                  max_num_batched_tokens=512, disable_hybrid_kv_cache_manager=disable)
+        eng = llm.engine
+        eng.check_integrity_each_step = True
+        assert eng.kv_plan.num_groups == (1 if disable else 3)
+        assert eng.info.num_kv_blocks == (110 if disable else 330)  # pages: one layer each with groups
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(long_prompts):
+            eng.add_request(str(i), p, params)
+        peak, outs = 0, {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    outs[o.request_id] = o.outputs[0].token_ids
+            peak = max(peak, eng.scheduler.num_running)
+            kv = eng.scheduler.kv
+            for r in eng.scheduler.running:
+                if r.num_computed_tokens <= r.num_prompt_tokens:
+                    continue  # (its prefill step's pages go at its next schedule)
+                # decoding: scheduled from num_computed - 1, so each windowed group holds only the
+                # blocks from that query's window on (2 of 4-token blocks for a window of 4)
+                for g, w in enumerate(kv.windows):
+                    t = (kv.block_tables[r.seq_id], *kv.extra_tables.get(r.seq_id, ()))[g]
+                    assert len(t) == -(-r.num_computed_tokens // 4)
+                    held = sum(b != kv.NULL for b in t)
+                    start = 0 if w is None else kv.radix.window_start(w, r.num_computed_tokens - 1)
+                    assert held == len(t) - start and held <= (len(t) if w is None else 2)
+        assert [outs[str(i)] for i in range(len(long_prompts))] == refs
+        assert eng.scheduler.kv.num_used_blocks == 0
+        peaks[disable] = peak
+    assert peaks[True] <= 3 and peaks[False] >= 2 * peaks[True], peaks
