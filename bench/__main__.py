@@ -17,6 +17,7 @@ Within prefixkv only::
     gemm               the model's GEMMs through F.linear, oneDNN prepacked and MKL packed, by row count
     scale              host time per engine step at 256-1,024 running, 1e5-1e6 cached blocks (fake runner)
     roofline           a decode step at batch B against the machine's read bandwidth and GEMM peak
+    sliding-window     long chats on a Gemma-3-shaped model in a fixed KV budget: out-of-window blocks freed or kept
 
 Against ``prefixkv serve`` (spawned on loopback, or ``--url``)::
 
@@ -165,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.serving import add_arguments
 
     add_arguments(p)
+    p = sub.add_parser("sliding-window", help="Gemma-3-shaped long chats in a fixed KV budget: out-of-window "
+                                              "blocks freed (KV cache groups) vs kept")
+    from bench.sliding_window import add_arguments as add_sliding_window
+
+    add_sliding_window(p)
     p = sub.add_parser("ray-routing", help="Ray Serve replicas: power-of-two vs prefix-affinity vs cache-aware routing")
     from bench.ray_routing import add_arguments as add_ray_routing
 

@@ -159,6 +159,10 @@ def dispatch(args: argparse.Namespace, command: str) -> int:
                   "gemm": micro.cmd_gemm, "scale": micro.cmd_scale, "roofline": micro.cmd_roofline}
     if args.workload in micro_cmds:
         return micro_cmds[args.workload](args, command)
+    if args.workload == "sliding-window":
+        from bench import sliding_window
+
+        return sliding_window.cmd_sliding_window(args, command)
     if args.workload == "ray-routing":
         from bench import ray_routing
 

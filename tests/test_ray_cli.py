@@ -100,8 +100,8 @@ def test_serve_replicas_autoscales_under_load_and_stops_on_sigterm(tiny_llama, t
 
         stop = threading.Event()
 
-        def load() -> None:  # long streams keep several requests in flight
-            body = json.dumps({"model": "tiny", "prompt": "load", "max_tokens": 400, "temperature": 0,
+        def load() -> None:  # back-to-back requests keep several in flight
+            body = json.dumps({"model": "tiny", "prompt": "load", "max_tokens": 48, "temperature": 0,
                                "ignore_eos": True}).encode()
             while not stop.is_set():
                 req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})

@@ -3,6 +3,8 @@ operations (nodes visited, matches made), never timed, at two sizes an order of 
 
 from __future__ import annotations
 
+import pytest
+
 from prefixkv.config import CacheConfig, SchedulerConfig
 from prefixkv.kv import KVCacheManager
 from prefixkv.kv.block_pool import BlockPool
@@ -214,8 +216,9 @@ def test_offline_generate_feeds_the_queue_as_it_drains(tiny_llama):
 
 
 # ------------------------------------------------------------------ the runner's block tables
-def _prep_runner(block_size: int, max_blocks: int = 8):
-    """ModelRunner.prepare's host side, without a model (its persistent block tables)."""
+def _prep_runner(block_size: int, max_blocks: int = 8, num_groups: int = 1):
+    """ModelRunner.prepare's host side, without a model (its persistent block tables; one per KV
+    cache group)."""
     from types import SimpleNamespace
 
     import torch
@@ -223,7 +226,9 @@ def _prep_runner(block_size: int, max_blocks: int = 8):
     from prefixkv.runner.block_table import BlockTables
 
     return SimpleNamespace(block_size=block_size, device=torch.device("cpu"), max_model_len=1 << 20,
-                           block_tables=BlockTables(max_blocks, num_rows=2), group_tables=[], grouped=False)
+                           block_tables=BlockTables(max_blocks, num_rows=2),
+                           group_tables=[BlockTables(max_blocks, num_rows=2) for _ in range(num_groups - 1)],
+                           grouped=num_groups > 1)
 
 
 def _check_step_inputs(s: Scheduler, runner, out) -> None:
@@ -231,34 +236,47 @@ def _check_step_inputs(s: Scheduler, runner, out) -> None:
     those built from the scheduler's whole tables: every row, its padding, every slot."""
     from prefixkv.runner.model_runner import ModelRunner
 
-    input_ids, positions, meta, _ = ModelRunner.prepare(runner, out)
-    bs = s.block_size
-    tables = [s.kv.block_tables[x.req.seq_id] for x in out.scheduled]
-    width = max(len(t) for t in tables)
-    assert meta.block_tables.tolist() == [t + [0] * (width - len(t)) for t in tables]
-    exp_pos, exp_slots, exp_ids = [], [], []
-    for x, t in zip(out.scheduled, tables):
+    input_ids, positions, metas, _ = ModelRunner.prepare(runner, out)
+    kv, bs = s.kv, s.block_size
+    metas = metas if isinstance(metas, list) else [metas]
+    assert len(metas) == len(kv.windows)
+    exp_ids, exp_pos = [], []
+    for x in out.scheduled:
         ps = range(x.num_computed_tokens, x.num_computed_tokens + x.num_scheduled_tokens)
         exp_pos += ps
-        exp_slots += [t[p // bs] * bs + p % bs for p in ps]
         known = x.req.token_ids.tolist()
         exp_ids += [known[x.num_computed_tokens], *x.draft] if x.draft else known[ps.start:ps.stop]
-    assert positions.tolist() == exp_pos and meta.slot_mapping.tolist() == exp_slots
-    assert input_ids.tolist() == exp_ids
+    assert positions.tolist() == exp_pos and input_ids.tolist() == exp_ids
+    for g, meta in enumerate(metas):
+        tables = [(kv.block_tables[x.req.seq_id], *kv.extra_tables.get(x.req.seq_id, ()))[g] for x in out.scheduled]
+        width = max(len(t) for t in tables)
+        got = meta.block_tables.tolist()
+        # entries a windowed group gave back (NULL here) stay stale in the runner's copy: no kernel reads them
+        assert [[r if b == kv.NULL else b for b, r in zip(t, row)] + [0] * (width - len(t))
+                for t, row in zip(tables, got)] == got, g
+        exp_slots = [t[p // bs] * bs + p % bs for x, t in zip(out.scheduled, tables)
+                     for p in range(x.num_computed_tokens, x.num_computed_tokens + x.num_scheduled_tokens)]
+        assert meta.slot_mapping.tolist() == exp_slots
+        assert all(t[p // bs] != kv.NULL for x, t in zip(out.scheduled, tables)
+                   for p in range(x.num_computed_tokens, x.num_computed_tokens + x.num_scheduled_tokens))
     assert set(runner.block_tables.rows) <= set(s.kv.block_tables)  # released tables were forgotten
 
 
-def test_runner_block_tables_follow_forks_preemption_drafts_and_frees():
+@pytest.mark.parametrize("windows", [(None,), (None, 6, 6)])
+def test_runner_block_tables_follow_forks_preemption_drafts_and_frees(windows):
     """A random workload on a small pool (preemptions, evictions), n > 1 forks (copy-on-write of
     the shared partial block), speculative drafts with rejections (trimmed tables), finishes and
-    re-used row slots: at every step the runner's tables equal the scheduler's."""
+    re-used row slots: at every step the runner's tables equal the scheduler's. With KV cache
+    groups (a full group and two windowed ones): each group's table and slots, whatever the
+    windowed groups gave back."""
     import random
 
     rng = random.Random(5)
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=6, num_speculative_tokens=3,
                                   prompt_lookup_min=1, prompt_lookup_max=2),
-                  CacheConfig(block_size=BS, num_kv_blocks=16), 16)
-    runner = _prep_runner(BS, max_blocks=2)  # rows and columns both grow
+                  CacheConfig(block_size=BS, num_kv_blocks=16 * len(windows)), 16 * len(windows),
+                  kv_windows=windows)
+    runner = _prep_runner(BS, max_blocks=2, num_groups=len(windows))  # rows and columns both grow
     pattern = [11, 12, 13]  # greedy requests repeat it: their n-gram drafts are proposed, some accepted
     arrivals = 0
     seen = {"preempt": 0, "fork": 0, "draft": 0, "trim": 0}

@@ -157,7 +157,9 @@ def test_torch_attention_backend_on_cuda_equals_transformers(gpu_model):
 def test_gpu_windowed_and_capped_models_equal_transformers(tmp_path, arch, head_dim):
     """Issue 15: sliding-window layers (windows of 4 and 8) and Gemma 2's soft-capped scores and
     logits through the CUDA kernels (head_dim 256: the SIMT prefill tiles), and sparse MoE (eager:
-    no CUDA graphs for it), greedy against transformers on the GPU, chunked and not."""
+    no CUDA graphs for it), greedy against transformers on the GPU, chunked and not. The windowed
+    models run with KV cache groups (their blocks before the window freed; Gemma's several groups
+    decode eagerly, Mistral's one windowed group through the CUDA graphs)."""
     vocab = build_tokenizer(tmp_path)
     build_model(tmp_path, arch, vocab, head_dim=head_dim)
     prompts = _prompts(7, seed=5)
@@ -165,5 +167,6 @@ def test_gpu_windowed_and_capped_models_equal_transformers(tmp_path, arch, head_
     for chunk in (512, 24):
         llm = LLM(model=str(tmp_path), device="cuda", dtype="float32", block_size=16, max_num_batched_tokens=chunk,
                   num_kv_blocks=256, max_num_seqs=16)
+        assert llm.engine.kv_plan.hybrid == (arch != "mixtral")
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
         assert [o.token_ids for o in outs] == refs, chunk
