@@ -7,6 +7,8 @@ CHROMIUM_STAMP := $(VENV)/.chromium
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
+# pytest-xdist workers for the parallel part of `make test` (whole test files per worker)
+PYTEST_WORKERS ?= 2
 
 .PHONY: serve test install chromium kernel-check clean
 
@@ -38,7 +40,10 @@ serve: $(STAMP)
 	$(VENV)/bin/prefixkv serve --host $(HOST) --port $(PORT)
 
 test: $(STAMP) $(CHROMIUM_STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	@# in-process tests side by side, then the serial ones (tests/conftest.py); exit 5 = none selected
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS); rc=$$?; \
+	  [ $$rc -eq 5 ] && rc=0; $(PY) -m pytest -q -m serial $(PYTEST_ARGS); rc2=$$?; [ $$rc2 -eq 5 ] && rc2=0; \
+	  [ $$rc -eq 0 ] && [ $$rc2 -eq 0 ]
 
 kernel-check:
 	tools/kernel_check

@@ -123,7 +123,7 @@ def cmd_ray_routing(args: argparse.Namespace, command: str) -> int:
     num_blocks = args.num_kv_blocks or (args.groups // 2) * -(-args.system_tokens // bs) + per_prompt
     cfg = EngineConfig(model=args.model, dtype=args.dtype, cache=CacheConfig(block_size=bs, num_kv_blocks=num_blocks),
                        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
-    ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
     port = _port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     base = f"http://127.0.0.1:{port}"

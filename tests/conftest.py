@@ -13,6 +13,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tiny_models import build_model, build_tokenizer  # noqa: E402
 
+# Modules that `make test` runs after the rest, one test at a time: they start Ray clusters or wait
+# on a server's reaction within a deadline, so a busy neighbour must not share the cores. The rest
+# runs side by side in two pytest-xdist workers (`-n 2 --dist loadfile -m "not serial"`).
+SERIAL_MODULES = {"test_ray_serve.py", "test_ray_cli.py", "test_ray_ingress.py", "test_faults.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest-xdist (`make test`: -n 2 --dist loadfile): a thread per core
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
@@ -87,3 +104,20 @@ def tiny_mixtral(tmp_path_factory, tokenizer_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_moe(tmp_path_factory, tokenizer_dir) -> Path:
     return _model_dir(tmp_path_factory, tokenizer_dir, "qwen3-moe")
+
+
+
+
+@pytest.fixture(scope="module")
+def one_ray_instance():
+    """Held by a module that starts Ray (a local instance or a Cluster): under pytest-xdist such
+    modules run one after another, never two Ray instances on this machine at once."""
+    import fcntl
+    import tempfile
+
+    with open(Path(tempfile.gettempdir()) / "prefixkv-tests-ray.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -166,3 +166,28 @@ def test_engine_frees_out_of_window_blocks_and_fits_more_requests(tiny_gemma3, l
         assert eng.scheduler.kv.num_used_blocks == 0
         peaks[disable] = peak
     assert peaks[True] <= 3 and peaks[False] >= 2 * peaks[True], peaks
+
+
+def test_mistral_window_serves_prompts_longer_than_its_pool(tiny_mistral_window):
+    """Every layer windowed (8 tokens): a 200-token prompt computed in 16-token chunks holds at most
+    a window plus a chunk of blocks, so a pool of 20 blocks (80 tokens) serves it, token-identical
+    to transformers; keeping every block it is refused. The context is the model's, not the window."""
+    import json
+    import random
+
+    from test_lossless import hf_reference
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 384) for _ in range(200)], [rng.randrange(3, 384) for _ in range(150)]]
+    refs = hf_reference(tiny_mistral_window, prompts, max_tokens=12)
+    cfg = json.loads((tiny_mistral_window / "config.json").read_text())
+    llm = LLM(model=str(tiny_mistral_window), dtype="float64", block_size=4, num_kv_blocks=20,
+              max_num_batched_tokens=16)
+    llm.engine.check_integrity_each_step = True
+    assert llm.engine.info.max_model_len == cfg["max_position_embeddings"] > 8
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    kept = LLM(model=str(tiny_mistral_window), dtype="float64", block_size=4, num_kv_blocks=20,
+               max_num_batched_tokens=16, disable_hybrid_kv_cache_manager=True)
+    with pytest.raises(ValueError, match=r"prompt: 200 tokens need 51 KV blocks but the cache has only 20"):
+        kept.generate(prompts[:1], SamplingParams(max_tokens=12))

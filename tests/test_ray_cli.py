@@ -77,7 +77,7 @@ def _health(url: str) -> dict:
         return {}
 
 
-def test_serve_replicas_autoscales_under_load_and_stops_on_sigterm(tiny_llama, tmp_path):
+def test_serve_replicas_autoscales_under_load_and_stops_on_sigterm(one_ray_instance, tiny_llama, tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     conf = tmp_path / "autoscaling.json"

@@ -38,7 +38,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama):
+def cluster(one_ray_instance, tiny_llama):
     from ray.cluster_utils import Cluster
 
     from prefixkv.serve import build_app

@@ -170,17 +170,17 @@ class RadixIndex:
         NULL, bs = self.NULL, self.block_size
         groups = [block_ids, *extra]
         n = len(block_ids)
-        # last_null[g][k]: the last block < k whose page of group g is NULL (-1: none)
-        last_null = []
-        for g, _ in self._windowed:
-            pages, ln, row = groups[g], -1, [-1] * (n + 1)
-            for i, p in enumerate(pages):
-                if p == NULL:
-                    ln = i
-                row[i + 1] = ln
-            last_null.append(row)
-        while n and any(row[n] >= self.window_start(w, n * bs) for row, (_, w) in zip(last_null, self._windowed)):
-            n -= 1
+        while n:  # the window of a hit ending at n blocks: [window_start, n) in each windowed group
+            last_null = -1
+            for g, w in self._windowed:
+                pages = groups[g]
+                for i in range(n - 1, self.window_start(w, n * bs) - 1, -1):
+                    if pages[i] == NULL:
+                        last_null = max(last_null, i)
+                        break
+            if last_null < 0:
+                break
+            n = last_null  # every end in (last_null, n] has block last_null inside its window
         groups = [pages[:n] for pages in groups]
         for g, w in self._windowed:
             start = self.window_start(w, n * bs)

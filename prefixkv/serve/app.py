@@ -133,7 +133,9 @@ def run_ray_server(args: argparse.Namespace, engine_config: EngineConfig, server
                                    "min_match_tokens": args.router_min_match_tokens}
                     if args.router == "cache_aware" else None,
                     routing_stats_period_s=args.routing_stats_period)
-    ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True,
+    # "local": a new instance of our own unless --ray-address names one (a bare init would join
+    # whatever cluster this machine last started, even a dead one)
+    ray.init(address=args.ray_address or "local", include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("PREFIXKV_")}})
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, name="prefixkv", route_prefix="/")
