@@ -17,9 +17,10 @@ become evictable one by one, not only from a leaf's tail: each one the last requ
 (``note_released``) joins a heap by release time, and ``evict`` takes from it or from the leaves,
 whichever waited longer (one LRU clock). A page inside the window of its node's end (what a hit
 ending there needs: a shared prefix's end, a conversation's last turn) waits as long as its node
-and its newest children: popped while they were used since, it goes back under their time. A match stops where a windowed group lacks a
-page its window needs: a prefix of P tokens is usable when every full group has all its pages
-and each windowed group those of the blocks that ``[P - window + 1, P)`` touches.
+and its newest children: popped while they were used since, it goes back under their time. A
+match stops where a windowed group lacks a page its window needs: a prefix of P tokens is usable
+when every full group has all its pages and each windowed group those of the blocks that
+``[P - window + 1, P)`` touches (the next query, at P, sees keys from P - window + 1 on).
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ class RadixIndex:
         self._block_node: dict[int, RadixNode] = {}
         self._leaf_heap: list[tuple[int, int, RadixNode]] = []
         # windowed groups: page -> (node, group) for the groups after the anchor (the anchor's are
-        # in _block_node), and the queue of released windowed pages (release time, page)
+        # in _block_node), and the released windowed pages by release time (a heap; an entry is
+        # live while _release_time holds its time for its page)
         self._page_node: dict[int, tuple[RadixNode, int]] = {}
         self._released: list[tuple[int, int, int]] = []  # heap of (time, seq, page)
         self._release_time: dict[int, int] = {}
