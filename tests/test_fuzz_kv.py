@@ -29,14 +29,19 @@ class KVMachine(RuleBasedStateMachine):
         self.num_host_hits = 0
 
     # -- helpers ----------------------------------------------------------------------------
+    def _tables(self, seq: str) -> tuple[list[int], ...]:
+        """The request's block table of every KV cache group (one without groups)."""
+        return (self.kv.block_tables[seq], *self.kv.extra_tables.get(seq, ()))
+
     def _apply(self, seq: str, tokens: list[int], start: int, ops) -> None:
         for op in ops:  # the runner copies before the forward pass
             self.truth[op.dst] = list(self.truth[op.src])
-        table = self.kv.block_tables[seq]
-        for p in range(start, len(tokens)):
-            b = table[p // BLOCK_SIZE]
-            assert self.kv.pool.ref_cnt[b] == 1, f"write into shared block {b} (ref {self.kv.pool.ref_cnt[b]})"
-            self.truth.setdefault(b, [None] * BLOCK_SIZE)[p % BLOCK_SIZE] = tokens[p]
+        for t in self._tables(seq):
+            for p in range(start, len(tokens)):
+                b = t[p // BLOCK_SIZE]
+                assert b != self.kv.NULL, f"{seq} writes position {p} into a freed page"
+                assert self.kv.pool.ref_cnt[b] == 1, f"write into shared block {b} (ref {self.kv.pool.ref_cnt[b]})"
+                self.truth.setdefault(b, [None] * BLOCK_SIZE)[p % BLOCK_SIZE] = tokens[p]
         self.kv.cache_blocks(seq, tokens, len(tokens))
         self.seqs[seq] = list(tokens)
 
@@ -236,21 +241,6 @@ class GroupedKVMachine(KVMachine):
     def __init__(self) -> None:
         super().__init__()
         self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, windows=self.WINDOWS)
-
-    def _tables(self, seq: str) -> tuple[list[int], ...]:
-        return (self.kv.block_tables[seq], *self.kv.extra_tables[seq])
-
-    def _apply(self, seq: str, tokens: list[int], start: int, ops) -> None:
-        for op in ops:
-            self.truth[op.dst] = list(self.truth[op.src])
-        for t in self._tables(seq):
-            for p in range(start, len(tokens)):
-                b = t[p // BLOCK_SIZE]
-                assert b != self.kv.NULL, f"{seq} writes position {p} into a freed page"
-                assert self.kv.pool.ref_cnt[b] == 1, f"write into shared page {b} (ref {self.kv.pool.ref_cnt[b]})"
-                self.truth.setdefault(b, [None] * BLOCK_SIZE)[p % BLOCK_SIZE] = tokens[p]
-        self.kv.cache_blocks(seq, tokens, len(tokens))
-        self.seqs[seq] = list(tokens)
 
     def _check_match(self, tokens: list[int]) -> None:
         m = self.kv.match_prefix(tokens)
