@@ -164,7 +164,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens_cpu,
             query_start_loc_cpu=starts_cpu,
         )
-        if grouped:  # the same batch through each group's tables (rows line up in every group)
+        if grouped:  # the same batch through each group's tables (each with its own rows)
             metas = [meta]
             for t, g_rows in zip(self.group_tables, group_rows):
                 g_np = np.asarray(g_rows, dtype=np.int64)
