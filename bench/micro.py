@@ -64,7 +64,7 @@ def scheduler_overhead(num_running: int, steps: int, prompt_tokens: int, block_s
     runner = SimpleNamespace(block_size=block_size, device=torch.device("cpu"), vocab_size=49152,
                              eos_token_ids=[2], max_model_len=1 << 30,
                              block_tables=BlockTables(-(-(prompt_tokens + steps + 8) // block_size)),
-                             group_tables=[], grouped=False)
+                             group_tables=[])
     while True:  # prefill everything, untimed
         out = sched.schedule()
         all_decode = out.num_decodes == num_running  # (a property of the live requests: read before update)
@@ -578,8 +578,7 @@ def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: in
     for g in eng._groups.values():  # detokenize=False requests: no text work
         g.params.detokenize = False
     prep_runner = SimpleNamespace(block_size=bs, device=torch.device("cpu"), max_model_len=1 << 30,
-                                  block_tables=BlockTables(blocks_per_req, num_running), group_tables=[],
-                                  grouped=False)
+                                  block_tables=BlockTables(blocks_per_req, num_running), group_tables=[])
     prep = []
 
     def execute(out):

@@ -48,8 +48,17 @@ class KVMachine(RuleBasedStateMachine):
     def _check_match(self, tokens: list[int]) -> None:
         m = self.kv.match_prefix(tokens)
         assert m.num_tokens == len(m.block_ids) * BLOCK_SIZE and m.num_tokens <= max(0, len(tokens) - 1)
-        for i, b in enumerate(m.block_ids):
-            assert self.truth[b] == tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE], (b, self.truth[b], tokens)
+        n = len(m.block_ids)
+        for g, pages in enumerate((m.block_ids, *m.extra)):
+            assert len(pages) == n
+            w = self.kv.windows[g]
+            start = 0 if w is None else self.kv.radix.window_start(w, m.num_tokens)
+            for i, b in enumerate(pages):
+                if i < start:
+                    assert b == self.kv.NULL, f"group {g} hands out page {b} before its window"
+                    continue
+                assert b != self.kv.NULL, f"group {g} lacks block {i} of its window"
+                assert self.truth[b] == tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE], (g, b, self.truth[b], tokens)
 
     def _swap(self) -> None:
         """The runner's copies between tiers at the start of a step (none without lower tiers)."""
@@ -109,7 +118,9 @@ class KVMachine(RuleBasedStateMachine):
     def evict(self, n):
         before = self.kv.pool.num_evictable
         freed = self.kv.radix.evict(n)
-        assert len(freed) == min(n, before)  # every evictable block is reachable leaf-first
+        # every evictable block is reachable leaf-first (with KV cache groups: every evictable page;
+        # a leaf's block goes with all its pages, n + groups - 1 at most)
+        assert min(n, before) <= len(freed) <= min(before, n + len(self.kv.windows) - 1), (n, before, freed)
         for b in freed:
             self.truth.pop(b, None)
 
@@ -124,15 +135,15 @@ class KVMachine(RuleBasedStateMachine):
         for b, toks in self.kv.radix.cached_blocks().items():
             assert self.truth[b] == list(toks), (b, self.truth[b], toks)
         for seq, tokens in self.seqs.items():
-            table = self.kv.block_tables[seq]
-            for p, t in enumerate(tokens):
-                assert self.truth[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] == t, (seq, p)
-
-    def teardown(self) -> None:
-        for seq in list(self.seqs):
-            self.kv.free(seq)
-        self.kv.check_integrity()
-        assert self.kv.num_used_blocks == 0
+            for g, t in enumerate(self._tables(seq)):
+                w = self.kv.windows[g]
+                start = 0 if w is None else self.kv.radix.window_start(w, len(tokens))
+                for p, tok in enumerate(tokens):
+                    b = t[p // BLOCK_SIZE]
+                    if b == self.kv.NULL:
+                        assert p // BLOCK_SIZE < start, (seq, g, p, "a page inside the window is missing")
+                        continue
+                    assert self.truth[b][p % BLOCK_SIZE] == tok, (seq, g, p)
 
 
 KVMachine.TestCase.settings = settings(
@@ -241,46 +252,6 @@ class GroupedKVMachine(KVMachine):
     def __init__(self) -> None:
         super().__init__()
         self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, windows=self.WINDOWS)
-
-    def _check_match(self, tokens: list[int]) -> None:
-        m = self.kv.match_prefix(tokens)
-        assert m.num_tokens == len(m.block_ids) * BLOCK_SIZE and m.num_tokens <= max(0, len(tokens) - 1)
-        n = len(m.block_ids)
-        for g, pages in enumerate((m.block_ids, *m.extra)):
-            assert len(pages) == n
-            w = self.kv.windows[g]
-            start = 0 if w is None else self.kv.radix.window_start(w, m.num_tokens)
-            for i, b in enumerate(pages):
-                if i < start:
-                    assert b == self.kv.NULL, f"group {g} hands out page {b} before its window"
-                    continue
-                assert b != self.kv.NULL, f"group {g} lacks block {i} of its window"
-                assert self.truth[b] == tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE], (g, b, self.truth[b], tokens)
-
-    @invariant()
-    def integrity(self):
-        self.kv.check_integrity()
-        for b, toks in self.kv.radix.cached_blocks().items():
-            assert self.truth[b] == list(toks), (b, self.truth[b], toks)
-        for seq, tokens in self.seqs.items():
-            for g, t in enumerate(self._tables(seq)):
-                w = self.kv.windows[g]
-                start = 0 if w is None else self.kv.radix.window_start(w, len(tokens))
-                for p, tok in enumerate(tokens):
-                    b = t[p // BLOCK_SIZE]
-                    if b == self.kv.NULL:
-                        assert p // BLOCK_SIZE < start, (seq, g, p, "a page inside the window is missing")
-                        continue
-                    assert self.truth[b][p % BLOCK_SIZE] == tok, (seq, g, p)
-
-    @rule(n=st.integers(1, NUM_BLOCKS))
-    def evict(self, n):
-        before = self.kv.pool.num_evictable
-        freed = self.kv.radix.evict(n)
-        # every evictable page is reachable; a leaf's block goes with all its pages (n + groups - 1 at most)
-        assert min(n, before) <= len(freed) <= min(before, n + len(self.kv.windows) - 1), (n, before, freed)
-        for b in freed:
-            self.truth.pop(b, None)
 
 
 GroupedKVMachine.TestCase.settings = settings(

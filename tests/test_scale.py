@@ -227,8 +227,7 @@ def _prep_runner(block_size: int, max_blocks: int = 8, num_groups: int = 1):
 
     return SimpleNamespace(block_size=block_size, device=torch.device("cpu"), max_model_len=1 << 20,
                            block_tables=BlockTables(max_blocks, num_rows=2),
-                           group_tables=[BlockTables(max_blocks, num_rows=2) for _ in range(num_groups - 1)],
-                           grouped=num_groups > 1)
+                           group_tables=[BlockTables(max_blocks, num_rows=2) for _ in range(num_groups - 1)])
 
 
 def _check_step_inputs(s: Scheduler, runner, out) -> None:

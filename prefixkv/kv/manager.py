@@ -167,7 +167,7 @@ class KVCacheManager:
                     self._swap_in.append((src, b))
                 table.append(b)
         ops: list[CopyOp] = []
-        tables = (table, *self.extra_tables[seq_id]) if self.grouped else (table,)
+        tables = self._tables(seq_id)
         if num_computed % bs:
             i = num_computed // bs
             if self.pool.ref_cnt[table[i]] > 1:  # (a fork's shared partial block: shared in every group)
@@ -184,6 +184,11 @@ class KVCacheManager:
                 for t in tables:
                     t.append(self.pool.allocate())
         return ops
+
+    def _tables(self, seq_id: str) -> tuple[list[int], ...]:
+        """The request's table of every group (the anchor's first)."""
+        table = self.block_tables[seq_id]
+        return (table, *self.extra_tables[seq_id]) if self.grouped else (table,)
 
     def _adopt(self, seq_id: str, prefix: MatchResult, num_computed: int) -> None:
         """A new table per group from a match (NULL before each windowed group's window)."""
@@ -204,7 +209,7 @@ class KVCacheManager:
         """Give back the pages of each windowed group that lie wholly before its window, once
         ``num_computed`` tokens are computed. Returns how many pages this freed or released."""
         starts = self._win_start[seq_id]
-        tables = (self.block_tables[seq_id], *self.extra_tables[seq_id])
+        tables = self._tables(seq_id)
         n = 0
         for g, w in self.windowed:
             end = self.radix.window_start(w, num_computed)
@@ -363,7 +368,7 @@ class KVCacheManager:
             return False
         if need > 0:
             self._mark(seq_id, len(table))
-        tables = (table, *self.extra_tables[seq_id]) if self.grouped else (table,)
+        tables = self._tables(seq_id)
         for _ in range(need):
             for t in tables:
                 t.append(self.pool.allocate())
@@ -376,7 +381,7 @@ class KVCacheManager:
         keep = -(-num_tokens // self.block_size)
         if len(table) > keep:
             self._mark(seq_id, keep)
-        for t in (table, *self.extra_tables[seq_id]) if self.grouped else (table,):
+        for t in self._tables(seq_id):
             while len(t) > keep:
                 b = t.pop()
                 assert self.pool.ref_cnt[b] == 1 and not self.pool.cached[b], (seq_id, b)
@@ -387,7 +392,7 @@ class KVCacheManager:
         table = self.block_tables[parent_id]
         if self.grouped:
             NULL = self.NULL
-            for t in (table, *self.extra_tables[parent_id]):
+            for t in self._tables(parent_id):
                 for b in t:
                     if b != NULL:
                         self.pool.incref(b)
@@ -457,7 +462,7 @@ class KVCacheManager:
         holders = [1 if c else 0 for c in self.pool.cached]
         NULL = self.NULL
         for seq_id, table in self.block_tables.items():
-            tables = (table, *self.extra_tables[seq_id]) if self.grouped else (table,)
+            tables = self._tables(seq_id)
             assert all(len(t) == len(table) for t in tables), f"{seq_id}: group tables of different lengths"
             pages = [b for t in tables for b in t if b != NULL]
             assert len(set(pages)) == len(pages), f"{seq_id} holds a block twice: {tables}"

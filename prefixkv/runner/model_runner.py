@@ -72,8 +72,7 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.block_tables = BlockTables(-(-max_model_len // block_size))
         self.group_tables = [BlockTables(-(-max_model_len // block_size)) for _ in range(self.kv_plan.num_groups - 1)]
-        self.grouped = self.kv_plan.num_groups > 1
-        if self.grouped:
+        if self.group_tables:
             model.kv_slots, model.kv_groups = self.kv_plan.layer_slot, self.kv_plan.layer_group
         # the host tier's KV: [num_layers, 2, num_host_blocks, KVH, block_size, D], in host memory
         # (pinned when the device is a GPU, so its copies can be asynchronous)
@@ -107,7 +106,7 @@ class ModelRunner:
         tables.release(out.released_seq_ids)
         for t in self.group_tables:
             t.release(out.released_seq_ids)
-        grouped = self.grouped
+        grouped = bool(self.group_tables)
         group_rows: list[list[int]] = [[] for _ in self.group_tables]
         rows: list[int] = []
         computed: list[int] = []
