@@ -905,7 +905,8 @@ _Static_assert(GEMM_MR == 6 && GEMM_RG % GEMM_MR == 0, "gemm_f32's switch covers
  * group take each block of k in turn while that block's GEMM_KB x GEMM_NR slice of the panel is in
  * L1, and the first tile prefetches the panel ahead, so it streams from memory once, in order,
  * partly under the computation. Measured on a 2-core Zen 3 VM (bench/RESULTS.md, "Seventh
- * session"): SmolLM2's layers at 16 rows ~1.5x faster than oneDNN; at 512 rows ~0.75x oneDNN. */
+ * session", "Tenth session"): SmolLM2's layers at 16 rows ~1.5x faster than oneDNN; at 512 rows
+ * about as fast as oneDNN since the unrolled k loop (~0.75x before). */
 static inline __attribute__((always_inline)) void gemm_tile_kblock(const int MR, const float *x, int64_t ld_x,
                                                                    const float *panel, int k0, int k1,
                                                                    float *total, const int pf) {
