@@ -14,7 +14,8 @@ Within prefixkv only::
     sched-overhead     CPU µs per scheduled request per step (fake model runner)
     memory             requests that fit in a fixed KV budget: paged blocks vs contiguous reservation
     flops              machine matmul GFLOP/s and the fraction the systems reach on decode-heavy work
-    gemm               the model's GEMMs through F.linear, oneDNN prepacked and MKL packed, by row count
+    gemm               the model's GEMMs through F.linear, oneDNN prepacked, MKL packed and the C GEMM
+                       (--c-baseline FILE: another version of the C source beside it), by row count
     scale              host time per engine step at 256-1,024 running, 1e5-1e6 cached blocks (fake runner)
     roofline           a decode step at batch B against the machine's read bandwidth and GEMM peak
     sliding-window     long chats on a Gemma-3-shaped model in a fixed KV budget: out-of-window blocks freed or kept
@@ -149,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gemm", help="the model's GEMMs: F.linear vs oneDNN prepacked vs MKL packed")
     p.add_argument("--rows", default="1,16,32,512")
     p.add_argument("--repeat-passes", type=int, default=7)
+    p.add_argument("--c-baseline", default=None, metavar="FILE",
+                   help="another cpu_ops.c to run beside the current C GEMM (same flags; bits compared)")
     add_common(p, systems_default=None)
     p = sub.add_parser("scale", help="host time per engine step at GPU scale (fake runner, no model)")
     p.add_argument("--sizes", default="256,1024", help="running requests")

@@ -96,6 +96,18 @@ def test_cpu_speed_ablation_and_machine_commands(tiny_llama, tmp_path):
     doc = _run(["gemm", "--model", str(tiny_llama), "--rows", "1,4", "--repeat-passes", "2"], tmp_path, "gemm")
     assert [r["rows"] for r in doc["results"]] == [1, 4]
     assert all(r["onednn-prepacked"]["ms"] > 0 for r in doc["results"])
+    from prefixkv import cpu_ops
+    if cpu_ops.gemm_available():  # --c-baseline: another version of the source beside the current one
+        source = Path(cpu_ops.SOURCE).read_text()
+        same, other = tmp_path / "same.c", tmp_path / "other.c"
+        same.write_text(source)
+        assert "#define GEMM_KB 64" in source
+        other.write_text(source.replace("#define GEMM_KB 64", "#define GEMM_KB 32"))  # other sums
+        for path, equal in ((same, True), (other, False)):
+            doc = _run(["gemm", "--model", str(tiny_llama), "--rows", "1,5", "--repeat-passes", "1",
+                        "--c-baseline", str(path)], tmp_path, "gemm-ab")
+            assert [r["c_baseline_bitwise_equal"] for r in doc["results"]] == [equal, equal]
+            assert all(r["c-baseline"]["ms"] > 0 and r["c-packed"]["ms"] > 0 for r in doc["results"])
     doc = _run(["roofline", "--model", str(tiny_llama), "--batch", "3", "--system-tokens", "20",
                 "--question-tokens", "5", "--steps", "4", "--kv-tokens", "4096"], tmp_path, "roof")
     assert doc["roofline_ms"] > 0 and doc["decode_step_ms_median"] > 0 and doc["weight_bytes"] > 0

@@ -906,7 +906,7 @@ _Static_assert(GEMM_MR == 6 && GEMM_RG % GEMM_MR == 0, "gemm_f32's switch covers
  * L1, and the first tile prefetches the panel ahead, so it streams from memory once, in order,
  * partly under the computation. Measured on a 2-core Zen 3 VM (bench/RESULTS.md, "Seventh
  * session", "Tenth session"): SmolLM2's layers at 16 rows ~1.5x faster than oneDNN; at 512 rows
- * about as fast as oneDNN since the unrolled k loop (~0.75x before). */
+ * ~0.9x oneDNN since the unrolled k loop (~0.75x before). */
 static inline __attribute__((always_inline)) void gemm_tile_kblock(const int MR, const float *x, int64_t ld_x,
                                                                    const float *panel, int k0, int k1,
                                                                    float *total, const int pf) {
@@ -917,8 +917,8 @@ static inline __attribute__((always_inline)) void gemm_tile_kblock(const int MR,
         for (int v = 0; v < GEMM_NV; v++) acc[m][v] = _mm256_setzero_ps();
     const float *pk = panel + (int64_t)k0 * GEMM_NR;
     /* unrolled by 4, with pf a constant at each call site (no test in the loop): the loop's
-     * bookkeeping otherwise crowds the 12 FMAs out of the dispatch width (measured: 512 rows
-     * ~1.3x, 16 rows ~1.15x; the same sums, so the same bits) */
+     * bookkeeping otherwise crowds the 12 FMAs out of the dispatch width (python -m bench gemm
+     * --c-baseline: 16 / 64 / 512 rows 1.14x / 1.26x / 1.15x; the same sums, so the same bits) */
     #pragma GCC unroll 4
     for (int k = k0; k < k1; k++, pk += GEMM_NR) {
         __m256 w[GEMM_NV];

@@ -8,7 +8,7 @@ CPU float32 backends (``EngineConfig.cpu_linear``; ``resolve_cpu_linear`` picks 
   bits on either build). On SmolLM2's projections (bench/RESULTS.md: "The C GEMM"; for AVX2,
   "Seventh session") a 16-row decode step's GEMMs take ~1.2x less time than oneDNN's on AVX-512
   and ~1.5x less on AVX2; prefill-sized GEMMs run about as fast as oneDNN's on AVX-512 (2,048 rows)
-  and on AVX2 (512 rows; "Tenth session"). Its rows are bitwise independent of the batch they run in,
+  and at ~0.9x on AVX2 (512 rows; "Tenth session"). Its rows are bitwise independent of the batch they run in,
   for every M including 1 (tests/test_linear.py).
 - "onednn": see below; where the C kernel is not built (no AVX2 / AVX-512, or no compiler).
 - "torch": ``F.linear`` (MKL), the plain path.
