@@ -660,44 +660,6 @@ def cmd_scale(args: argparse.Namespace, command: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------- gemm
-def _c_baseline_packer(source: str):
-    """Build another version of the kernel source with the engine's flags; returns ``make(w)`` ->
-    a caller of that build's GEMM on w packed by that build (same signature as cpu_ops.gemm_caller)."""
-    import ctypes
-    import os
-    import shutil
-    import subprocess
-    import tempfile
-
-    import torch
-
-    from prefixkv import cpu_ops
-
-    so = Path(tempfile.mkdtemp(prefix="gemm-baseline-")) / "cpu_ops_baseline.so"
-    cc = os.environ.get("CC") or shutil.which("cc") or "gcc"
-    res = subprocess.run([cc, *cpu_ops._flags(), "-o", str(so), source, "-lm"], capture_output=True, text=True)
-    if res.returncode:
-        raise SystemExit(f"--c-baseline: {source} does not build: {res.stderr[:2000]}")
-    lib = ctypes.CDLL(str(so))
-    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.gemm_pack_f32.argtypes, lib.gemm_pack_f32.restype = [p, i64, i32, i32, p], None
-    lib.gemm_f32.argtypes, lib.gemm_f32.restype = [p, i64, p, p, p, i64, i32, i32, i32], i32
-    width = lib.gemm_panel_width()
-
-    def make(w: torch.Tensor):
-        n, k = w.shape
-        packed = torch.empty(((n + width - 1) // width, k, width), dtype=torch.float32)
-        lib.gemm_pack_f32(w.data_ptr(), w.stride(0), n, k, packed.data_ptr())
-
-        def call(x: torch.Tensor, _keep=(packed, lib)) -> torch.Tensor:
-            y = torch.empty((x.shape[0], n), dtype=torch.float32)
-            if not lib.gemm_f32(x.data_ptr(), x.stride(0), packed.data_ptr(), None, y.data_ptr(), n, x.shape[0], n, k):
-                raise SystemExit("--c-baseline: that build has no GEMM for this CPU")
-            return y
-        return call
-    return make
-
-
 def cmd_gemm(args: argparse.Namespace, command: str) -> int:
     """The model's projections, every layer's own weights (so they stream from memory as in a
     step), through F.linear (MKL sgemm), the engine's C GEMM on packed weights (its CPU default),
@@ -722,7 +684,9 @@ def cmd_gemm(args: argparse.Namespace, command: str) -> int:
     weights = [[torch.randn(n, k, generator=g) * 0.02 for n, k in shapes] for _ in range(cfg.num_hidden_layers)]
     nbytes = sum(w.numel() * 4 for ws in weights for w in ws)
     mk = torch.ops.mkldnn
-    baseline = _c_baseline_packer(args.c_baseline) if args.c_baseline else None
+    baseline = cpu_ops.load_source(Path(args.c_baseline)) if args.c_baseline else None
+    if baseline is not None and baseline.vector_bits == 0:
+        raise SystemExit(f"--c-baseline: {args.c_baseline} has no GEMM for this CPU")
     rows = []
     for m in [int(x) for x in args.rows.split(",")]:
         xs = {k: torch.randn(m, k, generator=g) for k in {k for _, k in shapes}}
@@ -740,7 +704,8 @@ def cmd_gemm(args: argparse.Namespace, command: str) -> int:
         if c_calls is not None:
             paths["c-packed"] = lambda: [c(xs[w.shape[1]]) for ws, cs in zip(weights, c_calls) for w, c in zip(ws, cs)]
         if baseline is not None:
-            b_calls = [[baseline(w) for w in ws] for ws in weights]
+            b_calls = [[cpu_ops.gemm_caller(cpu_ops.gemm_pack(w, baseline), w.shape[0], lib=baseline) for w in ws]
+                       for ws in weights]
             paths["c-baseline"] = lambda: [c(xs[w.shape[1]]) for ws, cs in zip(weights, b_calls) for w, c in zip(ws, cs)]
         res = dict(rows=m)
         outs = {name: fn() for name, fn in paths.items()}  # warm; kept for the bitwise check

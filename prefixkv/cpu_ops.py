@@ -46,8 +46,8 @@ def _flags() -> tuple[str, ...]:
     return CFLAGS + (("-mno-avx512f",) if os.environ.get("PREFIXKV_CPU_KERNELS") == "avx2" else ())
 
 
-def _build(cc: str) -> Path:
-    src = SOURCE.read_bytes()
+def _build(cc: str, source: Path = SOURCE) -> Path:
+    src = source.read_bytes()
     flags = _flags()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(),
@@ -59,7 +59,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".cpu_ops-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+        res = subprocess.run([cc, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True,
                              timeout=300)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed: {res.stderr.strip()[:2000]}")
@@ -70,19 +70,36 @@ def _build(cc: str) -> Path:
     return out
 
 
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernel library, or None (no working C compiler, or ``PREFIXKV_CPU_KERNELS=0``)."""
     if os.environ.get("PREFIXKV_CPU_KERNELS", "1") == "0":
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = _compiler()
     if cc is None:
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
+        return _open(_build(cc))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         print(f"prefixkv: CPU kernels unavailable ({e}); using the torch attention path", file=sys.stderr)
         return None
+
+
+def load_source(source: Path) -> ctypes.CDLL:
+    """Another version of the kernel source (same entry points), built and opened as ``load()``
+    does its own, for A/B benchmarks (``python -m bench gemm --c-baseline``); errors raise."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler ($CC, cc or gcc)")
+    return _open(_build(cc, Path(source)))
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     for suffix, scalar in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
         fn = getattr(lib, f"paged_decode_attention_{suffix}")
@@ -122,12 +139,13 @@ def gemm_available() -> bool:
     return lib is not None and lib.vector_bits > 0
 
 
-def gemm_pack(weight: torch.Tensor) -> torch.Tensor:
+def gemm_pack(weight: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """weight [N, K] float32 (CPU, rows contiguous) -> its packed copy for ``gemm_caller``: panels of
-    ``gemm_panel_width()`` output features, [ceil(N / width), K, width], zero-padded."""
+    ``gemm_panel_width()`` output features, [ceil(N / width), K, width], zero-padded. ``lib``: a
+    library from ``load_source`` instead of ``load()``'s."""
     assert weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2, weight.shape
     assert weight.stride(1) == 1, weight.stride()
-    lib = load()
+    lib = lib or load()
     n, k = weight.shape
     width = lib.gemm_panel_width()
     packed = torch.empty(((n + width - 1) // width, k, width), dtype=torch.float32)
@@ -135,17 +153,18 @@ def gemm_pack(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def gemm_caller(packed: torch.Tensor, n: int, bias: torch.Tensor | None = None):
+def gemm_caller(packed: torch.Tensor, n: int, bias: torch.Tensor | None = None, lib: ctypes.CDLL | None = None):
     """The GEMM with its packed weight bound: ``call(x)`` = x [M, K] float32 (rows contiguous, any row
     stride) @ W.T (+ bias) -> [M, n], W being the [n, K] weight ``packed`` came from. Each output is a
     sum, in order, of float32 FMA chains over 64 values of k each, then + bias: bitwise independent of
     M and of the row's place in x. The weight is checked once here, so that a call (121 a decode step
-    on SmolLM2) costs one allocation and one ctypes call. The returned function holds the tensors."""
+    on SmolLM2) costs one allocation and one ctypes call. The returned function holds the tensors.
+    ``lib``: the library ``packed`` came from, if not ``load()``'s."""
     k = packed.shape[1]
     assert packed.dtype == torch.float32 and packed.is_contiguous() and packed.dim() == 3, packed.shape
     assert packed.shape[0] * packed.shape[2] >= n > packed.shape[0] * packed.shape[2] - packed.shape[2], (n, packed.shape)
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous() and bias.dtype == torch.float32)
-    fn, p_ptr, b_ptr = load().gemm_f32, packed.data_ptr(), None if bias is None else bias.data_ptr()
+    fn, p_ptr, b_ptr = (lib or load()).gemm_f32, packed.data_ptr(), None if bias is None else bias.data_ptr()
     f32, empty = torch.float32, torch.empty
 
     def call(x: torch.Tensor, _keep=(packed, bias)) -> torch.Tensor:
