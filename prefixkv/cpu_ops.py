@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from prefixkv import hugepages
 from prefixkv.cache_dir import cache_root
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.c"
@@ -148,7 +149,7 @@ def gemm_pack(weight: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Ten
     lib = lib or load()
     n, k = weight.shape
     width = lib.gemm_panel_width()
-    packed = torch.empty(((n + width - 1) // width, k, width), dtype=torch.float32)
+    packed = hugepages.empty(((n + width - 1) // width, k, width), dtype=torch.float32)  # streamed every call
     lib.gemm_pack_f32(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr())
     return packed
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from prefixkv import hugepages
 from prefixkv.attention import AttentionBackend, AttentionMetadata, kv_cache_shape
 from prefixkv.kv.groups import KVGroupPlan, plan_kv_groups
 from prefixkv.model.llama import LlamaModel
@@ -66,9 +67,11 @@ class ModelRunner:
         # KV cache groups (kv/groups.py): [layers_per_page, 2, num_pages + 1, ...], a block table per
         # group (the anchor's is block_tables), layer i at slot kv_plan.layer_slot[i]
         self.kv_plan = kv_plan or plan_kv_groups((None,) * s.num_layers)
-        self.kv_cache = torch.zeros(
-            kv_cache_shape(self.kv_plan.layers_per_page, num_blocks, s.num_kv_heads, block_size, s.head_dim),
-            dtype=dtype, device=self.device)
+        shape = kv_cache_shape(self.kv_plan.layers_per_page, num_blocks, s.num_kv_heads, block_size, s.head_dim)
+        if self.device.type == "cpu":  # huge pages: a block read touches one page, not several
+            self.kv_cache = hugepages.empty(shape, dtype=dtype).zero_()
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.graphs: CudaGraphRunner | None = None
         self.block_tables = BlockTables(-(-max_model_len // block_size))
         self.group_tables = [BlockTables(-(-max_model_len // block_size)) for _ in range(self.kv_plan.num_groups - 1)]
