@@ -163,7 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--system-tokens", type=int, default=196)
     p.add_argument("--question-tokens", type=int, default=32)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=40, help="timed decode steps per round")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds of (read bandwidth, GEMM peak, decode steps): each round's ratio uses the "
+                        "figures measured beside its own steps; the median round is reported")
     add_common(p, systems_default=None)
     p = sub.add_parser("serving", help="prefixkv serve: latency percentiles and throughput against request rate")
     from bench.serving import add_arguments

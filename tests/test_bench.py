@@ -109,8 +109,12 @@ def test_cpu_speed_ablation_and_machine_commands(tiny_llama, tmp_path):
             assert [r["c_baseline_bitwise_equal"] for r in doc["results"]] == [equal, equal]
             assert all(r["c-baseline"]["ms"] > 0 and r["c-packed"]["ms"] > 0 for r in doc["results"])
     doc = _run(["roofline", "--model", str(tiny_llama), "--batch", "3", "--system-tokens", "20",
-                "--question-tokens", "5", "--steps", "4", "--kv-tokens", "4096"], tmp_path, "roof")
+                "--question-tokens", "5", "--steps", "4", "--rounds", "2", "--kv-tokens", "4096"], tmp_path, "roof")
     assert doc["roofline_ms"] > 0 and doc["decode_step_ms_median"] > 0 and doc["weight_bytes"] > 0
+    rounds = doc["by_round"]  # each round's ratio from its own bandwidth, peak and steps
+    assert doc["rounds"] == len(rounds) == 2 and all(r["read_bandwidth"]["best_gbs"] > 0 for r in rounds)
+    assert doc["step_over_roofline_median_round"] in [r["step_over_roofline"] for r in rounds]
+    assert doc["read_bandwidth"]["best_gbs"] == max(r["read_bandwidth"]["best_gbs"] for r in rounds)
     doc = _run(["scale", "--sizes", "8", "--cached-blocks", "256", "--context-tokens", "256", "--steps", "3"],
                tmp_path, "scale")
     r = doc["results"][0]
