@@ -804,10 +804,11 @@ void argmax_rows_f32(const float *x, int64_t ld, int rows, int n, int64_t *out) 
  * Dense GEMM of the decoder's projections, float32:  y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]).
  *
  * W is packed once (gemm_pack_f32) into panels of GEMM_NR output features, each [K][GEMM_NR]
- * (zero-padded past N), so that a panel streams through memory once per call. Work items are
- * panels (split across threads); in a panel, tiles of up to GEMM_MR rows keep GEMM_MR x GEMM_NR
- * accumulators in registers while the panel's rows go by (the first tile reads the panel from
- * memory, the others from L2).
+ * (zero-padded past N), so that a panel streams through memory once per call. Each thread takes a
+ * contiguous range of panels; the rows of x go in groups of GEMM_RG, and in a panel the group's
+ * tiles of up to GEMM_MR rows take each block of GEMM_KB values of k in turn, GEMM_MR x GEMM_NR
+ * accumulators in registers, while that block's slice of the panel is in L1 (the first tile
+ * brings it from memory, prefetched ahead); the block sums go to a running total in a buffer.
  *
  * Every output element is summed in two levels: for each block of GEMM_KB values of k in order, a
  * fresh FMA chain fma(x[m, k], W[n, k], acc) from 0; the block sums added in order to a running
