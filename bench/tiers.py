@@ -1,7 +1,7 @@
 """What the host-memory KV tier buys on multi-turn chat (issue 12), on the embedded SmolLM2 in float32.
 
 Conversations whose total KV is several times the device pool return in random order, one turn
-at a time (each turn: a long system prompt of its own, the history with the model's real earlier
+at a time or ``--concurrency`` turns of different conversations at once (each turn: a long system prompt of its own, the history with the model's real earlier
 replies, a new question; 64 new tokens); with no tier a returning conversation's history has mostly been evicted and is
 recomputed, with the host tier it is copied back. Both configurations serve the same turns in the
 same order and, being lossless, see the same prompts; they report returning-turn TTFT p50 / p99
@@ -48,37 +48,53 @@ def _histories(conversations: int, doc_facts: int) -> dict[int, list[dict]]:
             for c in range(conversations)}
 
 
-def _run(llm, order: list[int], max_tokens: int, history: dict[int, list[dict]]) -> dict:
-    """Serve the turns one at a time (``history`` is extended in place with the real replies:
-    every configuration, being lossless, sees the same prompts)."""
+def _prompt(history: dict[int, list[dict]], c: int) -> list[dict]:
+    k = len(history[c]) // 2
+    return history[c] + [{"role": "user", "content": f"Turn {k}: tell me something new about "
+                                                      f"{TOPICS[c % len(TOPICS)]}, in two paragraphs."}]
+
+
+def _run(llm, order: list[int], max_tokens: int, history: dict[int, list[dict]], concurrency: int = 1) -> dict:
+    """Serve the turns in ``order``, up to ``concurrency`` at once (a conversation's next turn waits
+    for its reply; the queue is served in order, its head waiting when its conversation is busy).
+    ``history`` is extended in place with the real replies: every configuration, being lossless and
+    batch-invariant, sees the same prompts and gives the same replies whatever ran beside them."""
     from prefixkv import SamplingParams
 
     eng = llm.engine
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind="delta")
-    returning, outputs, cached, prompt_tokens = [], [], 0, 0
+    returning, outputs, cached, prompt_tokens = [], [None] * len(order), 0, 0
     last_len: dict[int, int] = {}  # each conversation's tokens after its latest turn
+    inflight: dict[str, dict] = {}  # request id -> its turn
+    busy: set[int] = set()
+    nxt = 0
     t_all = time.perf_counter()
-    for i, c in enumerate(order):
-        k = len(history[c]) // 2
-        msgs = history[c] + [{"role": "user", "content": f"Turn {k}: tell me something new about "
-                                                          f"{TOPICS[c % len(TOPICS)]}, in two paragraphs."}]
-        ids = eng.tokenizer.apply_chat_template(msgs)
-        prompt_tokens += len(ids)
-        t0 = time.perf_counter()
-        eng.add_request(f"t{i}", ids, sp)
-        first, toks = None, []
-        while eng.has_unfinished():
-            for out in eng.step():
-                if first is None and out.outputs[0].delta_token_ids:
-                    first = time.perf_counter() - t0
-                toks += out.outputs[0].delta_token_ids
-                if out.finished:
-                    cached += out.num_cached_tokens
-        if k:
-            returning.append(first)
-        last_len[c] = len(ids) + len(toks)
-        outputs.append(toks)
-        history[c] = msgs + [{"role": "assistant", "content": eng.tokenizer.decode(toks)}]
+    while nxt < len(order) or inflight:
+        while nxt < len(order) and len(inflight) < concurrency and order[nxt] not in busy:
+            c = order[nxt]
+            msgs = _prompt(history, c)
+            ids = eng.tokenizer.apply_chat_template(msgs)
+            prompt_tokens += len(ids)
+            inflight[f"t{nxt}"] = dict(i=nxt, c=c, msgs=msgs, n=len(ids), k=len(history[c]) // 2, first=None,
+                                       toks=[], t0=time.perf_counter())
+            eng.add_request(f"t{nxt}", ids, sp)
+            busy.add(c)
+            nxt += 1
+        for out in eng.step():
+            turn = inflight[out.request_id]
+            if turn["first"] is None and out.outputs[0].delta_token_ids:
+                turn["first"] = time.perf_counter() - turn["t0"]
+            turn["toks"] += out.outputs[0].delta_token_ids
+            if out.finished:
+                cached += out.num_cached_tokens
+                del inflight[out.request_id]
+                c = turn["c"]
+                busy.discard(c)
+                if turn["k"]:
+                    returning.append(turn["first"])
+                last_len[c] = turn["n"] + len(turn["toks"])
+                outputs[turn["i"]] = turn["toks"]
+                history[c] = turn["msgs"] + [{"role": "assistant", "content": eng.tokenizer.decode(turn["toks"])}]
     wall = time.perf_counter() - t_all
     stats = eng.stats()
     q = statistics.quantiles(returning, n=100) if len(returning) > 1 else returning * 99
@@ -119,8 +135,7 @@ def _run_hf(model_path, order: list[int], max_tokens: int, history: dict[int, li
     t_all = time.perf_counter()
     for c in order:
         k = len(history[c]) // 2
-        msgs = history[c] + [{"role": "user", "content": f"Turn {k}: tell me something new about "
-                                                          f"{TOPICS[c % len(TOPICS)]}, in two paragraphs."}]
+        msgs = _prompt(history, c)
         ids = tokenizer.apply_chat_template(msgs)
         prompt_tokens += len(ids)
         streamer = FirstToken()
@@ -152,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--doc-facts", type=int, default=60, help="length of each conversation's system prompt")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="turns served at once (of different conversations), as a chat backend with several users")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))
@@ -167,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     disk_dir = Path(tempfile.mkdtemp(prefix="prefixkv-tiers-"))
 
     def make(name: str):
-        kw = dict(model=None, dtype="float32", num_kv_blocks=a.device_blocks, max_num_batched_tokens=512)
+        kw = dict(model=None, dtype="float32", num_kv_blocks=a.device_blocks, max_num_batched_tokens=a.max_num_batched_tokens,
+                  max_num_seqs=max(16, a.concurrency))
         if name == "host tier":
             kw.update(kv_host_cache_gb=a.host_gb)
         elif name.startswith("disk tier"):
@@ -178,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for name in ("recompute (no tier)", "host tier", "disk tier (small host tier above it)"):
         llm = make(name)
-        results[name] = _run(llm, order, a.max_tokens, _histories(a.conversations, a.doc_facts))
+        results[name] = _run(llm, order, a.max_tokens, _histories(a.conversations, a.doc_facts), a.concurrency)
         print(f"{name}: {json.dumps({k: v for k, v in results[name].items() if k != 'outputs'})}", flush=True)
     if not a.no_hf:
         results["transformers generate"] = _run_hf(llm.engine.model_path, order, a.max_tokens,
@@ -195,12 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     after = [c for i, c in enumerate(order) if i == last[c]]
     hist = _histories(a.conversations, a.doc_facts)
     first = make("disk tier")
-    _run(first, before, a.max_tokens, hist)
+    _run(first, before, a.max_tokens, hist, a.concurrency)
     first.close()
     del first
     hist_copy = {c: list(m) for c, m in hist.items()}
-    results["restart: disk tier"] = _run(make("disk tier"), after, a.max_tokens, hist)
-    results["restart: recompute"] = _run(make("recompute (no tier)"), after, a.max_tokens, hist_copy)
+    results["restart: disk tier"] = _run(make("disk tier"), after, a.max_tokens, hist, a.concurrency)
+    results["restart: recompute"] = _run(make("recompute (no tier)"), after, a.max_tokens, hist_copy, a.concurrency)
     for name in ("restart: disk tier", "restart: recompute"):
         print(f"{name}: {json.dumps({k: v for k, v in results[name].items() if k != 'outputs'})}", flush=True)
     shutil.rmtree(disk_dir, ignore_errors=True)
