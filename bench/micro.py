@@ -473,11 +473,19 @@ def cmd_roofline(args: argparse.Namespace, command: str) -> int:
     s = m.shape
     kv_bytes_per_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim * 4
 
-    def roofline(ctx: float, bw_gbs: float, peak_gflops: float) -> tuple[float, float, int, float]:
+    def figures(times: list[float], contexts: list[float], bw: dict, peak: dict) -> dict:
+        """The roofline of these steps' mean context at this bandwidth and peak, and the steps against it."""
+        ctx, step = statistics.fmean(contexts), statistics.median(times)
         # every sequence reads its whole context (the shared prefix too: the kernel reads per sequence)
         kv_bytes = int(args.batch * ctx * kv_bytes_per_token)
         flops = 2 * args.batch * (weight_bytes // 4) + 4 * args.batch * ctx * s.num_layers * s.num_heads * s.head_dim
-        return (weight_bytes + kv_bytes) / (bw_gbs * 1e9), flops / (peak_gflops * 1e9), kv_bytes, flops
+        t_mem, t_flop = (weight_bytes + kv_bytes) / (bw["best_gbs"] * 1e9), flops / (peak["best_gflops"] * 1e9)
+        roof = max(t_mem, t_flop)
+        return dict(mean_context_tokens=round(ctx, 1), read_bandwidth=bw, gemm_peak=peak, kv_bytes_per_step=kv_bytes,
+                    flops_per_step=flops, roofline_memory_ms=round(t_mem * 1e3, 2),
+                    roofline_compute_ms=round(t_flop * 1e3, 2), roofline_ms=round(roof * 1e3, 2),
+                    decode_step_ms_median=round(step * 1e3, 2), decode_step_ms_best=round(min(times) * 1e3, 2),
+                    step_over_roofline=round(step / roof, 3))
 
     rounds, all_times, all_contexts = [], [], []
     for _ in range(max(1, args.rounds)):
@@ -489,30 +497,17 @@ def cmd_roofline(args: argparse.Namespace, command: str) -> int:
             t0 = time.perf_counter()
             eng.step()
             times.append(time.perf_counter() - t0)
-        step, ctx = statistics.median(times), statistics.fmean(contexts)
-        t_mem, t_flop, _, _ = roofline(ctx, bw["best_gbs"], peak["best_gflops"])
-        rounds.append(dict(read_bandwidth=bw, gemm_peak=peak, mean_context_tokens=round(ctx, 1),
-                           roofline_memory_ms=round(t_mem * 1e3, 2), roofline_compute_ms=round(t_flop * 1e3, 2),
-                           roofline_ms=round(max(t_mem, t_flop) * 1e3, 2), decode_step_ms_median=round(step * 1e3, 2),
-                           decode_step_ms_best=round(min(times) * 1e3, 2),
-                           step_over_roofline=round(step / max(t_mem, t_flop), 3)))
+        rounds.append(figures(times, contexts, bw, peak))
         all_times += times
         all_contexts += contexts
     mid = sorted(rounds, key=lambda r: r["step_over_roofline"])[len(rounds) // 2]
     # the whole run: the best figures any round measured, the median of every step
-    best_bw = max(rounds, key=lambda r: r["read_bandwidth"]["best_gbs"])["read_bandwidth"]
-    best_peak = max(rounds, key=lambda r: r["gemm_peak"]["best_gflops"])["gemm_peak"]
-    step, ctx = statistics.median(all_times), statistics.fmean(all_contexts)
-    t_mem, t_flop, kv_bytes, flops = roofline(ctx, best_bw["best_gbs"], best_peak["best_gflops"])
-    roof = max(t_mem, t_flop)
+    best_bw = max((r["read_bandwidth"] for r in rounds), key=lambda b: b["best_gbs"])
+    best_peak = max((r["gemm_peak"] for r in rounds), key=lambda g: g["best_gflops"])
     doc = dict(command=command, batch=args.batch, rounds=len(rounds), steps_per_round=args.steps,
                step_over_roofline_median_round=mid["step_over_roofline"],
                roofline_ms_median_round=mid["roofline_ms"], decode_step_ms_median_round=mid["decode_step_ms_median"],
-               mean_context_tokens=round(ctx, 1), read_bandwidth=best_bw,
-               gemm_peak=best_peak, weight_bytes=weight_bytes, kv_bytes_per_step=kv_bytes, flops_per_step=flops,
-               roofline_memory_ms=round(t_mem * 1e3, 2), roofline_compute_ms=round(t_flop * 1e3, 2),
-               roofline_ms=round(roof * 1e3, 2), decode_step_ms_median=round(step * 1e3, 2),
-               decode_step_ms_best=round(min(all_times) * 1e3, 2), step_over_roofline=round(step / roof, 3),
+               weight_bytes=weight_bytes, **figures(all_times, all_contexts, best_bw, best_peak),
                num_packed_gemms=len(packed), by_round=rounds)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,9 @@
 """What the host-memory KV tier buys on multi-turn chat (issue 12), on the embedded SmolLM2 in float32.
 
 Conversations whose total KV is several times the device pool return in random order, one turn
-at a time or ``--concurrency`` turns of different conversations at once (each turn: a long system prompt of its own, the history with the model's real earlier
-replies, a new question; 64 new tokens); with no tier a returning conversation's history has mostly been evicted and is
+at a time or ``--concurrency`` turns of different conversations at once (each turn: a long system
+prompt of its own, the history with the model's real earlier replies, a new question; 64 new
+tokens); with no tier a returning conversation's history has mostly been evicted and is
 recomputed, with the host tier it is copied back. Both configurations serve the same turns in the
 same order and, being lossless, see the same prompts; they report returning-turn TTFT p50 / p99
 (from adding the request to its first token, engine steps driven here), total throughput and
@@ -185,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     disk_dir = Path(tempfile.mkdtemp(prefix="prefixkv-tiers-"))
 
     def make(name: str):
-        kw = dict(model=None, dtype="float32", num_kv_blocks=a.device_blocks, max_num_batched_tokens=a.max_num_batched_tokens,
-                  max_num_seqs=max(16, a.concurrency))
+        kw = dict(model=None, dtype="float32", num_kv_blocks=a.device_blocks,
+                  max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=max(16, a.concurrency))
         if name == "host tier":
             kw.update(kv_host_cache_gb=a.host_gb)
         elif name.startswith("disk tier"):

@@ -25,6 +25,12 @@ def _vma_flags(addr: int) -> dict[str, str]:
     return fields
 
 
+def _advised(t: torch.Tensor) -> bool:
+    """Whether the mapping holding ``t``'s first aligned huge page took MADV_HUGEPAGE (VmFlags ``hg``)."""
+    inside = -(-t.data_ptr() // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE + 4096
+    return "hg" in _vma_flags(inside).get("VmFlags", "").split()
+
+
 needs_thp = pytest.mark.skipif(not hugepages.available(), reason="no transparent huge pages here")
 
 
@@ -35,10 +41,9 @@ def test_empty_is_a_plain_tensor_whose_aligned_part_is_advised():
     assert t.untyped_storage().nbytes() == t.numel() * 4  # no slack, not a view
     t.fill_(2.5)
     assert torch.equal(t, torch.full((3, 5 << 20), 2.5))
-    inside = -(-t.data_ptr() // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE + 4096
-    vma = _vma_flags(inside)
+    vma = _vma_flags(-(-t.data_ptr() // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE + 4096)
     assert vma.get("THPeligible") == "1", vma
-    assert "hg" in vma.get("VmFlags", "").split(), vma  # MADV_HUGEPAGE taken
+    assert _advised(t), vma  # MADV_HUGEPAGE taken
 
 
 def test_small_tensors_and_switched_off_are_left_alone(monkeypatch):
@@ -60,10 +65,6 @@ def test_cpu_kv_cache_and_packed_weights_are_advised(tiny_llama):
     llm = LLM(model=str(tiny_llama), dtype="float32", num_kv_blocks=4096, block_size=16)
     kv = llm.engine.runner.kv_cache
     assert kv.numel() * kv.element_size() >= 4 * hugepages.HUGE_PAGE and not kv.any()
-    inside = -(-kv.data_ptr() // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE + 4096
-    assert "hg" in _vma_flags(inside).get("VmFlags", "").split()
+    assert _advised(kv)
     if cpu_ops.gemm_available():
-        w = torch.randn(4096, 1024)
-        packed = cpu_ops.gemm_pack(w)
-        inside = -(-packed.data_ptr() // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE + 4096
-        assert "hg" in _vma_flags(inside).get("VmFlags", "").split()
+        assert _advised(cpu_ops.gemm_pack(torch.randn(4096, 1024)))
