@@ -125,12 +125,30 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.gemm_f32.restype = i32
     for name in ("add_rmsnorm_f32", "rope_f32", "rope_f64", "silu_mul_f32", "gemm_pack_f32"):
         getattr(lib, name).restype = None
+    lib.decoder_layers_f32.argtypes = [p, i32, p]
+    lib.decoder_layers_f32.restype = i32
     lib.vector_bits = lib.kernels_vector_bits()  # 512, 256 (AVX2 + FMA) or 0 (the generic C only)
     lib.limits = (lib.paged_decode_max_heads(), lib.paged_decode_max_block(), lib.paged_decode_max_head_dim())
     return lib
 
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+
+
+class DecoderLayerF32(ctypes.Structure):
+    """``decoder_layer_f32`` of cpu_ops.c: one layer's weights (packed for the GEMM) and KV cache."""
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("input_norm", "post_attention_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "down",
+                 "kv_layer")]
+
+
+class DecoderStepF32(ctypes.Structure):
+    """``decoder_step_f32`` of cpu_ops.c: a step's sizes, inputs and workspaces
+    (prefixkv/model/fused_stack.py fills it)."""
+    _fields_ = ([(name, ctypes.c_int) for name in ("T", "hidden", "H", "KVH", "D", "BS", "inter", "max_blocks")]
+                + [("nb1", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                + [(name, ctypes.c_void_p) for name in ("h", "residual", "normed", "qkv", "attn", "o_out", "gate_up",
+                                                        "act", "cos", "sin", "slots", "block_tables", "seq_lens")])
 
 
 # ---------------------------------------------------------------------------------------------- GEMM

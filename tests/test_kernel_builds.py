@@ -76,6 +76,7 @@ def test_avx2_gemm_gives_the_avx512_gemms_bits(tmp_path):
 def test_avx2_build_passes_the_kernel_tests():
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "tests/test_cpu_kernels.py", "tests/test_linear.py", "tests/test_batch_invariance.py",
+                          "tests/test_fused_stack.py",
                           "tests/test_kernel_builds.py::test_the_library_reports_its_build"],
                          cwd=ROOT, env=_env("avx2"), capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]

@@ -633,22 +633,35 @@ int paged_prefill_attention_f32(const float *q, int64_t ldq, const float *kv_lay
 #endif
 }
 
+#if defined(VW)
+/* The vector decode kernel's rows (BS <= 16, D 64 or 128) shared among the threads of the
+ * enclosing parallel region (one thread outside any), each row on its own: the same bits whoever
+ * computes it. Implicit barrier at the end. */
+static void decode_rows_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
+                            const int32_t *seq_lens, float *out, int B, int H, int KVH, int D, int BS,
+                            int max_blocks, int64_t nb1, float scale, int window, float softcap) {
+    const int64_t half = nb1 * (int64_t)KVH * BS * D;
+    #pragma omp for schedule(dynamic, 1)
+    for (int b = 0; b < B; b++) {
+        const float *qb = q + (int64_t)b * ldq;
+        const int32_t *table = block_tables + (int64_t)b * max_blocks;
+        float *ob = out + (int64_t)b * H * D;
+        if (D == 64)
+            decode_seq(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 64 / VW);
+        else
+            decode_seq(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 128 / VW);
+    }
+}
+#endif
+
 void paged_decode_attention_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
                                 const int32_t *seq_lens, float *out, int B, int H, int KVH, int D, int BS,
                                 int max_blocks, int64_t nb1, float scale, int window, float softcap) {
 #if defined(VW)
     if (BS <= 16 && (D == 64 || D == 128)) {
-        const int64_t half = nb1 * (int64_t)KVH * BS * D;
-        #pragma omp parallel for schedule(dynamic, 1)
-        for (int b = 0; b < B; b++) {
-            const float *qb = q + (int64_t)b * ldq;
-            const int32_t *table = block_tables + (int64_t)b * max_blocks;
-            float *ob = out + (int64_t)b * H * D;
-            if (D == 64)
-                decode_seq(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 64 / VW);
-            else
-                decode_seq(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 128 / VW);
-        }
+        #pragma omp parallel
+        decode_rows_f32(q, ldq, kv_layer, block_tables, seq_lens, out, B, H, KVH, D, BS, max_blocks, nb1, scale,
+                        window, softcap);
         return;
     }
 #endif
@@ -669,10 +682,12 @@ int paged_decode_max_head_dim(void) { return MAXD; }
  *     h = x + residual (if residual);  residual_out = h;  out = weight * (h * rsqrt(mean(h^2) + eps))
  * x, residual, residual_out, out: [rows, n] (row strides ld_*); weight [n]. The mean is a float32
  * sum in index order divided by n (torch sums in another order: values agree to float32 rounding). */
-void add_rmsnorm_f32(const float *x, int64_t ld_x, const float *residual, int64_t ld_res, float *residual_out,
-                     int64_t ld_res_out, const float *weight, float *out, int64_t ld_out, int rows, int n,
-                     float eps) {
-    #pragma omp parallel for schedule(static) if (rows >= 32)
+/* The rows shared among the threads of the enclosing parallel region (one thread outside any);
+ * implicit barrier at the end. Likewise rope_rows_*, silu_mul_rows, kv_write_rows_* below. */
+static void add_rmsnorm_rows(const float *x, int64_t ld_x, const float *residual, int64_t ld_res,
+                             float *residual_out, int64_t ld_res_out, const float *weight, float *out,
+                             int64_t ld_out, int rows, int n, float eps) {
+    #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++) {
         const float *xr = x + r * ld_x;
         float *hr = residual_out ? residual_out + r * ld_res_out : out + r * ld_out;
@@ -693,14 +708,21 @@ void add_rmsnorm_f32(const float *x, int64_t ld_x, const float *residual, int64_
     }
 }
 
+void add_rmsnorm_f32(const float *x, int64_t ld_x, const float *residual, int64_t ld_res, float *residual_out,
+                     int64_t ld_res_out, const float *weight, float *out, int64_t ld_out, int rows, int n,
+                     float eps) {
+    #pragma omp parallel if (rows >= 32)
+    add_rmsnorm_rows(x, ld_x, residual, ld_res, residual_out, ld_res_out, weight, out, ld_out, rows, n, eps);
+}
+
 /* Rotary embedding in place, exactly transformers' ``x * cos + rotate_half(x) * sin`` (each product
  * and the sum rounded on its own: -ffp-contract=off, so the same bits as torch's three ops):
  *     out[i] = x[i] * cos[i] + (-x[i + D/2]) * sin[i],   out[i + D/2] = x[i + D/2] * cos[i + D/2] + x[i] * sin[i + D/2]
  * x: [rows, heads, D] with row stride ld_x (a view into the fused qkv output), cos/sin: [rows, D]. */
 #define DEFINE_ROPE(T, SUFFIX)                                                                   \
-void rope_##SUFFIX(T *x, int64_t ld_x, const T *cos, const T *sin, int rows, int heads, int D) {   \
+static void rope_rows_##SUFFIX(T *x, int64_t ld_x, const T *cos, const T *sin, int rows, int heads, int D) { \
     const int half = D / 2;                                                                      \
-    _Pragma("omp parallel for schedule(static) if (rows >= 32)")                                 \
+    _Pragma("omp for schedule(static)")                                                          \
     for (int r = 0; r < rows; r++) {                                                             \
         const T *c = cos + (int64_t)r * D, *s = sin + (int64_t)r * D;                            \
         for (int h = 0; h < heads; h++) {                                                        \
@@ -715,6 +737,10 @@ void rope_##SUFFIX(T *x, int64_t ld_x, const T *cos, const T *sin, int rows, int
             }                                                                                    \
         }                                                                                        \
     }                                                                                            \
+}                                                                                                \
+void rope_##SUFFIX(T *x, int64_t ld_x, const T *cos, const T *sin, int rows, int heads, int D) {   \
+    _Pragma("omp parallel if (rows >= 32)")                                                      \
+    rope_rows_##SUFFIX(x, ld_x, cos, sin, rows, heads, D);                                       \
 }
 DEFINE_ROPE(float, f32)
 DEFINE_ROPE(double, f64)
@@ -730,10 +756,15 @@ static void silu_mul_row(const float *restrict g, const float *restrict u, float
     }
 }
 
-void silu_mul_f32(const float *gate_up, int64_t ld_in, float *out, int64_t ld_out, int rows, int n) {
-    #pragma omp parallel for schedule(static) if (rows >= 8)
+static void silu_mul_rows(const float *gate_up, int64_t ld_in, float *out, int64_t ld_out, int rows, int n) {
+    #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++)
         silu_mul_row(gate_up + r * ld_in, gate_up + r * ld_in + n, out + r * ld_out, n);
+}
+
+void silu_mul_f32(const float *gate_up, int64_t ld_in, float *out, int64_t ld_out, int rows, int n) {
+    #pragma omp parallel if (rows >= 8)
+    silu_mul_rows(gate_up, ld_in, out, ld_out, rows, n);
 }
 
 /* GeGLU (Gemma): gelu_tanh(gate) * up, each element on its own (scalar tanhf: the same result at
@@ -763,9 +794,10 @@ void softcap_f32(float *x, int64_t n, float cap) {
  * heads contiguous (views into the fused qkv output: no copy first). Slots < 0 or >= nslots are
  * skipped, as the CUDA kernel does. The copy is exact, so any order gives the same cache. */
 #define DEFINE_KV_WRITE(T, SUFFIX)                                                               \
-void kv_write_##SUFFIX(const T *k, int64_t ld_k, const T *v, int64_t ld_v, T *kv_layer, int64_t half, \
-                       const int64_t *slots, int ntok, int KVH, int BS, int D, int64_t nslots) { \
-    _Pragma("omp parallel for schedule(static) if (ntok >= 256)")                                \
+static void kv_write_rows_##SUFFIX(const T *k, int64_t ld_k, const T *v, int64_t ld_v, T *kv_layer,     \
+                                  int64_t half, const int64_t *slots, int ntok, int KVH, int BS, int D,  \
+                                  int64_t nslots) {                                              \
+    _Pragma("omp for schedule(static)")                                                          \
     for (int t = 0; t < ntok; t++) {                                                             \
         const int64_t s = slots[t];                                                              \
         if (s < 0 || s >= nslots) continue;                                                      \
@@ -776,6 +808,11 @@ void kv_write_##SUFFIX(const T *k, int64_t ld_k, const T *v, int64_t ld_v, T *kv
             memcpy(dst + half, v + t * ld_v + (int64_t)h * D, sizeof(T) * D);                    \
         }                                                                                        \
     }                                                                                            \
+}                                                                                                \
+void kv_write_##SUFFIX(const T *k, int64_t ld_k, const T *v, int64_t ld_v, T *kv_layer, int64_t half, \
+                       const int64_t *slots, int ntok, int KVH, int BS, int D, int64_t nslots) { \
+    _Pragma("omp parallel if (ntok >= 256)")                                                     \
+    kv_write_rows_##SUFFIX(k, ld_k, v, ld_v, kv_layer, half, slots, ntok, KVH, BS, D, nslots);   \
 }
 DEFINE_KV_WRITE(float, f32)
 DEFINE_KV_WRITE(double, f64)
@@ -938,14 +975,13 @@ static inline __attribute__((always_inline)) void gemm_tile_kblock(const int MR,
         else gemm_tile_kblock(MR_, xt, ld_x, panel, k0, k1, tt, 0);                          \
     } while (0)
 
-/* Returns 1 (done), or 0 where this build has no kernel (neither AVX-512 nor AVX2: the caller keeps oneDNN). */
-int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bias, float *y, int64_t ld_y,
-             int M, int N, int K) {
+/* This thread's share of the GEMM among the threads of the enclosing parallel region (all of it
+ * outside any): each thread a contiguous range of panels; the row groups outside the panels, so a
+ * group's GEMM_RG rows of x stay in L2 while the thread's panels go by (from memory for the first
+ * group, then from L3). No barrier at the end. */
+static void gemm_share(const float *x, int64_t ld_x, const float *packed, const float *bias, float *y,
+                       int64_t ld_y, int M, int N, int K) {
     const int P = (N + GEMM_NR - 1) / GEMM_NR;
-    /* each thread a contiguous range of panels; the row groups outside the panels, so a group's
-     * GEMM_RG rows of x stay in L2 while the thread's panels go by (from memory for the first
-     * group, then from L3) */
-    #pragma omp parallel
     {
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int p0 = (int)((int64_t)P * t / nt), p1 = (int)((int64_t)P * (t + 1) / nt);
@@ -987,6 +1023,13 @@ int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bia
             }
         }
     }
+}
+
+/* Returns 1 (done), or 0 where this build has no kernel (neither AVX-512 nor AVX2: the caller keeps oneDNN). */
+int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bias, float *y, int64_t ld_y,
+             int M, int N, int K) {
+    #pragma omp parallel
+    gemm_share(x, ld_x, packed, bias, y, ld_y, M, N, K);
     return 1;
 }
 #else
@@ -996,6 +1039,78 @@ int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bia
     return 0;
 }
 #endif
+
+/* ----------------------------------------------------------------------------------------------
+ * The decoder layers of a Llama-shaped float32 model in one call (prefixkv/model/fused_stack.py):
+ * per layer, the same kernels in the same order as the Python path of prefixkv/model/llama.py,
+ *     normed, residual = add_rmsnorm(h, residual)         (layer 0: residual = h)
+ *     qkv = normed @ Wqkv^T (+ b);  rope(q), rope(k) in place;  k, v -> the cache at slots
+ *     attn = decode attention of every row (a token with its own block-table row and length)
+ *     normed, residual = add_rmsnorm(attn @ Wo^T (+ b), residual)
+ *     h = silu_mul(normed @ Wgate_up^T) @ Wdown^T
+ * inside one parallel region, the threads meeting at a barrier between dependent steps, instead of
+ * ~11 calls a layer through ctypes, each with its Python wrapper, allocations and a parallel region
+ * of its own. Each kernel's rows are computed exactly as in its own call (each row, panel or
+ * element on its own: the same bits whichever thread computes it), so the results are bitwise the
+ * Python path's (tests/test_fused_stack.py). On return h holds the last layer's MLP output and
+ * residual the stream before it, as LlamaModel.forward's loop leaves them.
+ * ---------------------------------------------------------------------------------------------- */
+typedef struct {
+    const float *input_norm, *post_attention_norm;  /* [hidden] */
+    const float *qkv, *qkv_bias;                    /* packed [(H + 2 KVH) D, hidden]; bias or 0 */
+    const float *o, *o_bias;                        /* packed [hidden, H D] */
+    const float *gate_up, *down;                    /* packed [2 I, hidden], [hidden, I] */
+    float *kv_layer;                                /* [2, nb1, KVH, BS, D] */
+} decoder_layer_f32;
+
+typedef struct {
+    int T, hidden, H, KVH, D, BS, inter, max_blocks;
+    int64_t nb1;
+    float eps, scale;
+    float *h, *residual, *normed, *qkv, *attn, *o_out, *gate_up, *act;  /* workspaces, [T, ...] */
+    const float *cos, *sin;          /* [T, D] */
+    const int64_t *slots;            /* [T] */
+    const int32_t *block_tables;     /* [T, max_blocks]: each row's (token's) table */
+    const int32_t *seq_lens;         /* [T]: each row's context length, itself included */
+} decoder_step_f32;
+
+/* Returns 1, or 0 (nothing done) where this build or these shapes have no kernel for it. */
+int decoder_layers_f32(const decoder_layer_f32 *layers, int num_layers, const decoder_step_f32 *s) {
+#if defined(VW)
+    if (!(s->D == 64 || s->D == 128) || s->BS > 16 || s->H > MAXH || s->H % s->KVH) return 0;
+    const int T = s->T, hid = s->hidden, H = s->H, KVH = s->KVH, D = s->D, I = s->inter;
+    const int nqkv = (H + 2 * KVH) * D;
+    const int64_t half = s->nb1 * (int64_t)KVH * s->BS * D;
+    #pragma omp parallel
+    {
+        for (int i = 0; i < num_layers; i++) {
+            const decoder_layer_f32 *w = layers + i;
+            add_rmsnorm_rows(s->h, hid, i ? s->residual : 0, hid, s->residual, hid, w->input_norm, s->normed, hid,
+                             T, hid, s->eps);
+            gemm_share(s->normed, hid, w->qkv, w->qkv_bias, s->qkv, nqkv, T, nqkv, hid);
+            #pragma omp barrier
+            rope_rows_f32(s->qkv, nqkv, s->cos, s->sin, T, H + KVH, D);  /* q and k: adjacent heads of a row */
+            kv_write_rows_f32(s->qkv + (int64_t)H * D, nqkv, s->qkv + (int64_t)(H + KVH) * D, nqkv, w->kv_layer,
+                              half, s->slots, T, KVH, s->BS, D, s->nb1 * s->BS);
+            decode_rows_f32(s->qkv, nqkv, w->kv_layer, s->block_tables, s->seq_lens, s->attn, T, H, KVH, D, s->BS,
+                            s->max_blocks, s->nb1, s->scale, 0, 0.0f);
+            gemm_share(s->attn, (int64_t)H * D, w->o, w->o_bias, s->o_out, hid, T, hid, H * D);
+            #pragma omp barrier
+            add_rmsnorm_rows(s->o_out, hid, s->residual, hid, s->residual, hid, w->post_attention_norm, s->normed,
+                             hid, T, hid, s->eps);
+            gemm_share(s->normed, hid, w->gate_up, 0, s->gate_up, 2 * I, T, 2 * I, hid);
+            #pragma omp barrier
+            silu_mul_rows(s->gate_up, 2 * I, s->act, I, T, I);
+            gemm_share(s->act, I, w->down, 0, s->h, hid, T, hid, I);
+            #pragma omp barrier
+        }
+    }
+    return 1;
+#else
+    (void)layers; (void)num_layers; (void)s;
+    return 0;
+#endif
+}
 
 /* The vector width the kernels above were built for: 512 (AVX-512), 256 (AVX2 + FMA), 0 (neither:
  * the generic decode kernel and the elementwise ops only; gemm_f32 and the prefill kernel return 0). */

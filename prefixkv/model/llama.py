@@ -382,6 +382,10 @@ class LlamaModel(nn.Module):
         self.kv_groups: tuple[int, ...] | None = None
         self.set_rope(ropes)
         self.packed_lm_head: Linear | None = None
+        # the one-call layer driver (model/fused_stack.py): why not ("" = it runs; None = not yet
+        # decided: after prepack / use_cpu_ops, which reset it), and its table for the KV cache
+        self.fused_stack_blocker: str | None = None
+        self._stack = None
 
     def set_rope(self, ropes: dict[str, tuple[torch.Tensor, float]], device: str | None = None) -> None:
         """The RoPE tables by kind (``rope_inv_freq``): inverse frequencies (fp32, as in
@@ -412,6 +416,7 @@ class LlamaModel(nn.Module):
         for m in self.modules():  # every norm: the layers', q/k per head, Gemma's (1 + w) ones, the final
             if isinstance(m, RMSNorm):
                 m.fused = f32
+        self.fused_stack_blocker, self._stack = None, None
         return rope
 
     def prepack(self, kind: str) -> bool:
@@ -429,7 +434,25 @@ class LlamaModel(nn.Module):
         self.packed_lm_head = head
         if not self.shape.tie_word_embeddings:
             del self.lm_head
+        self.fused_stack_blocker, self._stack = None, None
         return True
+
+    def _fused_stack(self, kv_cache: torch.Tensor, backend: AttentionBackend):
+        """The one-call layer driver for this KV cache (model/fused_stack.py), or None where this
+        model, backend or build cannot use it (decided once; the table is built once per cache)."""
+        if backend.name != "cpu" or kv_cache.device.type != "cpu" or kv_cache.shape[4] > 16:
+            return None  # (blocks of more than 16 tokens: the C decode kernel's generic path)
+        if self.fused_stack_blocker is None:
+            from prefixkv.model import fused_stack
+
+            self.fused_stack_blocker = fused_stack.blocker(self) or ""
+        if self.fused_stack_blocker:
+            return None
+        if self._stack is None or self._stack.kv_cache is not kv_cache:
+            from prefixkv.model.fused_stack import FusedStack
+
+            self._stack = FusedStack(self, kv_cache)
+        return self._stack
 
     def lm_head_weight(self) -> torch.Tensor:
         if self.shape.tie_word_embeddings:
@@ -465,7 +488,11 @@ class LlamaModel(nn.Module):
         tables = {k: self.rope(positions, h.dtype, k) for k in self.ropes}  # [T, D] cos, sin each
         residual = None
         grouped = isinstance(meta, list)
-        for i, layer in enumerate(self.model.layers):
+        stack = None if grouped else self._fused_stack(kv_cache, backend)
+        rows = stack.rows(meta, backend.batch_invariant) if stack is not None else None
+        if rows is not None:  # every layer in one C call (model/fused_stack.py): the same bits
+            h, residual = stack(h, *tables[self.layer_rope[0]], meta, *rows)
+        for i, layer in enumerate(self.model.layers if rows is None else ()):
             cos, sin = tables[self.layer_rope[i]]
             if grouped:
                 h, residual = layer(h, residual, cos, sin, kv_cache[self.kv_slots[i]], meta[self.kv_groups[i]], backend)

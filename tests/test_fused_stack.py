@@ -1,0 +1,114 @@
+"""The decoder layers as one C call (prefixkv/model/fused_stack.py) against the Python loop over
+the same kernels: token ids and logprobs bitwise equal (``==`` on the floats) on tiny random
+float32 models with head_dim 64, in every kind of step the driver takes (decode steps; prefill
+chunks in batch-invariant mode), and the driver is counted to have run. Where it cannot run
+(blocks of 32 tokens, q/k norms, Gemma's layers), the Python loop serves the request."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from prefixkv import LLM, SamplingParams
+from prefixkv.cpu_ops import gemm_available
+from prefixkv.model import fused_stack
+from test_lossless import random_prompts
+from tiny_models import build_model, build_tokenizer
+
+pytestmark = pytest.mark.skipif(not gemm_available(), reason="the driver needs an AVX-512 or AVX2 build")
+_CALL = fused_stack.FusedStack.__call__
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """head_dim 64 (the C decode kernel's vector path): llama (untied head), qwen2 (q/k/v biases),
+    mistral (tied embeddings), qwen3 (q/k norms and a sliding-window layer: not the driver's)."""
+    tok = tmp_path_factory.mktemp("tok")
+    vocab = build_tokenizer(tok)
+    out = {}
+    for arch in ("llama", "qwen2", "mistral", "qwen3"):
+        path = tmp_path_factory.mktemp(f"fused-{arch}")
+        for f in tok.iterdir():
+            shutil.copy(f, path / f.name)
+        build_model(path, arch, vocab, head_dim=64)
+        out[arch] = (path, vocab)
+    return out
+
+
+def _run(monkeypatch, model_dir, vocab, fused: bool, **kw):
+    """(results, fused calls, prefill tokens the fused calls computed)."""
+    monkeypatch.setenv("PREFIXKV_FUSED_STACK", "1" if fused else "0")
+    calls = {"n": 0, "multi": 0}
+
+    def counted(self, h, cos, sin, meta, tables, lens):
+        calls["n"] += 1
+        calls["multi"] += int(meta.num_decode_seqs < meta.num_seqs)
+        return _CALL(self, h, cos, sin, meta, tables, lens)
+
+    monkeypatch.setattr(fused_stack.FusedStack, "__call__", counted)
+    kw.setdefault("num_kv_blocks", 256)
+    llm = LLM(model=str(model_dir), dtype="float32", **kw)
+    llm.engine.check_integrity_each_step = True
+    prompts = random_prompts(vocab, 9, 1, shared_len=41, max_own=50)
+    prompts[4] = prompts[4][:3] * 8  # repetitive: n-gram drafts when speculation is on
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs = llm.generate(prompts, params)
+    outs += llm.generate(prompts[:3], params)  # again: whole blocks from the prefix cache
+    res = [(tuple(o.outputs[0].token_ids), tuple(lp.logprob for lp in o.outputs[0].token_logprobs),
+            tuple(tuple(lp.top_logprobs) for lp in o.outputs[0].token_logprobs), o.num_cached_tokens) for o in outs]
+    return res, calls, llm
+
+
+CASES = {
+    "default": {},
+    "chunk-7": {"max_num_batched_tokens": 7},
+    "block-8": {"block_size": 8},
+    "variant-mode": {"batch_invariant": False},  # prefill steps keep the loop, decode steps fuse
+    "preemption": {"max_num_batched_tokens": 64, "num_kv_blocks": 14},
+    "speculative": {"num_speculative_tokens": 3},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_fused_stack_is_bitwise_the_python_loop(models, monkeypatch, arch, case):
+    path, vocab = models[arch]
+    want, none, _ = _run(monkeypatch, path, vocab, False, **CASES[case])
+    got, calls, llm = _run(monkeypatch, path, vocab, True, **CASES[case])
+    assert none["n"] == 0
+    assert llm.engine.model.fused_stack_blocker == ""
+    assert got == want
+    assert calls["n"] >= 10  # every decode step at least
+    if case == "variant-mode":
+        assert calls["multi"] == 0  # prefill chunks outside batch-invariant mode: the prefill kernel, in the loop
+    else:
+        assert calls["multi"] > 0
+    if case == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+    if case == "speculative":
+        assert llm.engine.stats()["spec_draft_tokens"] > 0  # verified in multi-token rows
+
+
+def test_where_the_driver_does_not_run_the_loop_serves(models, monkeypatch):
+    path, vocab = models["llama"]
+    _, calls, llm = _run(monkeypatch, path, vocab, True, block_size=32)  # the C decode kernel's generic path
+    assert calls["n"] == 0 and llm.engine.model._stack is None
+    path, vocab = models["qwen3"]
+    want, _, _ = _run(monkeypatch, path, vocab, False)
+    got, calls, llm = _run(monkeypatch, path, vocab, True)
+    assert calls["n"] == 0 and got == want
+    assert fused_stack.blocker(llm.engine.model) == "qwen3's layers have parts the driver does not run"
+
+
+def test_blocker_names_what_stands_in_the_way(models, monkeypatch):
+    path, _ = models["llama"]
+    llm = LLM(model=str(path), dtype="float64", num_kv_blocks=64)
+    assert fused_stack.blocker(llm.engine.model) == "float32 on CPU only"
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64, cpu_linear="torch")
+    assert fused_stack.blocker(llm.engine.model) == "the projections are not the C GEMM's packed weights"
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64, fused_cpu_ops=False)
+    assert fused_stack.blocker(llm.engine.model) == "the C elementwise kernels are off"
+    monkeypatch.setenv("PREFIXKV_FUSED_STACK", "0")
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+    assert fused_stack.blocker(llm.engine.model) == "PREFIXKV_FUSED_STACK=0"
