@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     spent: dict[str, float] = collections.defaultdict(float)
     from prefixkv.model.linear import Linear
 
+    # the kernels one by one: through the Python loop over the layers (the one-call driver of
+    # model/fused_stack.py, the default where it runs, calls them inside C, out of these wrappers' sight)
+    fused = eng.model.fused_stack_blocker == ""
+    eng.model.fused_stack_blocker = "bench.profile_step: the kernels timed one by one"
     for mod in eng.model.modules():  # the C GEMM: each packed Linear's bound call
         if isinstance(mod, Linear) and mod.kind == "c":
             def timed_gemm(x, _fn=mod.c_gemm):
@@ -80,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         eng.step()
     plain = (time.perf_counter() - t0) / a.steps
     kernels = "".join(f"  {k}: {v / a.steps * 1e3:.2f} ms per step\n" for k, v in sorted(spent.items(), key=lambda x: -x[1]))
-    table += (f"\nC kernels (ctypes; timed over {a.steps} unprofiled steps of {plain * 1e3:.2f} ms):\n" + kernels)
-    head = (f"prefixkv decode step, batch {a.batch}, {a.system_tokens} shared + {a.question_tokens} own tokens: "
+    table += (f"\nC kernels (ctypes; timed over {a.steps} unprofiled steps of {plain * 1e3:.2f} ms"
+              f"{', the layers as a Python loop' if fused else ''}):\n" + kernels)
+    head = (f"prefixkv decode step, batch {a.batch}, {a.system_tokens} shared + {a.question_tokens} own tokens"
+            f"{' (the layers in one C call)' if fused else ''}: "
             f"{times[len(times) // 2] * 1e3:.2f} ms median of 20 unprofiled steps (min {times[0] * 1e3:.2f}); "
             f"{profiled * 1e3:.2f} ms per profiled step ({a.steps} steps below)\n")
     print(head + table)
