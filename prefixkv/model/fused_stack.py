@@ -71,19 +71,18 @@ class FusedStack:
         self.scale = model.model.layers[0].self_attn.scale
         n = s.num_layers
         self.layers = (cpu_ops.DecoderLayerF32 * n)()
-        self._keep = []  # the tensors the table points into
+        self._keep = []  # the tensors the table points into (besides kv_cache)
         for i, layer in enumerate(model.model.layers):
             a, m = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm._kernel_weight().contiguous(),
                      layer.post_attention_layernorm._kernel_weight().contiguous())
-            self._keep += [*norms, kv_cache]
             e = self.layers[i]
             e.input_norm, e.post_attention_norm = norms[0].data_ptr(), norms[1].data_ptr()
             e.qkv, e.qkv_bias = a.qkv_proj.packed.data_ptr(), _ptr(a.qkv_proj.bias)
             e.o, e.o_bias = a.o_proj.packed.data_ptr(), _ptr(a.o_proj.bias)
             e.gate_up, e.down = m.gate_up_proj.packed.data_ptr(), m.down_proj.packed.data_ptr()
             e.kv_layer = kv_cache[i].data_ptr()
-            self._keep += [a.qkv_proj.packed, a.o_proj.packed, m.gate_up_proj.packed, m.down_proj.packed]
+            self._keep += [*norms, a.qkv_proj.packed, a.o_proj.packed, m.gate_up_proj.packed, m.down_proj.packed]
             self._keep += [b for b in (a.qkv_proj.bias, a.o_proj.bias) if b is not None]
         self.fn = cpu_ops.load().decoder_layers_f32
 

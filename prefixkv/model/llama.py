@@ -492,12 +492,14 @@ class LlamaModel(nn.Module):
         rows = stack.rows(meta, backend.batch_invariant) if stack is not None else None
         if rows is not None:  # every layer in one C call (model/fused_stack.py): the same bits
             h, residual = stack(h, *tables[self.layer_rope[0]], meta, *rows)
-        for i, layer in enumerate(self.model.layers if rows is None else ()):
-            cos, sin = tables[self.layer_rope[i]]
-            if grouped:
-                h, residual = layer(h, residual, cos, sin, kv_cache[self.kv_slots[i]], meta[self.kv_groups[i]], backend)
-            else:
-                h, residual = layer(h, residual, cos, sin, kv_cache[i], meta, backend)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                cos, sin = tables[self.layer_rope[i]]
+                if grouped:
+                    h, residual = layer(h, residual, cos, sin, kv_cache[self.kv_slots[i]], meta[self.kv_groups[i]],
+                                        backend)
+                else:
+                    h, residual = layer(h, residual, cos, sin, kv_cache[i], meta, backend)
         h, _ = self.model.norm.add_forward(h[logits_indices], residual[logits_indices])  # [S, hidden]
         logits = self.logits(h)
         if self.shape.final_softcap is not None:
