@@ -105,6 +105,7 @@ class LLMEngine:
             for key, tokens in disk.scan():
                 for dropped in kv.disk.add(key, tokens):
                     disk.delete(dropped)
+            self.scheduler.disk_prefetch = self._disk_prefetch
         self.graph_capture_seconds = 0.0
         if config.device == "cuda" and not config.enforce_eager and backend.name == "cuda":
             if shape.is_moe:  # the torch MoE path picks each step's experts on the host: no graph holds it
@@ -147,6 +148,25 @@ class LLMEngine:
                         plan.num_groups, plan.layers_per_page, list(plan.windows))
         return plan
 
+    def _disk_prefetch(self, keys: list[int]) -> bool:
+        """The scheduler's hook: whether a waiting request's blocks from files are all in memory
+        (their reads start otherwise). A block going to its file in this very step is not read
+        yet (next step, from its copy). Files that failed their check are forgotten here, so the
+        request's match stops before them and it recomputes the rest."""
+        kv, store = self.scheduler.kv, self.runner.disk
+        spilling = kv.spilling()
+        if spilling and not spilling.isdisjoint(keys):
+            return False
+        ready = store.prefetch(keys)
+        self._forget_failed_disk_blocks()
+        return ready
+
+    def _forget_failed_disk_blocks(self) -> None:
+        for key in self.runner.disk.take_failed():
+            self.scheduler.kv.disk.remove(key)
+            logger.warning("kv cache: disk block %016x failed its check or its write; recomputed",
+                           key & 0xFFFFFFFFFFFFFFFF)
+
     def flush_kv_cache(self) -> int:
         """Write every cached block the disk tier lacks (on the device and in the host tier) to the
         disk tier, so that a restart finds them (a clean shutdown calls this). Returns how many."""
@@ -162,6 +182,7 @@ class LLMEngine:
             for dropped in kv.disk.add(key, tokens):
                 runner.disk.delete(dropped)
             n += 1
+        runner.disk.flush()
         return n
 
     def _batch_invariance_blocker(self, backend) -> str | None:
@@ -295,6 +316,9 @@ class LLMEngine:
         for gets a finished output with ``error`` set, its blocks freed; the others go on."""
         if self.dead is not None:
             raise EngineFatalError(f"the engine is dead after {type(self.dead).__name__}: {self.dead}")
+        if self.runner.disk is not None:
+            self._forget_failed_disk_blocks()  # (reads and writes the threads finished since)
+            self.runner.disk.begin_pass()
         out = self.scheduler.schedule()
         touched: dict[str, RequestState] = {}
         for seq in out.out_of_memory:  # already finished by the scheduler
@@ -303,6 +327,8 @@ class LLMEngine:
                 self._finish(group, seq, RequestStatus.FINISHED_LENGTH, None)
                 touched[group.request_id] = group
         if out.is_empty:
+            if self.runner.disk is not None and self.scheduler.waiting:
+                self.runner.disk.wait_reads(0.05)  # waiting only for files: no busy loop
             return self._emit(touched)
         self.num_steps += 1
         try:
@@ -418,6 +444,9 @@ class LLMEngine:
             "disk_bytes_written": self.runner.disk.num_bytes_written if self.runner.disk is not None else 0,
             "disk_bytes_read": self.runner.disk.num_bytes_read if self.runner.disk is not None else 0,
             "disk_files_discarded": self.runner.disk.num_discarded if self.runner.disk is not None else 0,
+            "disk_blocks_prefetched": self.runner.disk.num_prefetched if self.runner.disk is not None else 0,
+            "disk_sync_reads": self.runner.disk.num_sync_reads if self.runner.disk is not None else 0,
+            "disk_admission_waits": self.scheduler.num_disk_waits,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_requests_aborted": self.num_aborted,
             "spec_draft_tokens": self.scheduler.num_draft_tokens,

@@ -17,6 +17,7 @@ with one system prompt compute it once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prefixkv.config import CacheConfig, SchedulerConfig
@@ -92,6 +93,11 @@ class Scheduler:
         self.watermark_blocks = int(config.watermark * num_blocks)
         # seq_id -> (radix version, match) of waiting requests: re-matched only when the tree changed
         self._match_cache: dict[str, tuple[int, MatchResult]] = {}
+        # the disk tier's prefetch (the engine sets it: DiskKVStore.prefetch behind it): given the keys
+        # of a waiting request's blocks that come from files, whether all are in memory (else their
+        # reads start and the request waits, while the others are scheduled)
+        self.disk_prefetch: Callable[[list[int]], bool] | None = None
+        self.num_disk_waits = 0  # admissions put off while a request's blocks were read from files
         self.num_draft_tokens = 0  # speculative tokens proposed ...
         self.num_accepted_tokens = 0  # ... and accepted
 
@@ -312,6 +318,11 @@ class Scheduler:
                 host_keys = self.kv.match_host(req.token_ids, match)
             else:
                 match, host_keys = MatchResult([], 0), []
+            if host_keys and self.disk_prefetch is not None:
+                disk_keys = self.kv.disk_keys(host_keys)
+                if disk_keys and not self.disk_prefetch(disk_keys):
+                    self.num_disk_waits += 1
+                    continue  # its blocks are being read from files: it waits, the others go on
             cached = match.num_tokens + len(host_keys) * self.block_size
             num_new = req.num_tokens - cached
             if num_new > budget and not self.config.enable_chunked_prefill and (self.running or admitted):

@@ -42,6 +42,7 @@ def test_blocks_spill_to_disk_and_come_back(tiny_llama, tmp_path, probe):
     assert kv.disk.num_written > 0 and kv.disk.num_read >= 0
     assert llm.engine.runner.disk.num_bytes_read > 0  # some history came back from files
     assert [o.outputs[0].token_ids for o in outs1 + outs2] == hf_reference(tiny_llama, first + second, max_tokens=6)
+    llm.engine.runner.disk.flush()  # the writer thread's queue
     assert kv.disk.num_used <= 400 and len(list(llm.engine.runner.disk.dir.glob("*.kvb"))) == kv.disk.num_used
     llm.engine.check_integrity()
 
@@ -187,22 +188,202 @@ def test_the_server_engines_shutdown_writes_the_cache(tiny_llama, tmp_path, prob
     assert a.engine.stats()["disk_bytes_written"] == cached * a.engine.runner.disk.payload_bytes
 
 
-def test_a_file_damaged_while_running_fails_that_step_not_the_output(tiny_llama, tmp_path, probe):
-    """A file corrupted after the start-up scan: the read's checksum catches it, the step's requests
-    end with an error (never attention over wrong KV), the file is forgotten, and the same prompt
-    then gives the right tokens."""
+def test_a_file_damaged_while_running_is_discarded_and_recomputed(tiny_llama, tmp_path, probe):
+    """A file corrupted after the start-up scan: the prefetch's checksum catches it before the
+    request is admitted, the file is deleted and forgotten, and the request recomputes from there:
+    the right tokens, no error, never attention over wrong KV."""
     convs = _conversations(2)
     a = _llm(tiny_llama, tmp_path, probe=probe)
     turn1 = a.generate(convs, SP)
     a.close()
     b = _llm(tiny_llama, tmp_path, probe=probe)
-    for f in b.engine.runner.disk.dir.glob("*.kvb"):  # after b's scan accepted them
+    d = b.engine.runner.disk
+    files = sorted(d.dir.glob("*.kvb"))
+    for f in files:  # after b's scan accepted them
         data = bytearray(f.read_bytes())
         data[-1] ^= 1
         f.write_bytes(bytes(data))
     turn2 = [convs[0] + turn1[0].outputs[0].token_ids + [250]]
-    failed = b.generate(turn2, SP)[0]
-    assert failed.outputs[0].finish_reason == "error" and "corrupt" in failed.error
-    ok = b.generate(turn2, SP)[0]
-    assert ok.outputs[0].token_ids == hf_reference(tiny_llama, turn2, max_tokens=6)[0]
+    out = b.generate(turn2, SP)[0]
+    assert out.error is None and out.outputs[0].token_ids == hf_reference(tiny_llama, turn2, max_tokens=6)[0]
+    assert out.num_cached_tokens == 0  # the first block's file was bad: nothing after it is matched
+    assert d.num_bytes_read == 0 and d.num_sync_reads == 0
+    for _ in range(100):
+        if not d.reads_in_flight:
+            break
+        d.wait_reads(0.1)
+    b.generate([[7, 8, 9]], SP)  # a step after the reader's last failure: all of them forgotten
+    left = {int(f.stem, 16) for f in d.dir.glob("*.kvb")}
+    assert d.num_discarded >= 1 and len(left) == len(files) - d.num_discarded
+    assert {k & 0xFFFFFFFFFFFFFFFF for k in b.engine.scheduler.kv.disk.keys()} == left  # index == files
     b.engine.check_integrity()
+
+
+def test_a_damaged_file_read_without_prefetch_raises(tiny_llama, tmp_path, probe):
+    """The step's own read (a block nobody prefetched) checks the file too: DiskKVError, which the
+    engine turns into an error for that step's requests (``_failed_forward``)."""
+    from prefixkv.runner.disk_store import DiskKVError
+
+    a = _llm(tiny_llama, tmp_path, probe=probe)
+    a.generate(_conversations(1), SP)
+    a.close()
+    d = a.engine.runner.disk
+    f = sorted(d.dir.glob("*.kvb"))[0]
+    key = int(f.stem, 16)
+    key = key - (1 << 64) if key >= 1 << 63 else key
+    assert d.read(key).shape == d.block_shape and d.num_sync_reads == 1
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 1
+    f.write_bytes(bytes(data))
+    with pytest.raises(DiskKVError, match="corrupt"):
+        d.read(key)
+
+
+# ---------------------------------------------------------------- the store's threads (no model)
+def _store(tmp_path, **kw):
+    import torch
+
+    from prefixkv.runner.disk_store import DiskKVStore
+
+    return DiskKVStore(tmp_path, "fp", 4, (2, 2, 1, 4, 3), torch.float64, **kw)
+
+
+def _block(v: float):
+    import torch
+
+    return torch.full((2, 2, 1, 4, 3), v, dtype=torch.float64)
+
+
+def test_writes_are_queued_copies_read_back_before_and_after_the_file(tmp_path):
+    import torch
+
+    d = _store(tmp_path)
+    src = _block(1.0)
+    d.write(11, (1, 2, 3, 4), src)
+    src.fill_(9.0)  # the slot reused at once: the queued copy is what gets written
+    assert torch.equal(d.read(11), _block(1.0))  # from the copy or the file, whichever is first
+    d.flush()
+    assert d.num_bytes_written == d.payload_bytes and (d.dir / f"{11:016x}.kvb").exists()
+    assert d.scan() == [(11, (1, 2, 3, 4))]
+    d.write(12, (5, 6, 7, 8), _block(2.0))
+    d.delete(12)  # in order: written, then deleted
+    d.write(13, (5, 6, 7, 9), _block(3.0))
+    d.delete(13)
+    d.write(13, (5, 6, 7, 9), _block(3.0))  # deleted, then written again
+    d.flush()
+    assert sorted(p.name for p in d.dir.glob("*.kvb")) == [f"{11:016x}.kvb", f"{13:016x}.kvb"]
+    assert torch.equal(d.read(13), _block(3.0)) and d.num_sync_reads == 1 and not list(d.dir.glob("*.tmp"))
+
+
+def test_the_write_queue_is_bounded(tmp_path, monkeypatch):
+    """With room for one queued block, the next write waits until the writer thread has written the
+    first: the step never holds more than ``write_queue_bytes`` of copies."""
+    import threading
+
+    d = _store(tmp_path, write_queue_bytes=1)
+    gate = threading.Event()
+    real = d._path
+
+    def slow_path(key):  # the writer thread blocks on its first file until the gate opens
+        if threading.current_thread().name == "prefixkv-disk-writer":
+            gate.wait(10)
+        return real(key)
+
+    monkeypatch.setattr(d, "_path", slow_path)
+    d.write(1, (1, 2, 3, 4), _block(1.0))
+    t = threading.Thread(target=d.write, args=(2, (1, 2, 3, 5), _block(2.0)))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and d.num_write_waits >= 1  # waiting for room
+    gate.set()
+    t.join(10)
+    d.flush()
+    assert not t.is_alive() and d.num_bytes_written == 2 * d.payload_bytes
+
+
+def test_prefetch_reads_in_the_background_and_keeps_what_it_reported(tmp_path):
+    import torch
+
+    d = _store(tmp_path)
+    for k in range(6):
+        d.write(k, (k, 1, 2, 3), _block(float(k)))
+    d.flush()
+    bound = 3 * d.payload_bytes
+    e = _store(tmp_path, prefetch_bytes=bound)  # a new process on the same files
+    assert [k for k, _ in e.scan()] == list(range(6))
+    for _ in range(200):
+        if e.prefetch([0, 1]):
+            break
+        e.wait_reads(0.05)
+    assert e.prefetch([0, 1]) and e.num_prefetched == 2 and e.reads_in_flight == 0
+    # the same pass: room for one more: [2, 3, 4] gets 2 read, 3 and 4 wait (0 and 1 were asked
+    # for earlier in the pass: they stay)
+    for _ in range(200):
+        assert not e.prefetch([2, 3, 4])
+        if not e.reads_in_flight:
+            break
+        e.wait_reads(0.05)
+    assert e.num_prefetched == 3 and e.prefetch([0, 1])
+    assert torch.equal(e.read(0), _block(0.0)) and torch.equal(e.read(1), _block(1.0))  # taken: room
+    e.begin_pass()  # the next pass: 3 and 4 come in (2 is kept: wanted again)
+    for _ in range(200):
+        if e.prefetch([2, 3, 4]):
+            break
+        e.wait_reads(0.05)
+    assert e.num_prefetched == 5 and e.prefetch([2, 3, 4])
+    e.begin_pass()  # a pass that wants two others: 2 and 3 make room (least recently wanted first)
+    for _ in range(200):
+        if e.prefetch([0, 1]):
+            break
+        e.wait_reads(0.05)
+    assert e.num_prefetched == 7 and set(e._ready) == {4, 0, 1}
+    assert e.num_sync_reads == 0 and e.num_bytes_read == 2 * e.payload_bytes
+    (e.dir / f"{5:016x}.kvb").write_bytes(b"garbage")
+    e.begin_pass()
+    for _ in range(200):
+        if e.prefetch([5]) or e.reads_in_flight == 0 and e.num_discarded:
+            break
+        e.wait_reads(0.05)
+    assert e.take_failed() == [5] and e.num_discarded == 1 and not (e.dir / f"{5:016x}.kvb").exists()
+    assert e.take_failed() == []
+
+
+def test_a_request_waits_for_its_files_and_the_others_go_on(tiny_llama, tmp_path, probe):
+    """After a restart the conversation's blocks are on disk. While their reads are held back, a
+    second request is scheduled step after step and the first waits (its blocks are not read in
+    the step); once they are in, it is admitted with them cached. Both outputs exact."""
+    convs = _conversations(1)
+    a = _llm(tiny_llama, tmp_path, probe=probe)
+    turn1 = a.generate(convs, SP)
+    a.close()
+    b = _llm(tiny_llama, tmp_path, probe=probe)
+    d, eng = b.engine.runner.disk, b.engine
+    real, calls = d.prefetch, []
+    hold = [True]
+
+    def held(keys):
+        calls.append(len(keys))
+        return False if hold[0] else real(keys)
+
+    d.prefetch = held
+    turn2 = convs[0] + turn1[0].outputs[0].token_ids + [250]
+    other = [5 + (i * 7) % 90 for i in range(12)]
+    eng.add_request("back", turn2, SP)
+    eng.add_request("other", other, SP)
+    done = {}
+    for _ in range(4):
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert calls and {r.request_id for r in eng.scheduler.waiting} == {"back"}
+    assert eng.scheduler.num_disk_waits >= 4 and d.num_bytes_read == 0
+    hold[0] = False
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert done["back"].num_cached_tokens >= len(turn2) - 8
+    assert d.num_prefetched > 0 and d.num_sync_reads == 0 and d.num_bytes_read > 0
+    ref = hf_reference(tiny_llama, [turn2, other], max_tokens=6)
+    assert [done["back"].outputs[0].token_ids, done["other"].outputs[0].token_ids] == ref
+    eng.check_integrity()

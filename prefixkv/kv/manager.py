@@ -263,6 +263,15 @@ class KVCacheManager:
             keys.append(prev)
         return keys
 
+    def disk_keys(self, keys: Sequence[int]) -> list[int]:
+        """Those of ``match_host``'s keys that ``allocate_slots`` would read from files (the host
+        tier does not hold them)."""
+        return [k for k in keys if self.host.lookup_key(k) is None]
+
+    def spilling(self) -> set[int]:
+        """The keys that go to files in the step being scheduled (their copies are not taken yet)."""
+        return {k for _, k, _ in self._spill}
+
     def begin_step(self) -> None:
         """A new schedule: the copies handed to the runner last step have run."""
         if self.host is not None:

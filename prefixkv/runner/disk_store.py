@@ -11,6 +11,16 @@ dtype). Written to a temporary name and renamed, so a process killed mid-write l
 only those whose header, size, tokens and checksum agree; ``read`` checks the checksum again and
 raises ``DiskKVError`` on a mismatch (the engine then fails the step's requests rather than
 attend over wrong KV).
+
+No file I/O runs in the engine step beyond a bound. ``write`` copies the block (a memcpy, so the
+host slot can be reused at once) and queues the file for a writer thread; the step waits only
+while more than ``write_queue_bytes`` of copies are queued. Reads are prefetched: the scheduler
+calls ``prefetch`` for a waiting request whose prefix continues on disk, a reader thread reads and
+checks the files into memory, and the request is admitted once all of them are in (it waits, the
+other requests go on); ``read`` in the step then takes the block from memory. A block whose file
+is still queued is read from its copy. A file that fails its check while prefetched is reported
+by ``take_failed`` and the request recomputes from there. Both threads start on demand and end
+when idle for a second.
 """
 
 from __future__ import annotations
@@ -18,8 +28,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import struct
+import threading
 import zlib
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -56,34 +69,217 @@ def kv_fingerprint(model_path: Path, dtype: torch.dtype, block_size: int, block_
 
 class DiskKVStore:
     def __init__(self, root: str | os.PathLike, fingerprint: str, block_size: int, block_shape: tuple[int, ...],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, write_queue_bytes: int = 256 << 20, prefetch_bytes: int = 512 << 20) -> None:
         self.dir = Path(root) / fingerprint
         self.dir.mkdir(parents=True, exist_ok=True)
         self.block_size = block_size
         self.block_shape = block_shape  # [num_layers, 2, KVH, block_size, D]
         self.dtype = dtype
         self.payload_bytes = int(np.prod(block_shape)) * torch.empty((), dtype=dtype).element_size()
+        # at least one block each, whatever the bounds say
+        self.write_queue_bytes = max(write_queue_bytes, self.payload_bytes)
+        self.prefetch_bytes = max(prefetch_bytes, self.payload_bytes)
         self.num_bytes_written = 0
-        self.num_bytes_read = 0
+        self.num_bytes_read = 0  # blocks handed to the step
         self.num_discarded = 0  # files found invalid (truncated, corrupt, foreign) and deleted
+        self.num_prefetched = 0  # blocks read by the reader thread
+        self.num_sync_reads = 0  # blocks the step had to read itself (not prefetched)
+        self.num_write_waits = 0  # writes that waited for room in the queue
+        self._cv = threading.Condition()
+        # key -> [copy, tokens, queued writes of it]: files not written yet (reads take the copy)
+        self._pending: dict[int, list] = {}
+        self._ops: queue.SimpleQueue = queue.SimpleQueue()  # ("w" | "d", key), in order
+        self._writes_queued = 0  # ops queued or running
+        self._writer: threading.Thread | None = None
+        self._reads: queue.SimpleQueue = queue.SimpleQueue()
+        self._reading: set[int] = set()
+        self._reader: threading.Thread | None = None
+        self._ready: OrderedDict[int, torch.Tensor] = OrderedDict()  # prefetched, least recently wanted first
+        self._failed: set[int] = set()  # keys whose file failed (read or write), not yet reported
+        self._wanted_now: set[int] = set()  # asked for by this scheduling pass (``begin_pass``)
 
     def _path(self, key: int) -> Path:
         return self.dir / f"{key & 0xFFFFFFFFFFFFFFFF:016x}.kvb"
 
+    # ------------------------------------------------------------------ writes
     def write(self, key: int, tokens: tuple[int, ...], block: torch.Tensor) -> None:
-        payload = block.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
-        assert len(payload) == self.payload_bytes, (len(payload), self.payload_bytes)
-        header = _HEADER.pack(key, len(tokens), len(payload), zlib.crc32(payload))
-        path = self._path(key)
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + header + np.asarray(tokens, dtype=np.int64).tobytes() + payload)
-        os.replace(tmp, path)
-        self.num_bytes_written += len(payload)
+        """Queue the block's file; the block is copied now (its memory may be reused at once)."""
+        copy = block.detach().to("cpu", copy=True).contiguous()
+        assert copy.numel() * copy.element_size() == self.payload_bytes, (copy.shape, self.payload_bytes)
+        with self._cv:
+            while self._pending_bytes() + self.payload_bytes > self.write_queue_bytes and self._pending:
+                self.num_write_waits += 1
+                self._cv.wait()
+            entry = self._pending.get(key)
+            if entry is None:
+                self._pending[key] = [copy, tuple(tokens), 1]
+            else:
+                entry[0], entry[1], entry[2] = copy, tuple(tokens), entry[2] + 1
+            self._put_op(("w", key))
+
+    def delete(self, key: int) -> None:
+        with self._cv:
+            self._ready.pop(key, None)
+            self._put_op(("d", key))
+
+    def flush(self) -> None:
+        """Wait until every queued write and delete is done."""
+        with self._cv:
+            while self._writes_queued:
+                self._cv.wait()
+
+    def _pending_bytes(self) -> int:
+        return len(self._pending) * self.payload_bytes
+
+    def _put_op(self, op: tuple[str, int]) -> None:  # under the lock
+        self._ops.put(op)
+        self._writes_queued += 1
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="prefixkv-disk-writer", daemon=True)
+            self._writer.start()
+
+    def _write_loop(self) -> None:
+        while True:
+            try:
+                kind, key = self._ops.get(timeout=1.0)
+            except queue.Empty:
+                with self._cv:
+                    if self._ops.empty():
+                        self._writer = None
+                        return
+                continue
+            path = self._path(key)
+            if kind == "d":
+                path.unlink(missing_ok=True)
+                with self._cv:
+                    self._writes_queued -= 1
+                    self._cv.notify_all()
+                continue
+            with self._cv:
+                copy, tokens, _ = self._pending[key]
+            payload = copy.view(torch.uint8).numpy().tobytes()
+            header = _HEADER.pack(key, len(tokens), len(payload), zlib.crc32(payload))
+            tmp = path.with_suffix(".tmp")
+            ok = True
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(MAGIC + header + np.asarray(tokens, dtype=np.int64).tobytes() + payload)
+                os.replace(tmp, path)
+            except OSError:
+                ok = False
+                tmp.unlink(missing_ok=True)
+            with self._cv:
+                entry = self._pending[key]
+                entry[2] -= 1
+                if not entry[2]:
+                    del self._pending[key]
+                if ok:
+                    self.num_bytes_written += len(payload)
+                else:
+                    self._failed.add(key)
+                self._writes_queued -= 1
+                self._cv.notify_all()
+
+    # ------------------------------------------------------------------ reads
+    def begin_pass(self) -> None:
+        """A new scheduling pass: the blocks earlier passes asked for may go again."""
+        with self._cv:
+            self._wanted_now.clear()
+
+    def prefetch(self, keys: list[int]) -> bool:
+        """Whether every block of ``keys`` is in memory for ``read``; starts reading those that are
+        not. The scheduler asks for its waiting requests in priority order each pass: to make room
+        within ``prefetch_bytes``, a call evicts prefetched blocks that no earlier call of the pass
+        asked for (least recently wanted first), and reads no more than fits (one request alone may
+        go over: it is the only one then). Only the step's thread calls it, and ``read`` takes what
+        it reported ready in the same step, so nothing reported ready goes before it is read."""
+        cap = self.prefetch_bytes // self.payload_bytes
+        with self._cv:
+            self._wanted_now.update(keys)
+            todo = [k for k in keys if k not in self._ready and k not in self._reading and k not in self._failed]
+            for k in todo:
+                if k in self._pending:
+                    self._ready[k] = self._pending[k][0]
+            todo = [k for k in todo if k not in self._ready]
+            for k in [k for k in self._ready if k not in self._wanted_now]:
+                if len(self._ready) + len(self._reading) + len(todo) <= cap:
+                    break
+                del self._ready[k]
+            for k in keys:
+                if k in self._ready:
+                    self._ready.move_to_end(k)
+            mine = set(keys)
+            for k in todo:
+                held = len(self._ready) + len(self._reading)
+                if held + 1 > cap and not (set(self._ready) | self._reading) <= mine:
+                    break  # the earlier requests' blocks fill the room: this one's turn comes later
+                self._reading.add(k)
+                self._reads.put(k)
+                if self._reader is None:
+                    self._reader = threading.Thread(target=self._read_loop, name="prefixkv-disk-reader",
+                                                    daemon=True)
+                    self._reader.start()
+            return all(k in self._ready for k in keys)
+
+    def take_failed(self) -> list[int]:
+        """Keys whose file failed its check on a prefetch (deleted) or could not be written, since
+        the last call: the caller forgets them, so the requests recompute those blocks."""
+        with self._cv:
+            out = sorted(self._failed)
+            self._failed.clear()
+            return out
+
+    @property
+    def reads_in_flight(self) -> int:
+        with self._cv:
+            return len(self._reading)
+
+    def wait_reads(self, timeout: float) -> None:
+        """Sleep until a prefetch read completes (or ``timeout``), if one is running: for an engine
+        whose only work is waiting for them."""
+        with self._cv:
+            if self._reading:
+                self._cv.wait(timeout)
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                key = self._reads.get(timeout=1.0)
+            except queue.Empty:
+                with self._cv:
+                    if self._reads.empty():
+                        self._reader = None
+                        return
+                continue
+            try:
+                block = self._read_file(key)
+            except DiskKVError:
+                block = None
+                self._path(key).unlink(missing_ok=True)
+            with self._cv:
+                self._reading.discard(key)
+                if block is not None:
+                    self._ready[key] = block
+                    self.num_prefetched += 1
+                else:
+                    self._failed.add(key)
+                    self.num_discarded += 1
+                self._cv.notify_all()
 
     def read(self, key: int) -> torch.Tensor:
-        """The block's KV, [num_layers, 2, KVH, block_size, D]; DiskKVError if the file is not
-        what was written."""
+        """The block's KV, [num_layers, 2, KVH, block_size, D]: prefetched, or from its queued copy,
+        else read now; DiskKVError if the file is not what was written."""
+        with self._cv:
+            block = self._ready.pop(key, None)
+            if block is None and key in self._pending:
+                block = self._pending[key][0]
+        if block is None:
+            block = self._read_file(key)
+            self.num_sync_reads += 1
+        self.num_bytes_read += self.payload_bytes
+        return block
+
+    def _read_file(self, key: int) -> torch.Tensor:
         try:
             data = self._path(key).read_bytes()
         except OSError as e:
@@ -91,12 +287,8 @@ class DiskKVStore:
         parsed = self._parse(data)
         if parsed is None or parsed[0] != key:
             raise DiskKVError(f"disk KV block {key:x}: the file is corrupt", key)
-        self.num_bytes_read += self.payload_bytes
         raw = torch.frombuffer(bytearray(parsed[2]), dtype=torch.uint8)
         return raw.view(self.dtype).view(self.block_shape)
-
-    def delete(self, key: int) -> None:
-        self._path(key).unlink(missing_ok=True)
 
     def _parse(self, data: bytes) -> tuple[int, tuple[int, ...], bytes] | None:
         n0 = len(MAGIC) + _HEADER.size
