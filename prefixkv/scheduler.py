@@ -27,6 +27,7 @@ from prefixkv.spec_decode import NgramIndex
 
 # How many waiting requests the cache-aware ordering looks at per step.
 _ORDER_WINDOW = 128
+_PREFETCH_AHEAD = 8  # waiting requests past those admitted whose disk-tier reads a pass starts
 
 
 @dataclass(slots=True)
@@ -297,18 +298,39 @@ class Scheduler:
         cands.sort(key=key)
         return cands
 
+    def _prefetch_ahead(self, reqs: list[Request]) -> None:
+        """Start the file reads of waiting requests that this pass does not admit, so that their
+        blocks are in memory when their turn comes (a hint: a stale match only reads in vain)."""
+        if self.disk_prefetch is None:
+            return
+        version = self.kv.radix.version
+        for req in reqs[:_PREFETCH_AHEAD]:
+            if req.sampling_params.prompt_logprobs is None:
+                hit = self._match_cache.get(req.seq_id)
+                match = hit[1] if hit is not None and hit[0] == version else self.kv.match_prefix(req.token_ids,
+                                                                                                  touch=False)
+                keys = self.kv.match_host(req.token_ids, match)
+                disk_keys = self.kv.disk_keys(keys) if keys else []
+                if disk_keys:
+                    self.disk_prefetch(disk_keys)
+
     def _admit(self, budget: int, prefills: list[ScheduledRequest]) -> int:
-        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-            return budget  # (seats >= running sequences)
-        seats = self.num_seats
-        if seats >= self.config.max_num_seqs:
+        if not self.waiting:
             return budget
-        if self.running and self.kv.num_reclaimable_blocks <= self.watermark_blocks:
-            return budget  # not one block to be had: nobody can be admitted, match nobody
+        if (budget <= 0 or len(self.running) >= self.config.max_num_seqs  # (seats >= running sequences)
+                or self.num_seats >= self.config.max_num_seqs
+                or self.running and self.kv.num_reclaimable_blocks <= self.watermark_blocks):
+            # nobody can be admitted (not one block to be had, or no seat): match nobody, but
+            # start the reads of those who come next
+            self._prefetch_ahead(self.waiting[:_ORDER_WINDOW])
+            return budget
+        seats = self.num_seats
         admitted: list[Request] = []
-        for req, _ in self._admission_order():
+        order = self._admission_order()
+        for pos, (req, _) in enumerate(order):
             n = req.sampling_params.n if req.needs_fork else 1
             if budget <= 0 or seats + n > self.config.max_num_seqs and (self.running or admitted):
+                self._prefetch_ahead([r for r, _ in order[pos:]])
                 break
             # match again: it touches the LRU, and counts blocks cached by requests admitted just now;
             # where the device match ends, the lower tiers may go on (blocks copied back in). A request
@@ -326,12 +348,14 @@ class Scheduler:
             cached = match.num_tokens + len(host_keys) * self.block_size
             num_new = req.num_tokens - cached
             if num_new > budget and not self.config.enable_chunked_prefill and (self.running or admitted):
+                self._prefetch_ahead([r for r, _ in order[pos + 1:]])
                 break
             num_new = min(num_new, budget)
             reserve = self.watermark_blocks if self.running or admitted else 0
             ops = self.kv.allocate_slots(req.seq_id, cached, num_new, prefix=match, reserve=reserve,
                                          host_keys=host_keys)
             if ops is None:
+                self._prefetch_ahead([r for r, _ in order[pos + 1:]])
                 break
             assert not ops
             if req.num_computed_tokens == 0 and req.num_preemptions == 0:

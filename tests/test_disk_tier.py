@@ -387,3 +387,39 @@ def test_a_request_waits_for_its_files_and_the_others_go_on(tiny_llama, tmp_path
     ref = hf_reference(tiny_llama, [turn2, other], max_tokens=6)
     assert [done["back"].outputs[0].token_ids, done["other"].outputs[0].token_ids] == ref
     eng.check_integrity()
+
+
+def test_the_reads_of_a_request_that_must_wait_for_a_seat_start_early(tiny_llama, tmp_path, probe):
+    """One seat: while the first request runs, the next one (a returning conversation, its blocks
+    on disk) cannot be admitted, but its files are read meanwhile; it is then admitted at once
+    with them cached, no step reading a file."""
+    convs = _conversations(1)
+    a = _llm(tiny_llama, tmp_path, probe=probe)
+    turn1 = a.generate(convs, SP)
+    a.close()
+    b = _llm(tiny_llama, tmp_path, probe=probe, max_num_seqs=1)
+    d, eng = b.engine.runner.disk, b.engine
+    turn2 = convs[0] + turn1[0].outputs[0].token_ids + [250]
+    other = [5 + (i * 7) % 90 for i in range(12)]
+    eng.add_request("other", other, SP)
+    eng.add_request("back", turn2, SP)
+    done = {}
+    for o in eng.step():  # "other" admitted; "back" has no seat, its reads start
+        done[o.request_id] = o
+    assert [r.request_id for r in eng.scheduler.running] == ["other"] and d.reads_in_flight + d.num_prefetched > 0
+    while "other" not in done:
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    for _ in range(100):  # (a slow machine: the reads may still run)
+        if not d.reads_in_flight:
+            break
+        d.wait_reads(0.1)
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert done["back"].num_cached_tokens >= len(turn2) - 8 and d.num_sync_reads == 0
+    assert eng.scheduler.num_disk_waits == 0  # its blocks were in before its turn
+    ref = hf_reference(tiny_llama, [other, turn2], max_tokens=6)
+    assert [done["other"].outputs[0].token_ids, done["back"].outputs[0].token_ids] == ref
