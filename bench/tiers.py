@@ -106,6 +106,8 @@ def _run(llm, order: list[int], max_tokens: int, history: dict[int, list[dict]],
                 lower_tier_hit_tokens=stats["prefix_host_hit_tokens"], host_blocks=stats["num_host_blocks"],
                 host_blocks_loaded=stats["host_blocks_loaded"], disk_blocks_used=stats["num_disk_blocks_used"],
                 disk_bytes_written=stats["disk_bytes_written"], disk_bytes_read=stats["disk_bytes_read"],
+                disk_blocks_prefetched=stats["disk_blocks_prefetched"], disk_sync_reads=stats["disk_sync_reads"],
+                disk_admission_waits=stats["disk_admission_waits"],
                 preemptions=stats["num_preemptions"], conversations_kv_tokens=sum(last_len.values()),
                 outputs=outputs)
 
