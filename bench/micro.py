@@ -613,7 +613,7 @@ def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: in
         prep.append(time.perf_counter() - t)
         return ModelOutput(_fake_sampled(out), [None] * len(out.scheduled))
 
-    eng.runner = SimpleNamespace(execute=execute)
+    eng.runner = SimpleNamespace(execute=execute, disk=None)  # no disk tier
     evict_calls = []
     real_evict = kv.radix.evict
 

@@ -317,14 +317,14 @@ class Scheduler:
     def _admit(self, budget: int, prefills: list[ScheduledRequest]) -> int:
         if not self.waiting:
             return budget
-        if (budget <= 0 or len(self.running) >= self.config.max_num_seqs  # (seats >= running sequences)
-                or self.num_seats >= self.config.max_num_seqs
+        full = budget <= 0 or len(self.running) >= self.config.max_num_seqs  # (seats >= running sequences)
+        seats = 0 if full else self.num_seats
+        if (full or seats >= self.config.max_num_seqs
                 or self.running and self.kv.num_reclaimable_blocks <= self.watermark_blocks):
             # nobody can be admitted (not one block to be had, or no seat): match nobody, but
             # start the reads of those who come next
-            self._prefetch_ahead(self.waiting[:_ORDER_WINDOW])
+            self._prefetch_ahead(self.waiting)
             return budget
-        seats = self.num_seats
         admitted: list[Request] = []
         order = self._admission_order()
         for pos, (req, _) in enumerate(order):
