@@ -309,10 +309,13 @@ class Scheduler:
                 hit = self._match_cache.get(req.seq_id)
                 match = hit[1] if hit is not None and hit[0] == version else self.kv.match_prefix(req.token_ids,
                                                                                                   touch=False)
-                keys = self.kv.match_host(req.token_ids, match)
-                disk_keys = self.kv.disk_keys(keys) if keys else []
-                if disk_keys:
-                    self.disk_prefetch(disk_keys)
+                self._disk_ready(self.kv.match_host(req.token_ids, match))
+
+    def _disk_ready(self, host_keys: list[int]) -> bool:
+        """Whether the blocks of ``host_keys`` that come from files are all in memory (their reads
+        start otherwise); True without a disk tier or without such blocks."""
+        disk_keys = self.kv.disk_keys(host_keys) if host_keys and self.disk_prefetch is not None else []
+        return not disk_keys or self.disk_prefetch(disk_keys)
 
     def _admit(self, budget: int, prefills: list[ScheduledRequest]) -> int:
         if not self.waiting:
@@ -327,10 +330,11 @@ class Scheduler:
             return budget
         admitted: list[Request] = []
         order = self._admission_order()
+        rest = None  # where admission stopped: those from there on get their reads started
         for pos, (req, _) in enumerate(order):
             n = req.sampling_params.n if req.needs_fork else 1
             if budget <= 0 or seats + n > self.config.max_num_seqs and (self.running or admitted):
-                self._prefetch_ahead([r for r, _ in order[pos:]])
+                rest = pos
                 break
             # match again: it touches the LRU, and counts blocks cached by requests admitted just now;
             # where the device match ends, the lower tiers may go on (blocks copied back in). A request
@@ -340,22 +344,20 @@ class Scheduler:
                 host_keys = self.kv.match_host(req.token_ids, match)
             else:
                 match, host_keys = MatchResult([], 0), []
-            if host_keys and self.disk_prefetch is not None:
-                disk_keys = self.kv.disk_keys(host_keys)
-                if disk_keys and not self.disk_prefetch(disk_keys):
-                    self.num_disk_waits += 1
-                    continue  # its blocks are being read from files: it waits, the others go on
+            if not self._disk_ready(host_keys):
+                self.num_disk_waits += 1
+                continue  # its blocks are being read from files: it waits, the others go on
             cached = match.num_tokens + len(host_keys) * self.block_size
             num_new = req.num_tokens - cached
             if num_new > budget and not self.config.enable_chunked_prefill and (self.running or admitted):
-                self._prefetch_ahead([r for r, _ in order[pos + 1:]])
+                rest = pos + 1
                 break
             num_new = min(num_new, budget)
             reserve = self.watermark_blocks if self.running or admitted else 0
             ops = self.kv.allocate_slots(req.seq_id, cached, num_new, prefix=match, reserve=reserve,
                                          host_keys=host_keys)
             if ops is None:
-                self._prefetch_ahead([r for r, _ in order[pos + 1:]])
+                rest = pos + 1
                 break
             assert not ops
             if req.num_computed_tokens == 0 and req.num_preemptions == 0:
@@ -370,6 +372,8 @@ class Scheduler:
             seats += n
             prefills.append(self._scheduled(req, num_new))
             budget -= num_new
+        if rest is not None and self.disk_prefetch is not None:
+            self._prefetch_ahead([r for r, _ in order[rest:rest + _PREFETCH_AHEAD]])
         if admitted:  # all from the ordering window at the head of the queue
             ids = {id(r) for r in admitted}
             self.waiting[:_ORDER_WINDOW] = [r for r in self.waiting[:_ORDER_WINDOW] if id(r) not in ids]

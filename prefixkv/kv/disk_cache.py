@@ -4,7 +4,8 @@ A block the host tier lets go of (its least recently used entry, when a new one 
 is written to a file keyed by its chain hash (the runner's ``DiskKVStore`` does the I/O). The tier
 keeps at most ``num_blocks`` files, least recently used first out. A prompt whose device and host
 matches stop where the disk tier goes on waits until those files are read into memory (the
-scheduler's ``disk_prefetch``), then gets fresh device blocks copied from them before its step. Files stay after a read: they are what survives a restart (the engine rebuilds this
+scheduler's ``disk_prefetch``), then gets fresh device blocks copied from them before its step.
+Files stay after a read: they are what survives a restart (the engine rebuilds this
 index from the directory at start, ``DiskKVStore.scan``).
 """
 

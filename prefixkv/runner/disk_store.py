@@ -33,6 +33,7 @@ import struct
 import threading
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -134,51 +135,60 @@ class DiskKVStore:
     def _put_op(self, op: tuple[str, int]) -> None:  # under the lock
         self._ops.put(op)
         self._writes_queued += 1
-        if self._writer is None:
-            self._writer = threading.Thread(target=self._write_loop, name="prefixkv-disk-writer", daemon=True)
-            self._writer.start()
+        self._ensure_worker("_writer", self._ops, self._write_op, "prefixkv-disk-writer")
 
-    def _write_loop(self) -> None:
+    def _ensure_worker(self, attr: str, q: queue.SimpleQueue, handle: Callable, name: str) -> None:  # under the lock
+        if getattr(self, attr) is None:
+            t = threading.Thread(target=self._serve, args=(attr, q, handle), name=name, daemon=True)
+            setattr(self, attr, t)
+            t.start()
+
+    def _serve(self, attr: str, q: queue.SimpleQueue, handle: Callable) -> None:
+        """A worker thread's loop: ``handle`` each item of ``q`` in order; idle for a second, it ends
+        (deciding under the lock, where producers start a new one, so no item is left unserved)."""
         while True:
             try:
-                kind, key = self._ops.get(timeout=1.0)
+                item = q.get(timeout=1.0)
             except queue.Empty:
                 with self._cv:
-                    if self._ops.empty():
-                        self._writer = None
+                    if q.empty():
+                        setattr(self, attr, None)
                         return
                 continue
-            path = self._path(key)
-            if kind == "d":
-                path.unlink(missing_ok=True)
-                with self._cv:
-                    self._writes_queued -= 1
-                    self._cv.notify_all()
-                continue
+            handle(item)
+
+    def _write_op(self, op: tuple[str, int]) -> None:
+        kind, key = op
+        path = self._path(key)
+        ok = True
+        if kind == "d":
+            path.unlink(missing_ok=True)
+        else:
             with self._cv:
                 copy, tokens, _ = self._pending[key]
-            payload = copy.view(torch.uint8).numpy().tobytes()
-            header = _HEADER.pack(key, len(tokens), len(payload), zlib.crc32(payload))
+            payload = copy.view(torch.uint8).reshape(-1).numpy()  # (a view: written as it is)
+            header = _HEADER.pack(key, len(tokens), self.payload_bytes, zlib.crc32(payload))
             tmp = path.with_suffix(".tmp")
-            ok = True
             try:
                 with open(tmp, "wb") as f:
-                    f.write(MAGIC + header + np.asarray(tokens, dtype=np.int64).tobytes() + payload)
+                    f.write(MAGIC + header + np.asarray(tokens, dtype=np.int64).tobytes())
+                    f.write(payload)
                 os.replace(tmp, path)
             except OSError:
                 ok = False
                 tmp.unlink(missing_ok=True)
-            with self._cv:
+        with self._cv:
+            if kind == "w":
                 entry = self._pending[key]
                 entry[2] -= 1
                 if not entry[2]:
                     del self._pending[key]
                 if ok:
-                    self.num_bytes_written += len(payload)
+                    self.num_bytes_written += self.payload_bytes
                 else:
                     self._failed.add(key)
-                self._writes_queued -= 1
-                self._cv.notify_all()
+            self._writes_queued -= 1
+            self._cv.notify_all()
 
     # ------------------------------------------------------------------ reads
     def begin_pass(self) -> None:
@@ -215,10 +225,7 @@ class DiskKVStore:
                     break  # the earlier requests' blocks fill the room: this one's turn comes later
                 self._reading.add(k)
                 self._reads.put(k)
-                if self._reader is None:
-                    self._reader = threading.Thread(target=self._read_loop, name="prefixkv-disk-reader",
-                                                    daemon=True)
-                    self._reader.start()
+                self._ensure_worker("_reader", self._reads, self._read_op, "prefixkv-disk-reader")
             return all(k in self._ready for k in keys)
 
     def take_failed(self) -> list[int]:
@@ -241,30 +248,21 @@ class DiskKVStore:
             if self._reading:
                 self._cv.wait(timeout)
 
-    def _read_loop(self) -> None:
-        while True:
-            try:
-                key = self._reads.get(timeout=1.0)
-            except queue.Empty:
-                with self._cv:
-                    if self._reads.empty():
-                        self._reader = None
-                        return
-                continue
-            try:
-                block = self._read_file(key)
-            except DiskKVError:
-                block = None
-                self._path(key).unlink(missing_ok=True)
-            with self._cv:
-                self._reading.discard(key)
-                if block is not None:
-                    self._ready[key] = block
-                    self.num_prefetched += 1
-                else:
-                    self._failed.add(key)
-                    self.num_discarded += 1
-                self._cv.notify_all()
+    def _read_op(self, key: int) -> None:
+        try:
+            block = self._read_file(key)
+        except DiskKVError:
+            block = None
+            self._path(key).unlink(missing_ok=True)
+        with self._cv:
+            self._reading.discard(key)
+            if block is not None:
+                self._ready[key] = block
+                self.num_prefetched += 1
+            else:
+                self._failed.add(key)
+                self.num_discarded += 1
+            self._cv.notify_all()
 
     def read(self, key: int) -> torch.Tensor:
         """The block's KV, [num_layers, 2, KVH, block_size, D]: prefetched, or from its queued copy,
