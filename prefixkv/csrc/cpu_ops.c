@@ -884,33 +884,36 @@ void gemm_pack_f32(const float *w, int64_t ld_w, int N, int K, float *packed) {
 #if defined(__AVX512F__)
 #define GEMM_NV (GEMM_NR / 16)
 #define GEMM_RG 32  /* rows that take a block of k in turn */
-#define GEMM_PF_ROWS GEMM_KB  /* software prefetch distance, in panel rows (3 lines each): the next block */
 _Static_assert(GEMM_MR == 8 && GEMM_RG % GEMM_MR == 0, "gemm_f32's switch covers tiles of 1 to 8 rows");
 /* MR rows x one panel at one block of k: a fresh FMA chain per output from 0, added to the running
  * totals. MR is a constant at every call site, so each instance is unrolled with its accumulators
  * in registers. The row tiles of a group take each block of k in turn while that block's
- * GEMM_KB x GEMM_NR slice of the panel (12 KB) is in L1, and every tile prefetches the next block
- * as it goes, so the panel streams from memory once, in order, with requests in flight under all
- * the tiles' FMAs. Measured on a 2-core Zen 5 VM (bench/RESULTS.md, "Eleventh session"; the same
- * bits): SmolLM2's layers and head at 16 rows 1.3x, 512 rows ~1.08x the earlier kernel (one pass of
- * the first tile over all of K, then the next tiles from L2: the memory idle while they ran);
- * prefetching in the first tile only, 48 rows ahead, ~1.06x (this, ~1.14x over that). pf (the
- * first tile) is unused here. */
+ * GEMM_KB x GEMM_NR slice of the panel (12 KB) is in L1, and the group's tiles prefetch the next
+ * block (the next panel's first after the last) between them: tile `tile` of `ntiles` takes its
+ * share of the lines, spread over its iterations, so the panel streams from memory once, in order,
+ * with requests in flight under every tile's FMAs. (When each tile prefetched the whole next block,
+ * the second tile's requests found their lines already asked for: the memory was busy during the
+ * first tile and idle during the others. Spread, on this kernel at 16 rows, 2 threads, weights
+ * beyond L3: 13.4 -> 16.1 GB/s; 32 rows +27-35 %: bench/RESULTS.md, "Fifteenth session".) Measured
+ * on a 2-core Zen 5 VM ("Eleventh session"; the same bits): SmolLM2's layers and head at 16 rows
+ * 1.3x, 512 rows ~1.08x the earlier kernel (one pass of the first tile over all of K, then the next
+ * tiles from L2). */
 static inline __attribute__((always_inline)) void gemm_tile_kblock(const int MR, const float *x, int64_t ld_x,
                                                                    const float *panel, int k0, int k1,
-                                                                   float *total, const int pf) {
+                                                                   float *total, const int tile, const int ntiles) {
     __m512 acc[GEMM_MR][GEMM_NV];
     const float *xr[GEMM_MR];
     for (int m = 0; m < MR; m++) xr[m] = x + m * ld_x;
     for (int m = 0; m < MR; m++)
         for (int v = 0; v < GEMM_NV; v++) acc[m][v] = _mm512_setzero_ps();
     const float *pk = panel + (int64_t)k0 * GEMM_NR;
-    (void)pf;
+    /* the next block is k1 - k0 rows of GEMM_NV lines: each tile L lines an iteration */
+    const int L = (GEMM_NV + ntiles - 1) / ntiles;
+    const float *pf = panel + (int64_t)k1 * GEMM_NR + (int64_t)tile * (k1 - k0) * L * 16;
     #pragma GCC unroll 2
-    for (int k = k0; k < k1; k++, pk += GEMM_NR) {
+    for (int k = k0; k < k1; k++, pk += GEMM_NR, pf += L * 16) {
         __m512 w[GEMM_NV];
-        for (int v = 0; v < GEMM_NV; v++)
-            _mm_prefetch((const char *)(pk + GEMM_PF_ROWS * GEMM_NR + 16 * v), _MM_HINT_T0);
+        for (int l = 0; l < L; l++) _mm_prefetch((const char *)(pf + 16 * l), _MM_HINT_T0);
         for (int v = 0; v < GEMM_NV; v++) w[v] = _mm512_loadu_ps(pk + 16 * v);
         for (int m = 0; m < MR; m++) {
             const __m512 xv = _mm512_set1_ps(xr[m][k]);
@@ -967,13 +970,17 @@ static inline __attribute__((always_inline)) void gemm_tile_kblock(const int MR,
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-/* MR rows of a row group at a block of k; pf: the first tile (m0 == 0), which prefetches the panel
- * in the AVX2 build (the AVX-512 one prefetches in every tile) */
+/* MR rows of a row group at a block of k: the AVX-512 build's tiles share the prefetch of the next
+ * block; in the AVX2 build the first tile (m0 == 0, pf a constant at each call site) prefetches */
+#if defined(__AVX512F__)
+#define GEMM_TILE(MR_) gemm_tile_kblock(MR_, xt, ld_x, panel, k0, k1, tt, m0 / GEMM_MR, ntiles)
+#else
 #define GEMM_TILE(MR_)                                                                       \
     do {                                                                                     \
         if (m0 == 0) gemm_tile_kblock(MR_, xt, ld_x, panel, k0, k1, tt, 1);                  \
         else gemm_tile_kblock(MR_, xt, ld_x, panel, k0, k1, tt, 0);                          \
     } while (0)
+#endif
 
 /* This thread's share of the GEMM among the threads of the enclosing parallel region (all of it
  * outside any): each thread a contiguous range of panels; the row groups outside the panels, so a
@@ -987,7 +994,8 @@ static void gemm_share(const float *x, int64_t ld_x, const float *packed, const 
         const int p0 = (int)((int64_t)P * t / nt), p1 = (int)((int64_t)P * (t + 1) / nt);
         float total[GEMM_RG * GEMM_NR] __attribute__((aligned(64)));
         for (int g0 = 0; g0 < M; g0 += GEMM_RG) {
-            const int rows = M - g0 < GEMM_RG ? M - g0 : GEMM_RG;
+            const int rows = M - g0 < GEMM_RG ? M - g0 : GEMM_RG, ntiles = (rows + GEMM_MR - 1) / GEMM_MR;
+            (void)ntiles;
             for (int p = p0; p < p1; p++) {
                 const float *panel = packed + (int64_t)p * K * GEMM_NR;
                 const float *b = bias ? bias + p * GEMM_NR : 0;
