@@ -165,7 +165,9 @@ class AsyncEngine:
     # ------------------------------------------------------------------ public API (event loop side)
     @property
     def is_running(self) -> bool:
-        return not self._closing and self._thread.is_alive()
+        # fatal_error is set before the in-flight requests get their error, so a client that saw
+        # its request fail with engine_dead never finds /health ok afterwards
+        return not self._closing and self.fatal_error is None and self._thread.is_alive()
 
     # what the OpenAI layer (server/serving.py) reads of an engine; a Ray Serve ingress's
     # ``RemoteEngine`` (serve/ingress.py) answers the same

@@ -193,6 +193,47 @@ def test_async_engine_error_output_reaches_its_consumer_only(tiny_llama):
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 12
 
 
+def test_a_dead_engine_is_not_running_when_its_requests_get_the_error(tiny_llama):
+    """The order a client sees: once its request failed with the fatal error, ``is_running`` (what
+    /health answers) is already False -- even while the engine thread has not finished winding down
+    (held here at its final clean-up until the consumer has looked)."""
+    import threading
+
+    from prefixkv.async_engine import AsyncEngine
+
+    llm = _engine(tiny_llama)
+    eng = llm.engine
+    looked = threading.Event()
+
+    def broken(out):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+    eng.runner.execute = broken
+    calls = []
+
+    class Held(AsyncEngine):
+        def _finish_all(self, error):
+            calls.append(type(error).__name__)
+            if len(calls) == 2:  # the thread's final clean-up waits until the consumer has looked
+                looked.wait(timeout=30)
+            super()._finish_all(error)
+
+    async def main():
+        ae = Held(eng)
+        stream = await ae.add_request("r", PROMPTS[0], _params())
+        with pytest.raises(EngineFatalError):
+            async for _ in stream:
+                pass
+        running = ae.is_running
+        looked.set()
+        await ae.shutdown()
+        return running
+
+    assert asyncio.run(main()) is False
+    assert calls == ["EngineFatalError", "EngineDeadError"]
+    assert eng.scheduler.kv.num_used_blocks == 0
+
+
 SERVER_SCRIPT = textwrap.dedent("""
     import asyncio, sys
     from prefixkv.async_engine import AsyncEngine
