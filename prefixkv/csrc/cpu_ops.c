@@ -890,6 +890,7 @@ void gemm_pack_f32(const float *w, int64_t ld_w, int N, int K, float *packed) {
 #if defined(__AVX512F__)
 #define GEMM_NV (GEMM_NR / 16)
 #define GEMM_RG 32  /* rows that take a block of k in turn */
+#define GEMM_PF_L2_BLOCKS 2  /* the second prefetch stream's lead, in blocks of k, into L2 */
 _Static_assert(GEMM_MR == 8 && GEMM_RG % GEMM_MR == 0, "gemm_f32's switch covers tiles of 1 to 8 rows");
 /* MR rows x one panel at one block of k: a fresh FMA chain per output from 0, added to the running
  * totals. MR is a constant at every call site, so each instance is unrolled with its accumulators
@@ -900,7 +901,11 @@ _Static_assert(GEMM_MR == 8 && GEMM_RG % GEMM_MR == 0, "gemm_f32's switch covers
  * with requests in flight under every tile's FMAs. (When each tile prefetched the whole next block,
  * the second tile's requests found their lines already asked for: the memory was busy during the
  * first tile and idle during the others. Spread, on this kernel at 16 rows, 2 threads, weights
- * beyond L3: 13.4 -> 16.1 GB/s; 32 rows +27-35 %: bench/RESULTS.md, "Fifteenth session".) Measured
+ * beyond L3: 13.4 -> 16.1 GB/s; 32 rows +27-35 %: bench/RESULTS.md, "Fifteenth session".) The same
+ * lines GEMM_PF_L2_BLOCKS blocks further on are asked into L2 too: the one-block lead into L1 alone
+ * left a 16-row GEMM waiting on memory (a Zen 4 VM: SmolLM2's layers at 16 rows 143 -> 171-179
+ * GFLOP/s, 18 -> 21-22 GB/s; 8 rows 1.1x; 32 rows and more, where the panel is used by 4+ tiles, the
+ * same: "Sixteenth session"). Measured
  * on a 2-core Zen 5 VM ("Eleventh session"; the same bits): SmolLM2's layers and head at 16 rows
  * 1.3x, 512 rows ~1.08x the earlier kernel (one pass of the first tile over all of K, then the next
  * tiles from L2). */
@@ -920,6 +925,8 @@ static inline __attribute__((always_inline)) void gemm_tile_kblock(const int MR,
     for (int k = k0; k < k1; k++, pk += GEMM_NR, pf += L * 16) {
         __m512 w[GEMM_NV];
         for (int l = 0; l < L; l++) _mm_prefetch((const char *)(pf + 16 * l), _MM_HINT_T0);
+        for (int l = 0; l < L; l++)
+            _mm_prefetch((const char *)(pf + GEMM_PF_L2_BLOCKS * GEMM_KB * GEMM_NR + 16 * l), _MM_HINT_T1);
         for (int v = 0; v < GEMM_NV; v++) w[v] = _mm512_loadu_ps(pk + 16 * v);
         for (int m = 0; m < MR; m++) {
             const __m512 xv = _mm512_set1_ps(xr[m][k]);
