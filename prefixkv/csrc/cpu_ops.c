@@ -901,14 +901,13 @@ _Static_assert(GEMM_MR == 8 && GEMM_RG % GEMM_MR == 0, "gemm_f32's switch covers
  * with requests in flight under every tile's FMAs. (When each tile prefetched the whole next block,
  * the second tile's requests found their lines already asked for: the memory was busy during the
  * first tile and idle during the others. Spread, on this kernel at 16 rows, 2 threads, weights
- * beyond L3: 13.4 -> 16.1 GB/s; 32 rows +27-35 %: bench/RESULTS.md, "Fifteenth session".) The same
- * lines GEMM_PF_L2_BLOCKS blocks further on are asked into L2 too: the one-block lead into L1 alone
- * left a 16-row GEMM waiting on memory (a Zen 4 VM: SmolLM2's layers at 16 rows 143 -> 171-179
- * GFLOP/s, 18 -> 21-22 GB/s; 8 rows 1.1x; 32 rows and more, where the panel is used by 4+ tiles, the
- * same: "Sixteenth session"). Measured
- * on a 2-core Zen 5 VM ("Eleventh session"; the same bits): SmolLM2's layers and head at 16 rows
- * 1.3x, 512 rows ~1.08x the earlier kernel (one pass of the first tile over all of K, then the next
- * tiles from L2). */
+ * beyond L3: 13.4 -> 16.1 GB/s; 32 rows +27-35 %: bench/RESULTS.md, "Fifteenth session".)
+ * The same lines GEMM_PF_L2_BLOCKS blocks further on are asked into L2 too: the one-block lead into
+ * L1 alone left a 16-row GEMM waiting on memory (a Zen 4 VM: SmolLM2's layers at 16 rows 143 ->
+ * 171-179 GFLOP/s, 18 -> 21-22 GB/s; 8 rows 1.1x; 32 rows and more, where 4+ tiles use each panel
+ * block, the same: "Sixteenth session"). Measured on a 2-core Zen 5 VM ("Eleventh session"; the same
+ * bits): SmolLM2's layers and head at 16 rows 1.3x, 512 rows ~1.08x the earlier kernel (one pass of
+ * the first tile over all of K, then the next tiles from L2). */
 static inline __attribute__((always_inline)) void gemm_tile_kblock(const int MR, const float *x, int64_t ld_x,
                                                                    const float *panel, int k0, int k1,
                                                                    float *total, const int tile, const int ntiles) {
