@@ -14,6 +14,39 @@ import collections
 import time
 
 
+def time_kernels(eng) -> dict[str, float]:
+    """Wrap ``eng``'s C kernels with timers: returns the dict each call adds its seconds to, by kernel
+    (``gemm`` for every packed Linear). The layers run as a Python loop from then on (the one-call
+    driver of model/fused_stack.py calls the kernels inside C, out of these wrappers' sight)."""
+    from prefixkv import cpu_ops
+    from prefixkv.model.linear import Linear
+
+    spent: dict[str, float] = collections.defaultdict(float)
+    eng.model.fused_stack_blocker = "bench.profile_step: the kernels timed one by one"
+    for mod in eng.model.modules():  # the C GEMM: each packed Linear's bound call
+        if isinstance(mod, Linear) and mod.kind == "c":
+            def timed_gemm(x, _fn=mod.c_gemm):
+                t = time.perf_counter()
+                try:
+                    return _fn(x)
+                finally:
+                    spent["gemm"] += time.perf_counter() - t
+
+            mod.c_gemm = timed_gemm
+    for name in ("paged_decode_attention", "paged_prefill_attention", "add_rmsnorm", "rope_", "silu_mul"):
+        fn = getattr(cpu_ops, name)
+
+        def timed(*args, _fn=fn, _name=name, **kw):
+            t = time.perf_counter()
+            try:
+                return _fn(*args, **kw)
+            finally:
+                spent[_name] += time.perf_counter() - t
+
+        setattr(cpu_ops, name, timed)
+    return spent
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -49,36 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             eng.step()
         profiled = (time.perf_counter() - t0) / a.steps
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-    from prefixkv import cpu_ops
-
-    spent: dict[str, float] = collections.defaultdict(float)
-    from prefixkv.model.linear import Linear
-
-    # the kernels one by one: through the Python loop over the layers (the one-call driver of
-    # model/fused_stack.py, the default where it runs, calls them inside C, out of these wrappers' sight)
     fused = eng.model.fused_stack_blocker == ""
-    eng.model.fused_stack_blocker = "bench.profile_step: the kernels timed one by one"
-    for mod in eng.model.modules():  # the C GEMM: each packed Linear's bound call
-        if isinstance(mod, Linear) and mod.kind == "c":
-            def timed_gemm(x, _fn=mod.c_gemm):
-                t = time.perf_counter()
-                try:
-                    return _fn(x)
-                finally:
-                    spent["gemm"] += time.perf_counter() - t
-
-            mod.c_gemm = timed_gemm
-    for name in ("paged_decode_attention", "paged_prefill_attention", "add_rmsnorm", "rope_", "silu_mul"):
-        fn = getattr(cpu_ops, name)
-
-        def timed(*args, _fn=fn, _name=name, **kw):
-            t = time.perf_counter()
-            try:
-                return _fn(*args, **kw)
-            finally:
-                spent[_name] += time.perf_counter() - t
-
-        setattr(cpu_ops, name, timed)
+    spent = time_kernels(eng)
     t0 = time.perf_counter()
     for _ in range(a.steps):
         eng.step()

@@ -923,9 +923,10 @@ static inline __attribute__((always_inline)) void gemm_tile_kblock(const int MR,
     #pragma GCC unroll 2
     for (int k = k0; k < k1; k++, pk += GEMM_NR, pf += L * 16) {
         __m512 w[GEMM_NV];
-        for (int l = 0; l < L; l++) _mm_prefetch((const char *)(pf + 16 * l), _MM_HINT_T0);
-        for (int l = 0; l < L; l++)
+        for (int l = 0; l < L; l++) {
+            _mm_prefetch((const char *)(pf + 16 * l), _MM_HINT_T0);
             _mm_prefetch((const char *)(pf + GEMM_PF_L2_BLOCKS * GEMM_KB * GEMM_NR + 16 * l), _MM_HINT_T1);
+        }
         for (int v = 0; v < GEMM_NV; v++) w[v] = _mm512_loadu_ps(pk + 16 * v);
         for (int m = 0; m < MR; m++) {
             const __m512 xv = _mm512_set1_ps(xr[m][k]);

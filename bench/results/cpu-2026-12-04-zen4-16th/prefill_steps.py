@@ -2,35 +2,17 @@
 the shared-prefix O32 workload's two prefill steps (the bench's prompts, 3 rounds, the prefix cache
 reset between them), each step's time and, with `loop` (the layers as a Python loop), each C
 kernel's share; `fused` times the steps as they run by default (the layers in one C call)."""
-import sys, time, collections, torch
+import sys, time, torch
 torch.set_num_threads(2)
-from prefixkv import LLM, SamplingParams, cpu_ops
-from prefixkv.model.linear import Linear
+from prefixkv import LLM, SamplingParams
 from bench import workloads as wl
 from bench.corpus import TokenStream
+from bench.profile_step import time_kernels
 llm = LLM(block_size=16, max_num_batched_tokens=512, max_num_seqs=64)
 eng = llm.engine
 pb = wl.PromptBuilder(eng.tokenizer, TokenStream.build(eng.tokenizer))
 reqs = wl.shared_prefix(pb, 1, 16, 196, 32, 32, 0).rounds[0]
-spent = collections.defaultdict(float)
-mode = sys.argv[1] if len(sys.argv) > 1 else "loop"
-if mode == "loop":
-    eng.model.fused_stack_blocker = "timing"
-    for mod in eng.model.modules():
-        if isinstance(mod, Linear) and mod.kind == "c":
-            def timed_gemm(x, _fn=mod.c_gemm):
-                t = time.perf_counter()
-                try: return _fn(x)
-                finally: spent[f"gemm"] += time.perf_counter() - t
-            mod.c_gemm = timed_gemm
-    for name in ("paged_decode_attention", "paged_prefill_attention", "add_rmsnorm", "rope_", "silu_mul", "write_kv", "reshape_and_cache"):
-        fn = getattr(cpu_ops, name, None)
-        if fn is None: continue
-        def timed(*args, _fn=fn, _name=name, **kw):
-            t = time.perf_counter()
-            try: return _fn(*args, **kw)
-            finally: spent[_name] += time.perf_counter() - t
-        setattr(cpu_ops, name, timed)
+spent = time_kernels(eng) if (sys.argv[1] if len(sys.argv) > 1 else "loop") == "loop" else {}
 for rnd in range(3):
     eng.scheduler.kv.reset_cache()
     for i, r in enumerate(reqs):
