@@ -412,13 +412,14 @@ def test_switching_reloading_and_deleting_while_an_answer_streams(server, page):
     wait_until(lambda: len(content.inner_text()) > 40, 60, "the story to start")
     page.click("#new-chat")  # away and back: the answer kept streaming meanwhile
     expect(page.locator(".msg")).to_have_count(0)
-    n = len(page.evaluate("localStorage.getItem(Object.keys(localStorage).find(k => k.startsWith('prefixkv.conv.') "
-                          "&& localStorage.getItem(k).includes('dragon')))"))
+    saved = ("localStorage.getItem(Object.keys(localStorage).find(k => k.startsWith('prefixkv.conv.') "
+             "&& localStorage.getItem(k).includes('dragon')))")  # the conversation as stored
+    n = len(page.evaluate(saved))
     page.locator("#conversations .conv", has_text="dragon").click()
     wait_until(lambda: len(content.inner_text()) > 200, 60, "more of the story")
     expect(answers(page).nth(0)).to_have_class(re.compile(r"\bstreaming\b"))
     # saved while it streams: a reload keeps what had come, marked stopped, and the server aborts it
-    wait_until(lambda: len(page.evaluate("JSON.stringify(localStorage)")) > n + 150, 10, "a save while streaming")
+    wait_until(lambda: len(page.evaluate(saved)) > n + 150, 10, "a save while streaming")
     page.reload()
     expect(answers(page).nth(0).locator(".stats")).to_contain_text("stopped")
     assert len(answers(page).nth(0).locator(".content").inner_text()) > 100
