@@ -15,7 +15,7 @@ from prefixkv.attention import get_backend
 lib = cpu_ops.load()
 pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler: the cpu backend keeps the torch path")
 
-SPECS = [(1, 1), (15, 1), (16, 1), (17, 1), (64, 1), (250, 1), (33, 1), (2, 1)]
+SPECS = [(1, 1), (15, 1), (16, 1), (17, 1), (64, 1), (250, 1), (33, 1), (2, 1), (600, 1)]  # 600: five 128-key chunks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -242,8 +242,8 @@ static inline __attribute__((always_inline)) vf v_softcap(vf x, float softcap) {
 }
 #endif
 
-#if defined(VW)
-/* The next block's keys and values of kv head kh (elems floats each; next: its K, or 0 at the last
+#if defined(VW) && !defined(__AVX512F__)
+/* (The AVX2 decode kernel's.) The next block's keys and values of kv head kh (elems floats each; next: its K, or 0 at the last
  * block) towards L1, issued before this block's kv head kh is computed: the requests spread over
  * the block's kv heads, each a head's computation ahead of use. (All of the next block's lines at
  * once, at the block's start, measured 1.17x slower on a Zen 5 VM with 12 of 16 blocks shared, as
@@ -279,84 +279,149 @@ static inline __m512 hsum16(const __m512 *v) {
                          _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 2, 3, 2)));
 }
 
-/* One block of up to 16 keys for GB query heads h0 .. h0 + GB - 1 of the same kv head: each head's
- * scores (16 partial-sum vectors, summed across lanes at once by hsum16), then the online-softmax
- * update of the GB heads step by step side by side (their max, exp and sum are long dependent
- * chains: written head after head, the out-of-order window held about one at a time; side by side
- * 1.1-1.2x on the shared-prefix decode state, the same operations a head, so the same bits), then
- * the P.V update of all GB heads together: each V row is loaded once, and GB * ND accumulator
- * chains run side by side (a head's own chain order is t = 0 .. n - 1 as before). */
+/* The AVX-512 decode kernel takes the keys DECODE_CHUNK positions at a time, in chunks at fixed
+ * positions 0, CH, 2 CH, ... (where they fall depends on the sequence's length only). For each kv
+ * head: the scores of the chunk's keys for each of its query heads (16 keys a vector, their dot
+ * products summed across lanes at once by hsum16), then each head's online-softmax step over the
+ * whole chunk as vector loops (its max, the exponentials and their sum: one horizontal max and one
+ * horizontal sum a chunk), then P.V of DECODE_GB heads together (each V row loaded once for them,
+ * GB * ND accumulator chains side by side; a head's own chain order is key after key).
+ * A softmax step a block of 16 keys (the kernel before) made its chain of horizontal reductions
+ * and exponentials, per 16 keys and head, ~40 % of the kernel's time with its K and V in cache
+ * (the FMAs, hsum16 and P.V removed in turn); a chunk of 128 takes it over 128 keys. On a 2-core
+ * Zen 4 VM: attention alone 1.1-1.25x, the fused layer stack at batch 16 ~1.03x (bench/RESULTS.md,
+ * "Seventeenth session"). */
+#define DECODE_CHUNK 128
 #define DECODE_GB 3
-static inline __attribute__((always_inline)) void decode_block_heads(
-        const int GB, const int ND, const float *qb, int h0, const float *kt, const float *vt, int n,
-        __mmask16 valid, float scale, float softcap, float *m, float *l, float *acc) {
+
+/* the lanes t of the 16 keys from position t0 that the query sees: k0 <= t0 + t < k1 */
+static inline __mmask16 keys_seen(int t0, int k0, int k1) {
+    const int a = k0 > t0 ? k0 - t0 : 0, b = k1 - t0 < 16 ? k1 - t0 : 16;
+    return b <= a ? 0 : (__mmask16)(((1u << b) - 1u) & ~((1u << a) - 1u));
+}
+
+/* acc[h0 + g] += p[h0 + g][t] * (V row t), g < GB, for the keys t_lo <= t < t_hi of the chunk in
+ * order (row t at vbase + off[t]). */
+static inline __attribute__((always_inline)) void decode_pv(
+        const int GB, const int ND, float (*p)[DECODE_CHUNK], int h0, const float *vbase, const int64_t *off,
+        int t_lo, int t_hi, float *acc) {
     const int D = 16 * ND;
-    float p[DECODE_GB][16] __attribute__((aligned(64)));
-    __m512 alpha[DECODE_GB], sv[DECODE_GB], pv[DECODE_GB];
-    float bm[DECODE_GB], a[DECODE_GB];
-    for (int g = 0; g < GB; g++) {
-        const int h = h0 + g;
-        __m512 qv[ND];
-        for (int c = 0; c < ND; c++) qv[c] = _mm512_loadu_ps(qb + (int64_t)h * D + 16 * c);
-        __m512 dot[16];
-        for (int t = 0; t < 16; t++) {
-            if (t < n) {
-                dot[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt + (int64_t)t * D));
-                for (int c = 1; c < ND; c++)
-                    dot[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + (int64_t)t * D + 16 * c), dot[t]);
-            } else {
-                dot[t] = _mm512_setzero_ps();
-            }
-        }
-        __m512 raw = _mm512_mul_ps(hsum16(dot), _mm512_set1_ps(scale));
-        if (softcap > 0) raw = v_softcap(raw, softcap);
-        sv[g] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, raw);
-    }
-    for (int g = 0; g < GB; g++) bm[g] = fmaxf(m[h0 + g], _mm512_reduce_max_ps(sv[g]));
-    for (int g = 0; g < GB; g++) pv[g] = _mm512_maskz_mov_ps(valid, v_exp(_mm512_sub_ps(sv[g], _mm512_set1_ps(bm[g]))));
-    for (int g = 0; g < GB; g++) _mm512_store_ps(p[g], pv[g]);
-    for (int g = 0; g < GB; g++) a[g] = expf(m[h0 + g] - bm[g]); /* 0 on the first block (m = -inf) */
-    for (int g = 0; g < GB; g++) {
-        l[h0 + g] = l[h0 + g] * a[g] + _mm512_reduce_add_ps(pv[g]);
-        m[h0 + g] = bm[g];
-        alpha[g] = _mm512_set1_ps(a[g]);
-    }
     __m512 av[DECODE_GB][ND];
     for (int g = 0; g < GB; g++)
-        for (int c = 0; c < ND; c++)
-            av[g][c] = _mm512_mul_ps(_mm512_load_ps(acc + (int64_t)(h0 + g) * D + 16 * c), alpha[g]);
-    for (int t = 0; t < n; t++) {
+        for (int c = 0; c < ND; c++) av[g][c] = _mm512_load_ps(acc + (int64_t)(h0 + g) * D + 16 * c);
+    for (int t = t_lo; t < t_hi; t++) {
+        const float *vt = vbase + off[t];
         for (int c = 0; c < ND; c++) {
-            const __m512 v = _mm512_loadu_ps(vt + (int64_t)t * D + 16 * c);
-            for (int g = 0; g < GB; g++) av[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g][t]), v, av[g][c]);
+            const __m512 v = _mm512_loadu_ps(vt + 16 * c);
+            for (int g = 0; g < GB; g++) av[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h0 + g][t]), v, av[g][c]);
         }
     }
     for (int g = 0; g < GB; g++)
         for (int c = 0; c < ND; c++) _mm512_store_ps(acc + (int64_t)(h0 + g) * D + 16 * c, av[g][c]);
 }
 
-/* A block of up to 16 keys, all query heads (decode_seq below): GB = 3 heads of a kv head at a time. */
-static inline __attribute__((always_inline)) void decode_block(
-        const float *qb, const float *kb, const float *vb, int n, int skip, int H, int KVH, int BS,
-        float scale, float softcap, float *m, float *l, float *acc, const int ND, const float *next,
-        int64_t half) {
+/* the rows t_lo <= t < t_hi (at base + off[t], D floats each) towards the cache (hint) */
+static inline __attribute__((always_inline)) void prefetch_rows(const float *base, const int64_t *off, int t_lo,
+                                                                int t_hi, int D, const int hint) {
+    for (int t = t_lo; t < t_hi; t++)
+        for (int o = 0; o < D; o += 16) {
+            if (hint == 0) _mm_prefetch((const char *)(base + off[t] + o), _MM_HINT_T0);
+            else _mm_prefetch((const char *)(base + off[t] + o), _MM_HINT_T1);
+        }
+}
+
+/* One sequence's decode attention, D = 16 * ND (see above). While the first
+ * query head of a kv head scores a group of 16 keys, the next group's K rows are asked into L1
+ * and this group's V rows into L2 (for P.V after the softmax step). */
+static inline __attribute__((always_inline)) void decode_seq(
+        const float *qb, const float *kv_layer, const int32_t *table, int len, float *ob, int H, int KVH,
+        int BS, int64_t half, float scale, int window, float softcap, const int ND) {
     const int D = 16 * ND, G = H / KVH;
-    const __mmask16 valid = (__mmask16)(((1u << n) - 1u) & ~((1u << skip) - 1u));
-    for (int kh = 0; kh < KVH; kh++) {
-        const float *kt = kb + (int64_t)kh * BS * D, *vt = vb + (int64_t)kh * BS * D;
-        prefetch_kv_head(next, half, kh, BS * D);
-        for (int h0 = kh * G; h0 < (kh + 1) * G; h0 += DECODE_GB) {
-            const int gb = (kh + 1) * G - h0 < DECODE_GB ? (kh + 1) * G - h0 : DECODE_GB;
-            switch (gb) {
-            case 1: decode_block_heads(1, ND, qb, h0, kt, vt, n, valid, scale, softcap, m, l, acc); break;
-            case 2: decode_block_heads(2, ND, qb, h0, kt, vt, n, valid, scale, softcap, m, l, acc); break;
-            default: decode_block_heads(3, ND, qb, h0, kt, vt, n, valid, scale, softcap, m, l, acc); break;
+    const int64_t blk_elems = (int64_t)KVH * BS * D, head_elems = (int64_t)BS * D;
+    float m[MAXH], l[MAXH];
+    float acc[MAXH * MAXD] __attribute__((aligned(64)));
+    float p[MAXH][DECODE_CHUNK] __attribute__((aligned(64)));  /* scores, then their exponentials */
+    int64_t off[DECODE_CHUNK];  /* key c0 + t's row: its offset from kv head 0's K rows in block 0 */
+    for (int h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0; }
+    memset(acc, 0, sizeof(float) * H * D);
+    const int lo = window > 0 && len > window ? len - window : 0;  /* the first key the query sees */
+    for (int c0 = lo / DECODE_CHUNK * DECODE_CHUNK; c0 < len; c0 += DECODE_CHUNK) {
+        /* the keys seen in this chunk: k0 .. k1 - 1 (at least one); 16-key groups from c0 */
+        const int k0 = lo > c0 ? lo : c0, k1 = len - c0 < DECODE_CHUNK ? len : c0 + DECODE_CHUNK;
+        const int ng = (k1 - c0 + 15) / 16, t_lo = k0 - c0, t_hi = k1 - c0;
+        for (int t = k0, j = k0 / BS, r = k0 % BS; t < k1; t++) {
+            off[t - c0] = (int64_t)table[j] * blk_elems + (int64_t)r * D;
+            if (++r == BS) { r = 0; j++; }
+        }
+        for (int kh = 0; kh < KVH; kh++) {
+            const float *kbase = kv_layer + (int64_t)kh * head_elems, *vbase = kbase + half;
+            for (int h = kh * G; h < (kh + 1) * G; h++) {  /* scores */
+                __m512 qv[ND];
+                for (int c = 0; c < ND; c++) qv[c] = _mm512_loadu_ps(qb + (int64_t)h * D + 16 * c);
+                for (int i = 0; i < ng; i++) {
+                    const __mmask16 seen = keys_seen(c0 + 16 * i, k0, k1);
+                    const int a = 16 * i > t_lo ? 16 * i : t_lo, b = 16 * i + 16 < t_hi ? 16 * i + 16 : t_hi;
+                    if (a >= b) {  /* a group before the window */
+                        _mm512_store_ps(p[h] + 16 * i, _mm512_set1_ps(-INFINITY));
+                        continue;
+                    }
+                    if (h == kh * G) {
+                        prefetch_rows(kbase, off, b, b + 16 < t_hi ? b + 16 : t_hi, D, 0);
+                        prefetch_rows(vbase, off, a, b, D, 1);
+                    }
+                    __m512 dot[16];
+                    for (int t = 0; t < 16; t++) {
+                        if (seen >> t & 1) {
+                            const float *kt = kbase + off[16 * i + t];
+                            dot[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
+                            for (int c = 1; c < ND; c++) dot[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + 16 * c), dot[t]);
+                        } else {
+                            dot[t] = _mm512_setzero_ps();
+                        }
+                    }
+                    __m512 raw = _mm512_mul_ps(hsum16(dot), _mm512_set1_ps(scale));
+                    if (softcap > 0) raw = v_softcap(raw, softcap);
+                    _mm512_store_ps(p[h] + 16 * i, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, raw));
+                }
+            }
+            for (int h = kh * G; h < (kh + 1) * G; h++) {  /* the softmax step */
+                __m512 vmax = _mm512_load_ps(p[h]);
+                for (int i = 1; i < ng; i++) vmax = _mm512_max_ps(vmax, _mm512_load_ps(p[h] + 16 * i));
+                const float bm = fmaxf(m[h], _mm512_reduce_max_ps(vmax));
+                const float a = expf(m[h] - bm);  /* 0 on the first chunk (m = -inf) */
+                const __m512 vbm = _mm512_set1_ps(bm);
+                __m512 vsum = _mm512_setzero_ps();
+                for (int i = 0; i < ng; i++) {
+                    const __m512 e = _mm512_maskz_mov_ps(keys_seen(c0 + 16 * i, k0, k1),
+                                                         v_exp(_mm512_sub_ps(_mm512_load_ps(p[h] + 16 * i), vbm)));
+                    _mm512_store_ps(p[h] + 16 * i, e);
+                    vsum = _mm512_add_ps(vsum, e);
+                }
+                l[h] = l[h] * a + _mm512_reduce_add_ps(vsum);
+                m[h] = bm;
+                const __m512 alpha = _mm512_set1_ps(a);
+                for (int c = 0; c < ND; c++) {
+                    float *ac = acc + (int64_t)h * D + 16 * c;
+                    _mm512_store_ps(ac, _mm512_mul_ps(_mm512_load_ps(ac), alpha));
+                }
+            }
+            for (int h0 = kh * G; h0 < (kh + 1) * G; h0 += DECODE_GB) {  /* P.V */
+                switch ((kh + 1) * G - h0 < DECODE_GB ? (kh + 1) * G - h0 : DECODE_GB) {
+                case 1: decode_pv(1, ND, p, h0, vbase, off, t_lo, t_hi, acc); break;
+                case 2: decode_pv(2, ND, p, h0, vbase, off, t_lo, t_hi, acc); break;
+                default: decode_pv(3, ND, p, h0, vbase, off, t_lo, t_hi, acc); break;
+                }
             }
         }
     }
+    for (int h = 0; h < H; h++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / l[h]);
+        for (int c = 0; c < ND; c++)
+            _mm512_storeu_ps(ob + (int64_t)h * D + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + (int64_t)h * D + 16 * c), inv));
+    }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-/* The AVX2 decode block step: the AVX-512 one's structure with 8 lanes, one query head at a time. */
+/* The AVX2 decode block step: a softmax step a block of up to 16 keys, one query head at a time. */
 
 /* r[t] = sum of the 8 lanes of v[t], t = 0..7 (a fixed tree: pairs, quads, then the two halves). */
 static inline __m256 hsum8(const __m256 *v) {
@@ -455,8 +520,8 @@ static inline __attribute__((always_inline)) void decode_block(
 }
 #endif
 
-#if defined(VW)
-/* One sequence's decode attention with D = VW * ND, block size <= 16: the blocks in order (the
+#if defined(VW) && !defined(__AVX512F__)
+/* The AVX2 build's decode attention of one sequence, D = VW * ND, block size <= 16: the blocks in order (the
  * next one prefetched), each through decode_block; the query heads' q and accumulators stay in L1
  * while the block's K and V rows stream through. */
 static inline __attribute__((always_inline)) void decode_seq(
@@ -483,7 +548,9 @@ static inline __attribute__((always_inline)) void decode_seq(
         for (int c = 0; c < ND; c++) v_storeu(ob + (int64_t)h * D + VW * c, v_mul(v_load(acc + (int64_t)h * D + VW * c), inv));
     }
 }
+#endif
 
+#if defined(VW)
 /* Prefill attention (float32, D = 64 or 128, block size <= 64): the query tokens of each
  * prefill sequence, query i of sequence s at position ctx + i (ctx = seq_len - query_len), causal.
  *
