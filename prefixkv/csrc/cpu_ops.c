@@ -289,8 +289,8 @@ static inline __m512 hsum16(const __m512 *v) {
  * A softmax step a block of 16 keys (the kernel before) made its chain of horizontal reductions
  * and exponentials, per 16 keys and head, ~40 % of the kernel's time with its K and V in cache
  * (the FMAs, hsum16 and P.V removed in turn); a chunk of 128 takes it over 128 keys. On a 2-core
- * Zen 4 VM: attention alone 1.1-1.25x, the fused layer stack at batch 16 ~1.03x (bench/RESULTS.md,
- * "Seventeenth session"). */
+ * Zen 4 VM: attention alone 1.10-1.12x with 12 of a sequence's 15 blocks shared (1.2-1.25x with all
+ * in cache), the fused layer stack at batch 16 1.03x (bench/RESULTS.md, "Seventeenth session"). */
 #define DECODE_CHUNK 128
 #define DECODE_GB 3
 
