@@ -106,6 +106,8 @@ class LLMEngine:
                 for dropped in kv.disk.add(key, tokens):
                     disk.delete(dropped)
             self.scheduler.disk_prefetch = self._disk_prefetch
+        # CUDA: promotions from the lower tiers overlap the forward pass; their requests wait a step
+        self.scheduler.defer_promotions = self.runner.copy_stream is not None
         self.graph_capture_seconds = 0.0
         if config.device == "cuda" and not config.enforce_eager and backend.name == "cuda":
             if shape.is_moe:  # the torch MoE path picks each step's experts on the host: no graph holds it
@@ -376,13 +378,15 @@ class LLMEngine:
         return errors + self._emit(touched)
 
     def _failed_forward(self, out, error: Exception) -> list[RequestOutput]:
-        """The forward pass (or sampling) raised. The step's scheduled requests end with the error:
+        """The forward pass (or sampling, or a copy) raised. The step's scheduled requests (and those
+        put off to the next step, whose blocks this step copied in) end with the error:
         their blocks entered the prefix cache when scheduled and copy-on-write already swapped
         tables, so no KV of this step can be trusted; with them go every unlocked cached block (so
         no later request reads KV that was never written). The others go on. A fatal error
         (``is_fatal``) aborts everything and raises ``EngineFatalError``."""
         fatal = is_fatal(error)
-        hit = list(self._groups) if fatal else list(dict.fromkeys(s.req.request_id for s in out.scheduled))
+        hit = list(self._groups) if fatal else list(dict.fromkeys(
+            [s.req.request_id for s in out.scheduled] + [r.request_id for r in out.deferred]))
         outputs = [self._fail(self._groups[rid], error) for rid in hit if rid in self._groups]
         kv = self.scheduler.kv
         kv.reset_cache([key for _, key, _ in out.spill])
@@ -447,6 +451,8 @@ class LLMEngine:
             "disk_blocks_prefetched": self.runner.disk.num_prefetched if self.runner.disk is not None else 0,
             "disk_sync_reads": self.runner.disk.num_sync_reads if self.runner.disk is not None else 0,
             "disk_admission_waits": self.scheduler.num_disk_waits,
+            "deferred_promotions": self.scheduler.num_deferred_promotions,
+            "async_promoted_blocks": self.runner.num_async_promoted_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_requests_aborted": self.num_aborted,
             "spec_draft_tokens": self.scheduler.num_draft_tokens,

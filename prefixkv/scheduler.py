@@ -70,10 +70,17 @@ class SchedulerOutput:
     spill: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
     load: list[tuple[int, int]] = field(default_factory=list)
     disk_drop: list[int] = field(default_factory=list)
+    # no request of this step reads the blocks of swap_in and load (their requests were put off to
+    # the next step): the runner may copy them in beside the forward pass (a CUDA side stream) as
+    # long as the next step's forward waits for them
+    promote_async: bool = False
+    # requests admitted this step whose blocks these copies bring in (computed from the next step
+    # on): a step that fails fails them too, their KV unwritten
+    deferred: list[Request] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not (self.scheduled or self.swap_out or self.swap_in or self.spill or self.load or self.disk_drop)
 
 
 class Scheduler:
@@ -99,6 +106,14 @@ class Scheduler:
         # reads start and the request waits, while the others are scheduled)
         self.disk_prefetch: Callable[[list[int]], bool] | None = None
         self.num_disk_waits = 0  # admissions put off while a request's blocks were read from files
+        # Promotions overlapped with compute (the engine sets it where the runner copies on a side
+        # stream, i.e. CUDA): a request admitted with blocks from the host or disk tier, or matching
+        # blocks promoted this step, gets its blocks (and their copies) now and its first tokens
+        # scheduled from the next step on, so no forward waits for a copy of its own step.
+        self.defer_promotions = False
+        self._promoting: set[int] = set()  # device blocks whose copies this step's output carries
+        self._deferred: list[Request] = []  # the requests admitted so this step
+        self.num_deferred_promotions = 0  # requests admitted that way
         self.num_draft_tokens = 0  # speculative tokens proposed ...
         self.num_accepted_tokens = 0  # ... and accepted
 
@@ -139,6 +154,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
         self.kv.begin_step()
+        self._promoting.clear()  # last step's copies are in before this step's forward
         budget = self.config.max_num_batched_tokens
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
@@ -148,6 +164,7 @@ class Scheduler:
 
         kv, running = self.kv, self.running
         chunked = self.config.enable_chunked_prefill
+        self._deferred = []  # (a fresh list: the last output keeps its own)
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -196,8 +213,9 @@ class Scheduler:
             c = s.num_computed_tokens
             s.token_ids = [req.token_ids[c], *s.draft] if s.draft else req.token_ids[c:c + s.num_scheduled_tokens].tolist()
             s.block_delta = delta
-        swap_out, swap_in = self.kv.take_swaps() if scheduled else ([], [])
-        spill, load, disk_drop = self.kv.take_disk_ops() if scheduled else ([], [], [])
+        # (a step may carry copies only: the promotions of requests put off to the next step)
+        swap_out, swap_in = self.kv.take_swaps()
+        spill, load, disk_drop = self.kv.take_disk_ops()
         return SchedulerOutput(
             scheduled=scheduled,
             num_decodes=len(decodes),
@@ -212,6 +230,8 @@ class Scheduler:
             spill=spill,
             load=load,
             disk_drop=disk_drop,
+            promote_async=self.defer_promotions,
+            deferred=self._deferred,
         )
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
@@ -348,7 +368,8 @@ class Scheduler:
                 self.num_disk_waits += 1
                 continue  # its blocks are being read from files: it waits, the others go on
             cached = match.num_tokens + len(host_keys) * self.block_size
-            num_new = req.num_tokens - cached
+            defer = self.defer_promotions and bool(host_keys or self._promoting.intersection(match.block_ids))
+            num_new = 0 if defer else req.num_tokens - cached
             if num_new > budget and not self.config.enable_chunked_prefill and (self.running or admitted):
                 rest = pos + 1
                 break
@@ -370,6 +391,12 @@ class Scheduler:
             self._match_cache.pop(req.seq_id, None)
             admitted.append(req)
             seats += n
+            if defer:  # its blocks come in beside this step's forward; its tokens from the next step
+                first = len(match.block_ids)
+                self._promoting.update(self.kv.block_tables[req.seq_id][first:first + len(host_keys)])
+                self._deferred.append(req)
+                self.num_deferred_promotions += 1
+                continue
             prefills.append(self._scheduled(req, num_new))
             budget -= num_new
         if rest is not None and self.disk_prefetch is not None:

@@ -124,3 +124,90 @@ def test_a_failed_step_clears_the_host_tier_and_the_engine_goes_on(tiny_llama):
     kv.check_integrity()
     got = [o.outputs[0].token_ids for o in llm.generate(convs[:3], sp)]
     assert got == hf_reference(tiny_llama, convs[:3], max_tokens=4)
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_deferred_promotions_wait_a_step_while_the_others_run(tiny_llama, tmp_path, disk):
+    """The CUDA runner copies promoted blocks on a side stream beside the forward pass
+    (``defer_promotions``, set by the engine there; set by hand here, where the runner copies at
+    once): a request whose blocks come from a lower tier, or who matches blocks promoted in the same
+    step, is admitted with its blocks and copies but computes nothing in that step; the others
+    are scheduled; from the next step on it runs. Greedy output equal to transformers'."""
+    probe = _llm(tiny_llama, 0.0)
+    gb = _bytes_per_block(probe) / (1 << 30)
+    kw = dict(kv_disk_cache_dir=str(tmp_path), kv_disk_cache_gb=400 * gb) if disk else {}
+    llm = LLM(model=str(tiny_llama), dtype="float64", block_size=4, num_kv_blocks=48, max_num_batched_tokens=256,
+              kv_host_cache_gb=(6 if disk else 200) * gb, **kw)  # 48 blocks: room for four at once, not for all eight
+    eng = llm.engine
+    eng.check_integrity_each_step = True
+    sched = eng.scheduler
+    assert sched.defer_promotions is False  # CPU: the copies run before the forward, nobody waits
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    first = _conversations(8)
+    outs1 = llm.generate(first, sp)
+    sched.defer_promotions = True
+    steps = []  # per step: (seq ids whose blocks it copies in, seq ids it schedules)
+    real = sched.schedule
+
+    def spy():
+        out = real()
+        promoted = {b for _, b in out.swap_in} | {b for _, b in out.load}
+        readers = {sid for sid, table in sched.kv.block_tables.items() if promoted.intersection(table)}
+        steps.append((readers, {s.req.seq_id for s in out.scheduled}, out.promote_async))
+        return out
+
+    sched.schedule = spy
+    second = [p + o.outputs[0].token_ids + [250, 251, 252] for p, o in zip(first, outs1)]
+    fresh = [3 + (i * 11) % 190 for i in range(30)]  # in no tier: computed in the step it comes
+    # a new prompt with three returning turns at once (which share promoted system-prompt blocks)
+    outs2 = llm.generate([fresh] + second[:3], sp)
+    for p in second[3:]:  # then one at a time
+        outs2 += llm.generate([p], sp)
+    assert all(flag for _, _, flag in steps)
+    waited = [(i, readers) for i, (readers, _, _) in enumerate(steps) if readers]
+    # every request put off is one whose table holds blocks copied in that step, and vice versa
+    assert len(waited) >= 3 and sched.num_deferred_promotions == sum(len(r) for _, r in waited)
+    for i, readers in waited:
+        assert not readers & steps[i][1], (i, steps[i])  # none of them computes in its copy step
+        # each computes later (the next step, or one after it when the token budget ran out first)
+        assert readers <= set().union(*(scheduled for _, scheduled, _ in steps[i + 1:])), (i, readers)
+    # the others went on meanwhile: the step that copied for the three computed the new prompt
+    assert any(scheduled and not readers & scheduled for readers, scheduled, _ in steps[:6] if readers)
+    assert eng.stats()["deferred_promotions"] == sched.num_deferred_promotions
+    assert sum(o.num_cached_tokens for o in outs2[1:]) > 8 * 40 and eng.stats()["prefix_host_hit_tokens"] > 0
+    if disk:
+        assert eng.stats()["disk_bytes_read"] > 0
+    got = [o.outputs[0].token_ids for o in outs1 + outs2]
+    assert got == hf_reference(tiny_llama, first + [fresh] + second, max_tokens=6)
+    eng.check_integrity()
+
+
+def test_a_failed_step_fails_the_requests_it_put_off(tiny_llama):
+    """A step that fails after a deferred admission (its copies may not have run) ends that request
+    with the error too, frees its blocks and clears the tiers' unlocked blocks; the engine goes on."""
+    probe = _llm(tiny_llama, 0.0)
+    llm = _llm(tiny_llama, 200 * _bytes_per_block(probe) / (1 << 30))
+    eng = llm.engine
+    eng.scheduler.defer_promotions = True
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    convs = _conversations(8)
+    outs1 = llm.generate(convs, sp)  # the first conversations end up in the host tier
+    second = [p + o.outputs[0].token_ids + [250, 251, 252] for p, o in zip(convs, outs1)]
+    real, seen = eng.runner.execute, []
+
+    def broken(out):
+        if out.swap_in:
+            seen.append([r.request_id for r in out.deferred])
+            raise RuntimeError("injected copy failure")
+        return real(out)
+
+    eng.runner.execute = broken
+    outs = llm.generate(second[:1], sp)
+    assert seen == [[outs[0].request_id]]  # its step copied for it and scheduled nothing of it
+    assert outs[0].outputs[0].finish_reason == "error" and "injected copy failure" in outs[0].error
+    kv = eng.scheduler.kv
+    assert kv.num_used_blocks == 0 and kv.host.num_used == 0
+    kv.check_integrity()
+    eng.runner.execute = real
+    got = [o.outputs[0].token_ids for o in llm.generate(second[:2], sp)]
+    assert got == hf_reference(tiny_llama, second[:2], max_tokens=4)

@@ -84,6 +84,13 @@ class ModelRunner:
             self.host_kv = torch.zeros((s.num_layers, 2, num_host_blocks, s.num_kv_heads, block_size, s.head_dim),
                                        dtype=dtype, pin_memory=self.device.type == "cuda")
         self.disk = disk  # the disk tier's files (runner/disk_store.py)
+        # CUDA: the lower tiers' blocks go back into the device on a side stream from pinned memory,
+        # beside the forward pass of the step that schedules them (SchedulerOutput.promote_async;
+        # the scheduler puts their requests off to the next step, whose work waits for the copies)
+        self.copy_stream = (torch.cuda.Stream(device=self.device)
+                            if self.device.type == "cuda" and (num_host_blocks or disk is not None) else None)
+        self._copies_in_flight = None  # the side stream's event after the last step's copies
+        self.num_async_promoted_blocks = 0
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
         """Capture decode graphs for every batch bucket; returns the capture time in seconds."""
@@ -245,26 +252,56 @@ class ModelRunner:
         """The lower tiers' copies of a step, in this order: host slots the host tier let go of
         to files (before this step's swap-outs reuse them), device blocks out to the host (blocks
         evicted by this step and reused by it still hold their KV), host slots back in, files back
-        in, then the files the disk tier dropped."""
+        in, then the files the disk tier dropped. With ``promote_async`` on CUDA the blocks that go
+        back in are copied on the side stream (``_swap_in_async``)."""
         for slot, key, tokens in out.spill:
             self.disk.write(key, tokens, self.host_kv[:, :, slot])
         if out.swap_out:
             blocks = torch.tensor([b for b, _ in out.swap_out], dtype=torch.int64, device=self.device)
             slots = torch.tensor([h for _, h in out.swap_out], dtype=torch.int64)
             self.host_kv.index_copy_(2, slots, self.kv_cache.index_select(2, blocks).to(self.host_kv.device))
-        if out.swap_in:
-            slots = torch.tensor([h for h, _ in out.swap_in], dtype=torch.int64)
-            blocks = torch.tensor([b for _, b in out.swap_in], dtype=torch.int64, device=self.device)
-            self.kv_cache.index_copy_(2, blocks, self.host_kv.index_select(2, slots).to(self.device))
-        for key, b in out.load:
-            self.kv_cache[:, :, b] = self.disk.read(key).to(self.device)
+        if out.promote_async and self.copy_stream is not None and (out.swap_in or out.load):
+            self._swap_in_async(out)
+        else:
+            if out.swap_in:
+                slots = torch.tensor([h for h, _ in out.swap_in], dtype=torch.int64)
+                blocks = torch.tensor([b for _, b in out.swap_in], dtype=torch.int64, device=self.device)
+                self.kv_cache.index_copy_(2, blocks, self.host_kv.index_select(2, slots).to(self.device))
+            for key, b in out.load:
+                self.kv_cache[:, :, b] = self.disk.read(key).to(self.device)
         for key in out.disk_drop:
             self.disk.delete(key)
 
+    def _swap_in_async(self, out: SchedulerOutput) -> None:
+        """The step's swap-ins and file loads as one batch: gathered into a pinned buffer here, then
+        copied to the device and scattered into their blocks on the side stream, which first waits
+        for the work queued so far (earlier steps' kernels may still read those blocks' old KV).
+        The next ``execute`` makes the compute stream wait for them."""
+        blocks = [b for _, b in out.swap_in] + [b for _, b in out.load]
+        k, (layers, two, _, kvh, bs, d) = len(out.swap_in), self.kv_cache.shape
+        staged = torch.empty((layers, two, len(blocks), kvh, bs, d), dtype=self.kv_cache.dtype, pin_memory=True)
+        if out.swap_in:
+            staged[:, :, :k] = self.host_kv.index_select(2, torch.tensor([h for h, _ in out.swap_in]))
+        for i, (key, _) in enumerate(out.load):
+            staged[:, :, k + i] = self.disk.read(key)
+        index = torch.tensor(blocks, dtype=torch.int64).pin_memory()
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            self.kv_cache.index_copy_(2, index.to(self.device, non_blocking=True),
+                                      staged.to(self.device, non_blocking=True))
+            self._copies_in_flight = torch.cuda.Event()
+            self._copies_in_flight.record(self.copy_stream)
+        self.num_async_promoted_blocks += len(blocks)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
+        if self._copies_in_flight is not None:  # the last step's promotions, before anything reads them
+            torch.cuda.current_stream(self.device).wait_event(self._copies_in_flight)
+            self._copies_in_flight = None
         if out.swap_out or out.swap_in or out.spill or out.load or out.disk_drop:
             self.swap(out)
+        if not out.scheduled:  # a step of copies only (requests put off to the next step)
+            return ModelOutput([], [], None)
         if out.copy_ops:
             pairs = torch.tensor([[op.src, op.dst] for op in out.copy_ops], dtype=torch.int64, device=self.device)
             self.backend.copy_blocks(self.kv_cache, pairs)

@@ -1,6 +1,7 @@
 """The host and disk KV tiers on the GPU path (issue 12): device evictions copied to pinned host
-memory and back under load, and files read back into device blocks; greedy outputs equal to
-transformers' (float32, TF32 off) and to a run whose pool holds everything."""
+memory and back under load, and files read back into device blocks, on the runner's side stream
+beside the forward pass (their requests put off a step); greedy outputs equal to transformers'
+(float32, TF32 off) and to a run whose pool holds everything."""
 
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ def test_tiers_under_load_equal_transformers(gpu_model, tmp_path, disk):
     outs2 = small.generate(second, sp)
     st = small.engine.stats()
     assert st["prefix_host_hit_tokens"] > 0 and (not disk or st["disk_bytes_read"] > 0)
+    # the promotions went in on the side stream, their requests a step later, beside others' forwards
+    assert small.engine.scheduler.defer_promotions and small.engine.runner.copy_stream is not None
+    assert st["async_promoted_blocks"] > 0 and st["deferred_promotions"] > 0
     got = [o.outputs[0].token_ids for o in outs + outs2]
     assert got == [o.outputs[0].token_ids for o in big.generate(first + second, sp)]
     assert got == _hf_greedy(gpu_model, first + second, 8)
