@@ -126,6 +126,8 @@ def _open(path: Path) -> ctypes.CDLL:
     for name in ("add_rmsnorm_f32", "rope_f32", "rope_f64", "silu_mul_f32", "gemm_pack_f32"):
         getattr(lib, name).restype = None
     lib.decoder_layers_f32.argtypes = [p, i32, p]
+    lib.copy_kv_blocks.argtypes = [p, i64, p, i64, p, i32, i64, i64]
+    lib.copy_kv_blocks.restype = None
     lib.decoder_layers_f32.restype = i32
     lib.vector_bits = lib.kernels_vector_bits()  # 512, 256 (AVX2 + FMA) or 0 (the generic C only)
     lib.limits = (lib.paged_decode_max_heads(), lib.paged_decode_max_block(), lib.paged_decode_max_head_dim())
@@ -280,6 +282,25 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slo
     getattr(lib, f"kv_write_{_SUFFIX[k.dtype]}")(
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kv_cache_layer.data_ptr(), nb1 * kvh * bs * d,
         slots.data_ptr(), t, kvh, bs, d, nb1 * bs)
+    return True
+
+
+def copy_kv_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> bool:
+    """dst[:, :, d] = src[:, :, s] for each (s, d) of ``pairs``: whole blocks of every layer between
+    two contiguous CPU KV tensors [layers, 2, blocks, ...] of one dtype and block shape (the device
+    pool and the host tier). False (nothing copied) where the library or the tensors are not that."""
+    lib = load()
+    if (lib is None or src.device.type != "cpu" or dst.device.type != "cpu" or src.dtype != dst.dtype
+            or src.dim() < 3 or src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:]
+            or not src.is_contiguous() or not dst.is_contiguous()):
+        return False
+    nb_src, nb_dst = src.shape[2], dst.shape[2]
+    if any(not (0 <= s < nb_src and 0 <= d < nb_dst) for s, d in pairs):
+        raise IndexError(f"copy_kv_blocks: a block id out of range ({nb_src} source, {nb_dst} destination blocks)")
+    idx = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
+    block_bytes = src[0, 0, 0].numel() * src.element_size()
+    lib.copy_kv_blocks(src.data_ptr(), nb_src, dst.data_ptr(), nb_dst, idx.data_ptr(), len(pairs),
+                       src.shape[0] * src.shape[1], block_bytes)
     return True
 
 

@@ -372,3 +372,25 @@ def test_argmax_rows_is_torch_argmax():
         assert torch.equal(cpu_ops.argmax_rows(t), t.argmax(dim=-1)), t.shape
     assert cpu_ops.argmax_rows(x.double()) is None and cpu_ops.argmax_rows(x.t()) is None
     assert cpu_ops.argmax_rows(torch.empty(0, 5)).shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_copy_kv_blocks_equals_torch_indexing(dtype):
+    """The host tier's block copies (C, straight between the tensors) against torch's indexing:
+    every layer's K and V of the given blocks, nothing else touched; ids out of range refused."""
+    g = torch.Generator().manual_seed(5)
+    src = torch.randn(3, 2, 11, 2, 4, 8, generator=g).to(dtype)
+    dst = torch.randn(3, 2, 7, 2, 4, 8, generator=g).to(dtype)
+    pairs = [(10, 0), (3, 6), (4, 2), (0, 5)]
+    want = dst.clone()
+    for s, d in pairs:
+        want[:, :, d] = src[:, :, s]
+    before = src.clone()
+    assert cpu_ops.copy_kv_blocks(src, dst, pairs)
+    assert torch.equal(dst, want) and torch.equal(src, before)
+    with pytest.raises(IndexError, match="out of range"):
+        cpu_ops.copy_kv_blocks(src, dst, [(11, 0)])
+    with pytest.raises(IndexError, match="out of range"):
+        cpu_ops.copy_kv_blocks(src, dst, [(0, 7)])
+    assert not cpu_ops.copy_kv_blocks(src, dst.float() if dtype == torch.float64 else dst.double(), pairs)
+    assert not cpu_ops.copy_kv_blocks(src, dst[:, :, ::2], pairs)  # not contiguous: the caller's torch path

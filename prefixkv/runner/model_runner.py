@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from prefixkv import hugepages
+from prefixkv import cpu_ops, hugepages
 from prefixkv.attention import AttentionBackend, AttentionMetadata, kv_cache_shape
 from prefixkv.kv.groups import KVGroupPlan, plan_kv_groups
 from prefixkv.model.llama import LlamaModel
@@ -256,14 +256,15 @@ class ModelRunner:
         back in are copied on the side stream (``_swap_in_async``)."""
         for slot, key, tokens in out.spill:
             self.disk.write(key, tokens, self.host_kv[:, :, slot])
-        if out.swap_out:
+        on_cpu = self.device.type == "cpu"  # (the C copy, straight between the two tensors, where it takes them)
+        if out.swap_out and not (on_cpu and cpu_ops.copy_kv_blocks(self.kv_cache, self.host_kv, out.swap_out)):
             blocks = torch.tensor([b for b, _ in out.swap_out], dtype=torch.int64, device=self.device)
             slots = torch.tensor([h for _, h in out.swap_out], dtype=torch.int64)
             self.host_kv.index_copy_(2, slots, self.kv_cache.index_select(2, blocks).to(self.host_kv.device))
         if out.promote_async and self.copy_stream is not None and (out.swap_in or out.load):
             self._swap_in_async(out)
         else:
-            if out.swap_in:
+            if out.swap_in and not (on_cpu and cpu_ops.copy_kv_blocks(self.host_kv, self.kv_cache, out.swap_in)):
                 slots = torch.tensor([h for h, _ in out.swap_in], dtype=torch.int64)
                 blocks = torch.tensor([b for _, b in out.swap_in], dtype=torch.int64, device=self.device)
                 self.kv_cache.index_copy_(2, blocks, self.host_kv.index_select(2, slots).to(self.device))
