@@ -126,7 +126,7 @@ def _open(path: Path) -> ctypes.CDLL:
     for name in ("add_rmsnorm_f32", "rope_f32", "rope_f64", "silu_mul_f32", "gemm_pack_f32"):
         getattr(lib, name).restype = None
     lib.decoder_layers_f32.argtypes = [p, i32, p]
-    lib.copy_kv_blocks.argtypes = [p, i64, p, i64, p, i32, i64, i64]
+    lib.copy_kv_blocks.argtypes = [p, i64, i64, p, i64, i64, p, i32, i64, i64]
     lib.copy_kv_blocks.restype = None
     lib.decoder_layers_f32.restype = i32
     lib.vector_bits = lib.kernels_vector_bits()  # 512, 256 (AVX2 + FMA) or 0 (the generic C only)
@@ -287,20 +287,27 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slo
 
 def copy_kv_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> bool:
     """dst[:, :, d] = src[:, :, s] for each (s, d) of ``pairs``: whole blocks of every layer between
-    two contiguous CPU KV tensors [layers, 2, blocks, ...] of one dtype and block shape (the device
-    pool and the host tier). False (nothing copied) where the library or the tensors are not that."""
+    two CPU KV tensors [layers, 2, blocks, *block] of one dtype and block shape (the device pool, the
+    host tier, a staging view): each block contiguous, the layers and halves flattening into one
+    stride (as any contiguous tensor, or a permuted [blocks, layers, 2, *block] one). False (nothing
+    copied) where the library or the tensors are not that."""
     lib = load()
+    if not pairs:
+        return True
     if (lib is None or src.device.type != "cpu" or dst.device.type != "cpu" or src.dtype != dst.dtype
-            or src.dim() < 3 or src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:]
-            or not src.is_contiguous() or not dst.is_contiguous()):
+            or src.dim() < 4 or src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:]):
         return False
+    for x in (src, dst):
+        if x.stride(0) != 2 * x.stride(1) and x.shape[0] > 1 or not x[0, 0, 0].is_contiguous():
+            return False
     nb_src, nb_dst = src.shape[2], dst.shape[2]
     if any(not (0 <= s < nb_src and 0 <= d < nb_dst) for s, d in pairs):
         raise IndexError(f"copy_kv_blocks: a block id out of range ({nb_src} source, {nb_dst} destination blocks)")
     idx = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
-    block_bytes = src[0, 0, 0].numel() * src.element_size()
-    lib.copy_kv_blocks(src.data_ptr(), nb_src, dst.data_ptr(), nb_dst, idx.data_ptr(), len(pairs),
-                       src.shape[0] * src.shape[1], block_bytes)
+    e = src.element_size()
+    lib.copy_kv_blocks(src.data_ptr(), src.stride(1) * e, src.stride(2) * e, dst.data_ptr(), dst.stride(1) * e,
+                       dst.stride(2) * e, idx.data_ptr(), len(pairs), src.shape[0] * src.shape[1],
+                       src[0, 0, 0].numel() * e)
     return True
 
 

@@ -376,8 +376,9 @@ def test_argmax_rows_is_torch_argmax():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_copy_kv_blocks_equals_torch_indexing(dtype):
-    """The host tier's block copies (C, straight between the tensors) against torch's indexing:
-    every layer's K and V of the given blocks, nothing else touched; ids out of range refused."""
+    """The host and disk tiers' block copies (C, straight between the tensors) against torch's
+    indexing: every layer's K and V of the given blocks, nothing else touched, through strided
+    views too; ids out of range refused."""
     g = torch.Generator().manual_seed(5)
     src = torch.randn(3, 2, 11, 2, 4, 8, generator=g).to(dtype)
     dst = torch.randn(3, 2, 7, 2, 4, 8, generator=g).to(dtype)
@@ -393,4 +394,13 @@ def test_copy_kv_blocks_equals_torch_indexing(dtype):
     with pytest.raises(IndexError, match="out of range"):
         cpu_ops.copy_kv_blocks(src, dst, [(0, 7)])
     assert not cpu_ops.copy_kv_blocks(src, dst.float() if dtype == torch.float64 else dst.double(), pairs)
-    assert not cpu_ops.copy_kv_blocks(src, dst[:, :, ::2], pairs)  # not contiguous: the caller's torch path
+    # views: a staging tensor [blocks, layers, 2, ...] seen as [layers, 2, blocks, ...], every other block
+    staging = torch.zeros(4, 3, 2, 2, 4, 8, dtype=dtype)
+    assert cpu_ops.copy_kv_blocks(src, staging.permute(1, 2, 0, 3, 4, 5), [(s, i) for i, (s, _) in enumerate(pairs)])
+    assert all(torch.equal(staging[i], src[:, :, s]) for i, (s, _) in enumerate(pairs))
+    every_other = torch.zeros(3, 2, 8, 2, 4, 8, dtype=dtype)
+    assert cpu_ops.copy_kv_blocks(staging.permute(1, 2, 0, 3, 4, 5), every_other[:, :, ::2], [(0, 3), (2, 1)])
+    assert torch.equal(every_other[:, :, 6], src[:, :, 10]) and torch.equal(every_other[:, :, 2], src[:, :, 4])
+    assert every_other[:, :, [0, 1, 3, 4, 5, 7]].abs().sum() == 0
+    # blocks not contiguous in memory: refused, the caller's torch path
+    assert not cpu_ops.copy_kv_blocks(src, dst.transpose(4, 5).contiguous().transpose(4, 5), pairs)

@@ -890,17 +890,19 @@ void kv_write_##SUFFIX(const T *k, int64_t ld_k, const T *v, int64_t ld_v, T *kv
 DEFINE_KV_WRITE(float, f32)
 DEFINE_KV_WRITE(double, f64)
 
-/* Whole KV blocks from one cache tensor to another (the host tier's copies): src [outer, src_nb, ...]
- * and dst [outer, dst_nb, ...] (outer = layers x 2, a block block_bytes long in each), pairs [n, 2]
- * (src block, dst block). Straight into the destination, both threads: torch's index_select +
- * index_copy_ went through a fresh temporary (its page faults included) at ~2 GB/s. */
-void copy_kv_blocks(const char *src, int64_t src_nb, char *dst, int64_t dst_nb, const int64_t *pairs, int n,
-                    int64_t outer, int64_t block_bytes) {
+/* Whole KV blocks from one cache tensor to another (the host and disk tiers' copies): block b of
+ * outer slice o (outer = layers x 2) starts at byte o * outer_stride + b * block_stride of its tensor
+ * and is block_bytes long; pairs [n, 2] (src block, dst block). Straight into the destination, both
+ * threads: torch's index_select + index_copy_ went through a fresh temporary (its page faults
+ * included) at ~2 GB/s. */
+void copy_kv_blocks(const char *src, int64_t src_outer_stride, int64_t src_block_stride, char *dst,
+                    int64_t dst_outer_stride, int64_t dst_block_stride, const int64_t *pairs, int n, int64_t outer,
+                    int64_t block_bytes) {
     #pragma omp parallel for schedule(static) if ((int64_t)n * outer * block_bytes >= (1 << 20))
     for (int64_t j = 0; j < (int64_t)n * outer; j++) {
         const int64_t o = j / n, i = j % n;
-        memcpy(dst + (o * dst_nb + pairs[2 * i + 1]) * block_bytes, src + (o * src_nb + pairs[2 * i]) * block_bytes,
-               (size_t)block_bytes);
+        memcpy(dst + o * dst_outer_stride + pairs[2 * i + 1] * dst_block_stride,
+               src + o * src_outer_stride + pairs[2 * i] * src_block_stride, (size_t)block_bytes);
     }
 }
 

@@ -103,9 +103,11 @@ class DiskKVStore:
         return self.dir / f"{key & 0xFFFFFFFFFFFFFFFF:016x}.kvb"
 
     # ------------------------------------------------------------------ writes
-    def write(self, key: int, tokens: tuple[int, ...], block: torch.Tensor) -> None:
-        """Queue the block's file; the block is copied now (its memory may be reused at once)."""
-        copy = block.detach().to("cpu", copy=True).contiguous()
+    def write(self, key: int, tokens: tuple[int, ...], block: torch.Tensor, owned: bool = False) -> None:
+        """Queue the block's file; the block is copied now (its memory may be reused at once), unless
+        ``owned``: a contiguous CPU tensor of the caller's own that nothing writes to again."""
+        copy = block if owned else block.detach().to("cpu", copy=True).contiguous()
+        assert copy.is_contiguous() and copy.device.type == "cpu"
         assert copy.numel() * copy.element_size() == self.payload_bytes, (copy.shape, self.payload_bytes)
         with self._cv:
             while self._pending_bytes() + self.payload_bytes > self.write_queue_bytes and self._pending:

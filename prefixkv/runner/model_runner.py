@@ -254,9 +254,17 @@ class ModelRunner:
         evicted by this step and reused by it still hold their KV), host slots back in, files back
         in, then the files the disk tier dropped. With ``promote_async`` on CUDA the blocks that go
         back in are copied on the side stream (``_swap_in_async``)."""
-        for slot, key, tokens in out.spill:
-            self.disk.write(key, tokens, self.host_kv[:, :, slot])
         on_cpu = self.device.type == "cpu"  # (the C copy, straight between the two tensors, where it takes them)
+        if out.spill:  # each block copied out of its slot now (the swap-outs below may reuse the slot)
+            staged = torch.empty((len(out.spill), *self.host_kv.shape[:2], *self.host_kv.shape[3:]),
+                                 dtype=self.host_kv.dtype)
+            if cpu_ops.copy_kv_blocks(self.host_kv, staged.permute(1, 2, 0, *range(3, staged.dim())),
+                                      [(slot, i) for i, (slot, _, _) in enumerate(out.spill)]):
+                for i, (_, key, tokens) in enumerate(out.spill):
+                    self.disk.write(key, tokens, staged[i], owned=True)
+            else:
+                for slot, key, tokens in out.spill:
+                    self.disk.write(key, tokens, self.host_kv[:, :, slot])
         if out.swap_out and not (on_cpu and cpu_ops.copy_kv_blocks(self.kv_cache, self.host_kv, out.swap_out)):
             blocks = torch.tensor([b for b, _ in out.swap_out], dtype=torch.int64, device=self.device)
             slots = torch.tensor([h for _, h in out.swap_out], dtype=torch.int64)
