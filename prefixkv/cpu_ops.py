@@ -160,16 +160,29 @@ def gemm_available() -> bool:
     return lib is not None and lib.vector_bits > 0
 
 
-def gemm_pack(weight: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+def gemm_packed_numel(n: int, k: int, lib: ctypes.CDLL | None = None) -> int:
+    """Floats of ``gemm_pack``'s result for a weight [n, k]."""
+    width = (lib or load()).gemm_panel_width()
+    return (n + width - 1) // width * k * width
+
+
+def gemm_pack(weight: torch.Tensor, lib: ctypes.CDLL | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """weight [N, K] float32 (CPU, rows contiguous) -> its packed copy for ``gemm_caller``: panels of
     ``gemm_panel_width()`` output features, [ceil(N / width), K, width], zero-padded. ``lib``: a
-    library from ``load_source`` instead of ``load()``'s."""
+    library from ``load_source`` instead of ``load()``'s. ``out``: a contiguous float32 tensor of
+    ``gemm_packed_numel`` elements to pack into (a slice of one huge-page arena for all of a model's
+    weights: ``hugepages.empty`` leaves a tensor under 4 MB in 4 KB pages)."""
     assert weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2, weight.shape
     assert weight.stride(1) == 1, weight.stride()
     lib = lib or load()
     n, k = weight.shape
     width = lib.gemm_panel_width()
-    packed = hugepages.empty(((n + width - 1) // width, k, width), dtype=torch.float32)  # streamed every call
+    shape = ((n + width - 1) // width, k, width)
+    if out is None:
+        packed = hugepages.empty(shape, dtype=torch.float32)  # streamed every call
+    else:
+        assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() == shape[0] * k * width, out.shape
+        packed = out.view(shape)
     lib.gemm_pack_f32(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr())
     return packed
 

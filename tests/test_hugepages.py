@@ -68,3 +68,25 @@ def test_cpu_kv_cache_and_packed_weights_are_advised(tiny_llama):
     assert _advised(kv)
     if cpu_ops.gemm_available():
         assert _advised(cpu_ops.gemm_pack(torch.randn(4096, 1024)))
+
+
+def test_a_models_packed_weights_share_one_arena(tiny_llama):
+    """Every packed GEMM weight of a model (the small q/k/v, o and down projections too, which alone
+    would stay in 4 KB pages) is a cache-line-aligned slice of one huge-page arena, packed exactly as
+    on its own."""
+    from prefixkv import LLM, cpu_ops
+    from prefixkv.model.linear import Linear
+
+    if not cpu_ops.gemm_available():
+        pytest.skip("no C GEMM in this build")
+    llm = LLM(model=str(tiny_llama), dtype="float32")
+    m = llm.engine.model
+    packed = [mod.packed for mod in m.modules() if isinstance(mod, Linear) and mod.kind == "c"]
+    assert len(packed) == 4 * m.shape.num_layers + 1  # qkv, o, gate_up, down per layer; the LM head
+    bases = {p.untyped_storage().data_ptr() for p in packed}
+    assert len(bases) == 1 and all(p.data_ptr() % 64 == 0 for p in packed)
+    spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * 4) for p in packed)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no two overlap
+    w = torch.randn(96, 40)
+    arena = torch.empty(cpu_ops.gemm_packed_numel(96, 40) + 5)
+    assert torch.equal(cpu_ops.gemm_pack(w, out=arena[5:]), cpu_ops.gemm_pack(w))

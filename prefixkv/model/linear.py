@@ -74,11 +74,12 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.kind = "torch"
 
-    def prepack(self, kind: str = "onednn") -> None:
+    def prepack(self, kind: str = "onednn", out: torch.Tensor | None = None) -> None:
+        """``out`` (kind "c"): where to pack (``cpu_ops.gemm_pack``)."""
         assert kind in ("c", "onednn"), kind
         w = self.weight.detach().contiguous()
         if kind == "c":
-            self.packed = cpu_ops.gemm_pack(w)
+            self.packed = cpu_ops.gemm_pack(w, out=out)
             self.c_gemm = cpu_ops.gemm_caller(self.packed, self.out_features, self.bias)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS_HINT)

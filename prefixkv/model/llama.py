@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixkv import cpu_ops
+from prefixkv import cpu_ops, hugepages
 from prefixkv.attention.base import AttentionBackend, AttentionMetadata
 from prefixkv.model.linear import FusedLinear, Linear
 
@@ -425,12 +425,24 @@ class LlamaModel(nn.Module):
         w = self.lm_head_weight()
         if w.device.type != "cpu" or w.dtype != torch.float32:
             return False
-        for m in self.modules():
-            if isinstance(m, Linear) and m.packed is None and m is not getattr(self, "lm_head", None):
-                m.prepack(kind)
+        todo = [m for m in self.modules()
+                if isinstance(m, Linear) and m.packed is None and m is not getattr(self, "lm_head", None)]
         head = Linear(self.shape.hidden_size, self.shape.vocab_size)
         head.weight = nn.Parameter(w.detach(), requires_grad=False)
-        head.prepack(kind)  # a packed copy: a tied weight stays the embedding table too
+        todo.append(head)  # a packed copy: a tied weight stays the embedding table too
+        # kind "c": every packed weight a slice of one arena in huge pages (hugepages.empty leaves a
+        # tensor under 4 MB in 4 KB pages: SmolLM2's q/k/v, o and down projections, 255 MB streamed a
+        # step through ~62,000 pages). Each slice starts on a cache line.
+        outs: list[torch.Tensor | None] = [None] * len(todo)
+        if kind == "c":
+            sizes = [-(-cpu_ops.gemm_packed_numel(m.out_features, m.in_features) // 16) * 16 for m in todo]
+            arena = hugepages.empty((sum(sizes) + 16,), dtype=torch.float32)
+            start = (-(arena.data_ptr() // 4)) % 16  # to a 64-byte boundary
+            for i, n in enumerate(sizes):
+                outs[i] = arena[start:start + cpu_ops.gemm_packed_numel(todo[i].out_features, todo[i].in_features)]
+                start += n
+        for m, out in zip(todo, outs):
+            m.prepack(kind, out=out)
         self.packed_lm_head = head
         if not self.shape.tie_word_embeddings:
             del self.lm_head
