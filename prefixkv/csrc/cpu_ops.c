@@ -243,11 +243,11 @@ static inline __attribute__((always_inline)) vf v_softcap(vf x, float softcap) {
 #endif
 
 #if defined(VW) && !defined(__AVX512F__)
-/* (The AVX2 decode kernel's.) The next block's keys and values of kv head kh (elems floats each; next: its K, or 0 at the last
- * block) towards L1, issued before this block's kv head kh is computed: the requests spread over
- * the block's kv heads, each a head's computation ahead of use. (All of the next block's lines at
- * once, at the block's start, measured 1.17x slower on a Zen 5 VM with 12 of 16 blocks shared, as
- * in the shared-prefix benchmark; the same bits.) */
+/* (The AVX2 decode kernel's.) The next block's keys and values of kv head kh (elems floats each;
+ * next: its K, or 0 at the last block) towards L1, issued before this block's kv head kh is
+ * computed: the requests spread over the block's kv heads, each a head's computation ahead of use.
+ * (All of the next block's lines at once, at the block's start, measured 1.17x slower on a Zen 5
+ * VM with 12 of 16 blocks shared, as in the shared-prefix benchmark; the same bits.) */
 static inline __attribute__((always_inline)) void prefetch_kv_head(const float *next, int64_t half, int kh,
                                                                    int elems) {
     if (!next) return;
@@ -374,7 +374,8 @@ static inline __attribute__((always_inline)) void decode_seq(
                         if (seen >> t & 1) {
                             const float *kt = kbase + off[16 * i + t];
                             dot[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
-                            for (int c = 1; c < ND; c++) dot[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + 16 * c), dot[t]);
+                            for (int c = 1; c < ND; c++)
+                                dot[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + 16 * c), dot[t]);
                         } else {
                             dot[t] = _mm512_setzero_ps();
                         }
@@ -417,7 +418,8 @@ static inline __attribute__((always_inline)) void decode_seq(
     for (int h = 0; h < H; h++) {
         const __m512 inv = _mm512_set1_ps(1.0f / l[h]);
         for (int c = 0; c < ND; c++)
-            _mm512_storeu_ps(ob + (int64_t)h * D + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + (int64_t)h * D + 16 * c), inv));
+            _mm512_storeu_ps(ob + (int64_t)h * D + 16 * c,
+                             _mm512_mul_ps(_mm512_load_ps(acc + (int64_t)h * D + 16 * c), inv));
     }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
