@@ -79,8 +79,13 @@ class SchedulerOutput:
     deferred: list[Request] = field(default_factory=list)
 
     @property
+    def has_copies(self) -> bool:
+        """Whether the lower tiers have copies (or file drops) for the runner in this step."""
+        return bool(self.swap_out or self.swap_in or self.spill or self.load or self.disk_drop)
+
+    @property
     def is_empty(self) -> bool:
-        return not (self.scheduled or self.swap_out or self.swap_in or self.spill or self.load or self.disk_drop)
+        return not (self.scheduled or self.has_copies)
 
 
 class Scheduler:
@@ -112,7 +117,6 @@ class Scheduler:
         # scheduled from the next step on, so no forward waits for a copy of its own step.
         self.defer_promotions = False
         self._promoting: set[int] = set()  # device blocks whose copies this step's output carries
-        self._deferred: list[Request] = []  # the requests admitted so this step
         self.num_deferred_promotions = 0  # requests admitted that way
         self.num_draft_tokens = 0  # speculative tokens proposed ...
         self.num_accepted_tokens = 0  # ... and accepted
@@ -164,7 +168,7 @@ class Scheduler:
 
         kv, running = self.kv, self.running
         chunked = self.config.enable_chunked_prefill
-        self._deferred = []  # (a fresh list: the last output keeps its own)
+        deferred: list[Request] = []  # admitted with promotions, computed from the next step
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -203,7 +207,7 @@ class Scheduler:
             i += 1
 
         if not preempted and not out_of_memory and self._may_admit():
-            budget = self._admit(budget, prefills)
+            budget = self._admit(budget, prefills, deferred)
         if self.config.num_speculative_tokens and decodes and budget > 0:
             budget = self._add_drafts(budget, decodes, prefills)
 
@@ -231,7 +235,7 @@ class Scheduler:
             load=load,
             disk_drop=disk_drop,
             promote_async=self.defer_promotions,
-            deferred=self._deferred,
+            deferred=deferred,
         )
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
@@ -337,7 +341,7 @@ class Scheduler:
         disk_keys = self.kv.disk_keys(host_keys) if host_keys and self.disk_prefetch is not None else []
         return not disk_keys or self.disk_prefetch(disk_keys)
 
-    def _admit(self, budget: int, prefills: list[ScheduledRequest]) -> int:
+    def _admit(self, budget: int, prefills: list[ScheduledRequest], deferred: list[Request]) -> int:
         if not self.waiting:
             return budget
         full = budget <= 0 or len(self.running) >= self.config.max_num_seqs  # (seats >= running sequences)
@@ -368,7 +372,7 @@ class Scheduler:
                 self.num_disk_waits += 1
                 continue  # its blocks are being read from files: it waits, the others go on
             cached = match.num_tokens + len(host_keys) * self.block_size
-            defer = self.defer_promotions and bool(host_keys or self._promoting.intersection(match.block_ids))
+            defer = self.defer_promotions and bool(host_keys or not self._promoting.isdisjoint(match.block_ids))
             num_new = 0 if defer else req.num_tokens - cached
             if num_new > budget and not self.config.enable_chunked_prefill and (self.running or admitted):
                 rest = pos + 1
@@ -394,7 +398,7 @@ class Scheduler:
             if defer:  # its blocks come in beside this step's forward; its tokens from the next step
                 first = len(match.block_ids)
                 self._promoting.update(self.kv.block_tables[req.seq_id][first:first + len(host_keys)])
-                self._deferred.append(req)
+                deferred.append(req)
                 self.num_deferred_promotions += 1
                 continue
             prefills.append(self._scheduled(req, num_new))

@@ -435,12 +435,12 @@ class LlamaModel(nn.Module):
         # step through ~62,000 pages). Each slice starts on a cache line.
         outs: list[torch.Tensor | None] = [None] * len(todo)
         if kind == "c":
-            sizes = [-(-cpu_ops.gemm_packed_numel(m.out_features, m.in_features) // 16) * 16 for m in todo]
-            arena = hugepages.empty((sum(sizes) + 16,), dtype=torch.float32)
+            numels = [cpu_ops.gemm_packed_numel(m.out_features, m.in_features) for m in todo]
+            arena = hugepages.empty((sum(-(-n // 16) * 16 for n in numels) + 16,), dtype=torch.float32)
             start = (-(arena.data_ptr() // 4)) % 16  # to a 64-byte boundary
-            for i, n in enumerate(sizes):
-                outs[i] = arena[start:start + cpu_ops.gemm_packed_numel(todo[i].out_features, todo[i].in_features)]
-                start += n
+            for i, n in enumerate(numels):
+                outs[i] = arena[start:start + n]
+                start += -(-n // 16) * 16
         for m, out in zip(todo, outs):
             m.prepack(kind, out=out)
         self.packed_lm_head = head

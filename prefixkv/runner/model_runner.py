@@ -254,32 +254,37 @@ class ModelRunner:
         evicted by this step and reused by it still hold their KV), host slots back in, files back
         in, then the files the disk tier dropped. With ``promote_async`` on CUDA the blocks that go
         back in are copied on the side stream (``_swap_in_async``)."""
-        on_cpu = self.device.type == "cpu"  # (the C copy, straight between the two tensors, where it takes them)
         if out.spill:  # each block copied out of its slot now (the swap-outs below may reuse the slot)
-            staged = torch.empty((len(out.spill), *self.host_kv.shape[:2], *self.host_kv.shape[3:]),
-                                 dtype=self.host_kv.dtype)
-            if cpu_ops.copy_kv_blocks(self.host_kv, staged.permute(1, 2, 0, *range(3, staged.dim())),
-                                      [(slot, i) for i, (slot, _, _) in enumerate(out.spill)]):
-                for i, (_, key, tokens) in enumerate(out.spill):
-                    self.disk.write(key, tokens, staged[i], owned=True)
-            else:
-                for slot, key, tokens in out.spill:
-                    self.disk.write(key, tokens, self.host_kv[:, :, slot])
-        if out.swap_out and not (on_cpu and cpu_ops.copy_kv_blocks(self.kv_cache, self.host_kv, out.swap_out)):
-            blocks = torch.tensor([b for b, _ in out.swap_out], dtype=torch.int64, device=self.device)
-            slots = torch.tensor([h for _, h in out.swap_out], dtype=torch.int64)
-            self.host_kv.index_copy_(2, slots, self.kv_cache.index_select(2, blocks).to(self.host_kv.device))
+            staged = self._staging(len(out.spill))
+            self._move_blocks(self.host_kv, staged.permute(1, 2, 0, *range(3, staged.dim())),
+                              [(slot, i) for i, (slot, _, _) in enumerate(out.spill)])
+            for i, (_, key, tokens) in enumerate(out.spill):
+                self.disk.write(key, tokens, staged[i], owned=True)
+        self._move_blocks(self.kv_cache, self.host_kv, out.swap_out)
         if out.promote_async and self.copy_stream is not None and (out.swap_in or out.load):
             self._swap_in_async(out)
         else:
-            if out.swap_in and not (on_cpu and cpu_ops.copy_kv_blocks(self.host_kv, self.kv_cache, out.swap_in)):
-                slots = torch.tensor([h for h, _ in out.swap_in], dtype=torch.int64)
-                blocks = torch.tensor([b for _, b in out.swap_in], dtype=torch.int64, device=self.device)
-                self.kv_cache.index_copy_(2, blocks, self.host_kv.index_select(2, slots).to(self.device))
+            self._move_blocks(self.host_kv, self.kv_cache, out.swap_in)
             for key, b in out.load:
                 self.kv_cache[:, :, b] = self.disk.read(key).to(self.device)
         for key in out.disk_drop:
             self.disk.delete(key)
+
+    @staticmethod
+    def _move_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """dst[:, :, d] = src[:, :, s] for each (s, d): the C copy where both are on the CPU (straight
+        between them, ``cpu_ops.copy_kv_blocks``), else torch's indexing (across devices too)."""
+        if not pairs or cpu_ops.copy_kv_blocks(src, dst, pairs):
+            return
+        s = torch.tensor([a for a, _ in pairs], dtype=torch.int64, device=src.device)
+        d = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=dst.device)
+        dst.index_copy_(2, d, src.index_select(2, s).to(dst.device))
+
+    def _staging(self, n: int, pin: bool = False) -> torch.Tensor:
+        """A host buffer for n blocks of every layer, [n, layers, 2, KVH, block_size, D]: a block a
+        contiguous run (a file's payload); ``.permute(1, 2, 0, 3, 4, 5)`` is the cache's layout."""
+        layers, two, _, kvh, bs, d = self.kv_cache.shape
+        return torch.empty((n, layers, two, kvh, bs, d), dtype=self.kv_cache.dtype, pin_memory=pin)
 
     def _swap_in_async(self, out: SchedulerOutput) -> None:
         """The step's swap-ins and file loads as one batch: gathered into a pinned buffer here, then
@@ -287,10 +292,9 @@ class ModelRunner:
         for the work queued so far (earlier steps' kernels may still read those blocks' old KV).
         The next ``execute`` makes the compute stream wait for them."""
         blocks = [b for _, b in out.swap_in] + [b for _, b in out.load]
-        k, (layers, two, _, kvh, bs, d) = len(out.swap_in), self.kv_cache.shape
-        staged = torch.empty((layers, two, len(blocks), kvh, bs, d), dtype=self.kv_cache.dtype, pin_memory=True)
-        if out.swap_in:
-            staged[:, :, :k] = self.host_kv.index_select(2, torch.tensor([h for h, _ in out.swap_in]))
+        k = len(out.swap_in)
+        staged = self._staging(len(blocks), pin=True).permute(1, 2, 0, 3, 4, 5)
+        self._move_blocks(self.host_kv, staged, [(h, i) for i, (h, _) in enumerate(out.swap_in)])
         for i, (key, _) in enumerate(out.load):
             staged[:, :, k + i] = self.disk.read(key)
         index = torch.tensor(blocks, dtype=torch.int64).pin_memory()
@@ -307,7 +311,7 @@ class ModelRunner:
         if self._copies_in_flight is not None:  # the last step's promotions, before anything reads them
             torch.cuda.current_stream(self.device).wait_event(self._copies_in_flight)
             self._copies_in_flight = None
-        if out.swap_out or out.swap_in or out.spill or out.load or out.disk_drop:
+        if out.has_copies:
             self.swap(out)
         if not out.scheduled:  # a step of copies only (requests put off to the next step)
             return ModelOutput([], [], None)
