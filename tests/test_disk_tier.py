@@ -425,3 +425,89 @@ def test_the_reads_of_a_request_that_must_wait_for_a_seat_start_early(tiny_llama
     assert eng.scheduler.num_disk_waits == 0  # its blocks were in before its turn
     ref = hf_reference(tiny_llama, [other, turn2], max_tokens=6)
     assert [done["other"].outputs[0].token_ids, done["back"].outputs[0].token_ids] == ref
+
+
+def _wait_ready(store, keys):
+    for _ in range(200):
+        if store.prefetch(keys):
+            return
+        store.wait_reads(0.05)
+    raise AssertionError(f"{keys} never came in")
+
+
+def test_load_into_copies_slots_queued_copies_and_unread_files_into_the_cache_layout(tmp_path):
+    """``load_into`` (the step's way in): prefetched blocks come out of their slots of the one
+    buffer (one copy; the slots free again after), a block whose file is still queued from its
+    copy, a block nobody prefetched read now; each lands at its index of a [layers, 2, blocks, ...]
+    tensor, equal to what was written, nothing else touched."""
+    import threading
+
+    import torch
+
+    d = _store(tmp_path)
+    for k in range(4):
+        d.write(k, (k, 1, 2, 3), _block(float(k) + 0.5))
+    d.flush()
+    e = _store(tmp_path, prefetch_bytes=3 * d.payload_bytes)  # three slots
+    assert [k for k, _ in e.scan()] == [0, 1, 2, 3]
+    _wait_ready(e, [2, 0])
+    assert sorted(e._slot_of) == [0, 2] and len(e._free_slots) == 1 and e._arena.shape == (3, *e.block_shape)
+    gate = threading.Event()
+    real = e._path
+
+    def slow_path(key):  # the writer thread holds key 9's file back until the gate opens
+        if threading.current_thread().name == "prefixkv-disk-writer":
+            gate.wait(10)
+        return real(key)
+
+    e._path = slow_path
+    e.write(9, (9, 9, 9, 9), _block(9.5))
+    dst = torch.zeros(2, 2, 6, 1, 4, 3, dtype=torch.float64)  # the layout of the KV cache
+    e.load_into(dst, [(2, 5), (9, 1), (3, 0), (0, 3)])
+    gate.set()
+    e.flush()
+    for key, i in [(2, 5), (9, 1), (3, 0), (0, 3)]:
+        assert torch.equal(dst[:, :, i], _block(float(key) + 0.5))
+    assert dst[:, :, [2, 4]].abs().sum() == 0
+    assert e.num_sync_reads == 1 and e.num_bytes_read == 4 * e.payload_bytes  # key 3 read now
+    assert not e._ready and not e._slot_of and sorted(e._free_slots) == [0, 1, 2]  # every slot free again
+    # a request larger than the buffer, alone: its blocks beyond the slots in buffers of their own
+    e.begin_pass()
+    _wait_ready(e, [0, 1, 2, 3])
+    assert len(e._slot_of) == 3 and set(e._ready) == {0, 1, 2, 3} and not e._free_slots
+    dst.zero_()
+    e.load_into(dst, [(k, k) for k in range(4)])
+    assert all(torch.equal(dst[:, :, k], _block(k + 0.5)) for k in range(4)) and sorted(e._free_slots) == [0, 1, 2]
+
+
+def test_files_carry_the_crc32c_of_their_payload(tmp_path):
+    """The header's checksum is CRC-32C (the crc32c package) of the payload bytes; a file whose
+    payload was changed but whose checksum was rewritten to zlib's CRC-32 (the old format) is
+    refused, so is one with the old magic."""
+    import struct
+    import zlib
+
+    import crc32c
+
+    from prefixkv.runner import disk_store
+
+    d = _store(tmp_path)
+    d.write(5, (1, 2, 3, 4), _block(2.25))
+    d.flush()
+    path = d.dir / f"{5:016x}.kvb"
+    data = path.read_bytes()
+    n0 = len(disk_store.MAGIC) + disk_store._HEADER.size + 8 * 4
+    payload = data[n0:]
+    assert payload == _block(2.25).numpy().tobytes()
+    crc = struct.unpack_from("<qiqI", data, len(disk_store.MAGIC))[3]
+    assert crc == crc32c.crc32c(payload) != zlib.crc32(payload)
+    assert disk_store.checksum(payload) == crc
+    old = bytearray(data)
+    struct.pack_into("<I", old, len(disk_store.MAGIC) + 20, zlib.crc32(payload))
+    path.write_bytes(bytes(old))
+    assert d.scan() == [] and d.num_discarded == 1
+    d.write(6, (1, 2, 3, 5), _block(1.0))
+    d.flush()
+    path = d.dir / f"{6:016x}.kvb"
+    path.write_bytes(b"PKVBLK1\n" + path.read_bytes()[8:])
+    assert d.scan() == [] and d.num_discarded == 2

@@ -4,20 +4,21 @@ The fingerprint (``kv_fingerprint``) hashes what makes a block's KV valid: the m
 its weight files (names, sizes and their first and last MiB), the dtype, the block size, the
 per-block KV shape and ``FORMAT_VERSION``; a directory written by anything else is never read.
 
-A file: ``MAGIC``, then a header (block hash, block size, payload bytes, CRC-32 of the payload),
+A file: ``MAGIC``, then a header (block hash, block size, payload bytes, CRC-32C of the payload),
 the block's tokens (int64), then the payload (all layers' K and V of the block, the KV cache's
 dtype). Written to a temporary name and renamed, so a process killed mid-write leaves at most a
 ``.tmp`` file, which the next start deletes. ``scan`` (at start) reads every file whole and keeps
-only those whose header, size, tokens and checksum agree; ``read`` checks the checksum again and
-raises ``DiskKVError`` on a mismatch (the engine then fails the step's requests rather than
-attend over wrong KV).
+only those whose header, size, tokens and checksum agree; every later read checks them again (a
+read in the step raises ``DiskKVError`` on a mismatch: the engine then fails the step's requests
+rather than attend over wrong KV).
 
 No file I/O runs in the engine step beyond a bound. ``write`` copies the block (a memcpy, so the
 host slot can be reused at once) and queues the file for a writer thread; the step waits only
 while more than ``write_queue_bytes`` of copies are queued. Reads are prefetched: the scheduler
 calls ``prefetch`` for a waiting request whose prefix continues on disk, a reader thread reads and
-checks the files into memory, and the request is admitted once all of them are in (it waits, the
-other requests go on); ``read`` in the step then takes the block from memory. A block whose file
+checks the files into slots of one buffer (the payload straight from the file into its slot), and
+the request is admitted once all of them are in (it waits, the other requests go on);
+``load_into`` in the step then copies the blocks out of their slots in one call. A block whose file
 is still queued is read from its copy. A file that fails its check while prefetched is reported
 by ``take_failed`` and the request recomputes from there. Both threads start on demand and end
 when idle for a second.
@@ -31,7 +32,6 @@ import os
 import queue
 import struct
 import threading
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -39,9 +39,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-FORMAT_VERSION = 1
-MAGIC = b"PKVBLK1\n"
-_HEADER = struct.Struct("<qiqI")  # block hash, block size, payload bytes, crc32
+from prefixkv import cpu_ops, hugepages
+
+FORMAT_VERSION = 2  # 2: CRC-32C (1: zlib's CRC-32)
+MAGIC = b"PKVBLK2\n"
+_HEADER = struct.Struct("<qiqI")  # block hash, block size, payload bytes, CRC-32C of the payload
+_crc32c = None
+
+
+def checksum(data) -> int:
+    """CRC-32C of a bytes-like object: the ``crc32c`` package (SSE4.2 / ARMv8 CRC instructions,
+    ~10x zlib's table CRC-32 here; it lets go of the GIL over large buffers, so the reader thread's
+    checks run beside the step's Python)."""
+    global _crc32c
+    if _crc32c is None:
+        try:
+            from crc32c import crc32c as _crc32c
+        except ImportError as e:  # a core dependency (pyproject.toml); said plainly where it is missing
+            raise ImportError("the disk KV tier needs the crc32c package (pip install crc32c)") from e
+    return _crc32c(data)
 
 
 class DiskKVError(RuntimeError):
@@ -93,9 +109,16 @@ class DiskKVStore:
         self._writes_queued = 0  # ops queued or running
         self._writer: threading.Thread | None = None
         self._reads: queue.SimpleQueue = queue.SimpleQueue()
-        self._reading: set[int] = set()
         self._reader: threading.Thread | None = None
+        # prefetched blocks are read into slots of one buffer of prefetch_bytes (huge pages, made at
+        # the first prefetch and kept: no allocation, page faults or zeroing per read), taken out of
+        # it by one copy (load_into)
+        self._num_slots = self.prefetch_bytes // self.payload_bytes
+        self._arena: torch.Tensor | None = None  # [num_slots, *block_shape]
+        self._free_slots: list[int] = []
+        self._reading: dict[int, int | None] = {}  # key -> its slot (None: a buffer of its own)
         self._ready: OrderedDict[int, torch.Tensor] = OrderedDict()  # prefetched, least recently wanted first
+        self._slot_of: dict[int, int] = {}  # ready keys in a slot
         self._failed: set[int] = set()  # keys whose file failed (read or write), not yet reported
         self._wanted_now: set[int] = set()  # asked for by this scheduling pass (``begin_pass``)
 
@@ -122,7 +145,7 @@ class DiskKVStore:
 
     def delete(self, key: int) -> None:
         with self._cv:
-            self._ready.pop(key, None)
+            self._drop_ready(key)
             self._put_op(("d", key))
 
     def flush(self) -> None:
@@ -169,7 +192,7 @@ class DiskKVStore:
             with self._cv:
                 copy, tokens, _ = self._pending[key]
             payload = copy.view(torch.uint8).reshape(-1).numpy()  # (a view: written as it is)
-            header = _HEADER.pack(key, len(tokens), self.payload_bytes, zlib.crc32(payload))
+            header = _HEADER.pack(key, len(tokens), self.payload_bytes, checksum(payload))
             tmp = path.with_suffix(".tmp")
             try:
                 with open(tmp, "wb") as f:
@@ -199,13 +222,13 @@ class DiskKVStore:
             self._wanted_now.clear()
 
     def prefetch(self, keys: list[int]) -> bool:
-        """Whether every block of ``keys`` is in memory for ``read``; starts reading those that are
-        not. The scheduler asks for its waiting requests in priority order each pass: to make room
-        within ``prefetch_bytes``, a call evicts prefetched blocks that no earlier call of the pass
-        asked for (least recently wanted first), and reads no more than fits (one request alone may
-        go over: it is the only one then). Only the step's thread calls it, and ``read`` takes what
-        it reported ready in the same step, so nothing reported ready goes before it is read."""
-        cap = self.prefetch_bytes // self.payload_bytes
+        """Whether every block of ``keys`` is in memory for ``load_into``; starts reading those that
+        are not. The scheduler asks for its waiting requests in priority order each pass: to make
+        room within ``prefetch_bytes``, a call evicts prefetched blocks that no earlier call of the
+        pass asked for (least recently wanted first), and reads no more than fits (one request alone
+        may go over: it is the only one then, its blocks beyond the slots in buffers of their own).
+        Only the step's thread calls it, and ``load_into`` takes what it reported ready in the same
+        step, so nothing reported ready goes before it is read."""
         with self._cv:
             self._wanted_now.update(keys)
             todo = [k for k in keys if k not in self._ready and k not in self._reading and k not in self._failed]
@@ -214,21 +237,34 @@ class DiskKVStore:
                     self._ready[k] = self._pending[k][0]
             todo = [k for k in todo if k not in self._ready]
             for k in [k for k in self._ready if k not in self._wanted_now]:
-                if len(self._ready) + len(self._reading) + len(todo) <= cap:
+                if len(self._ready) + len(self._reading) + len(todo) <= self._num_slots:
                     break
-                del self._ready[k]
+                self._drop_ready(k)
             for k in keys:
                 if k in self._ready:
                     self._ready.move_to_end(k)
             mine = set(keys)
             for k in todo:
                 held = len(self._ready) + len(self._reading)
-                if held + 1 > cap and not (set(self._ready) | self._reading) <= mine:
+                if held + 1 > self._num_slots and not (set(self._ready) | set(self._reading)) <= mine:
                     break  # the earlier requests' blocks fill the room: this one's turn comes later
-                self._reading.add(k)
+                if self._arena is None:
+                    self._arena = hugepages.empty((self._num_slots, *self.block_shape), dtype=self.dtype)
+                    self._free_slots = list(range(self._num_slots - 1, -1, -1))
+                slot = self._free_slots.pop() if self._free_slots else None
+                self._reading[k] = slot
                 self._reads.put(k)
                 self._ensure_worker("_reader", self._reads, self._read_op, "prefixkv-disk-reader")
             return all(k in self._ready for k in keys)
+
+    def _drop_ready(self, key: int) -> torch.Tensor | None:  # under the lock
+        """Take ``key`` out of the prefetched blocks (its slot back to the free ones; the caller must
+        be done with the tensor before the lock is next let go of if it was a slot)."""
+        block = self._ready.pop(key, None)
+        slot = self._slot_of.pop(key, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+        return block
 
     def take_failed(self) -> list[int]:
         """Keys whose file failed its check on a prefetch (deleted) or could not be written, since
@@ -251,80 +287,133 @@ class DiskKVStore:
                 self._cv.wait(timeout)
 
     def _read_op(self, key: int) -> None:
-        try:
-            block = self._read_file(key)
-        except DiskKVError:
-            block = None
-            self._path(key).unlink(missing_ok=True)
         with self._cv:
-            self._reading.discard(key)
-            if block is not None:
+            slot = self._reading[key]
+        block = self._arena[slot] if slot is not None else torch.empty(self.block_shape, dtype=self.dtype)
+        try:
+            ok = self._read_into(self._path(key), block) is not None
+        except OSError:
+            ok = False
+        with self._cv:
+            del self._reading[key]
+            if ok:
                 self._ready[key] = block
+                if slot is not None:
+                    self._slot_of[key] = slot
                 self.num_prefetched += 1
             else:
+                if slot is not None:
+                    self._free_slots.append(slot)
+                self._path(key).unlink(missing_ok=True)
                 self._failed.add(key)
                 self.num_discarded += 1
             self._cv.notify_all()
 
-    def read(self, key: int) -> torch.Tensor:
-        """The block's KV, [num_layers, 2, KVH, block_size, D]: prefetched, or from its queued copy,
-        else read now; DiskKVError if the file is not what was written."""
+    def load_into(self, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """``dst[:, :, i]`` = the KV of block ``key`` for each ``(key, i)``, where ``dst`` is
+        [num_layers, 2, blocks, KVH, block_size, D] (the KV cache, or a staging view of that
+        layout): prefetched blocks in one copy out of their slots (``cpu_ops.copy_kv_blocks`` on
+        the CPU), the others from their queued copy or read now. DiskKVError (before anything is
+        copied) if a file read now is not what was written."""
+        if not pairs:
+            return
+        taken, own = [], []
+        with self._cv:  # what is ready now stays (only this thread takes or evicts ready blocks)
+            for key, i in pairs:
+                slot = self._slot_of.get(key)
+                if slot is not None and key in self._ready:
+                    taken.append((key, slot, i))
+                else:
+                    block = self._ready.pop(key, None)
+                    if block is None and key in self._pending:
+                        block = self._pending[key][0]
+                    own.append((key, block, i))
+        own = [(key, block if block is not None else self._read_sync(key), i) for key, block, i in own]
+        if taken:
+            arena = self._arena.permute(1, 2, 0, *range(3, self._arena.dim()))
+            pairs_slots = [(slot, i) for _, slot, i in taken]
+            if not cpu_ops.copy_kv_blocks(arena, dst, pairs_slots):
+                s = torch.tensor([a for a, _ in pairs_slots], dtype=torch.int64)
+                d = torch.tensor([b for _, b in pairs_slots], dtype=torch.int64, device=dst.device)
+                dst.index_copy_(2, d, arena.index_select(2, s).to(dst.device))
+        for _, block, i in own:
+            dst[:, :, i] = block.to(dst.device)
         with self._cv:
-            block = self._ready.pop(key, None)
-            if block is None and key in self._pending:
+            for key, _, _ in taken:
+                self._drop_ready(key)
+        self.num_bytes_read += len(pairs) * self.payload_bytes
+
+    def read(self, key: int) -> torch.Tensor:
+        """The block's KV, [num_layers, 2, KVH, block_size, D], a tensor of the caller's own:
+        prefetched, or from its queued copy, else read now; DiskKVError if the file is not what
+        was written."""
+        with self._cv:
+            block = self._drop_ready(key)
+            if block is not None:
+                block = block.clone()
+            elif key in self._pending:
                 block = self._pending[key][0]
         if block is None:
-            block = self._read_file(key)
-            self.num_sync_reads += 1
+            block = self._read_sync(key)
         self.num_bytes_read += self.payload_bytes
         return block
 
-    def _read_file(self, key: int) -> torch.Tensor:
+    def _read_sync(self, key: int) -> torch.Tensor:
+        block = torch.empty(self.block_shape, dtype=self.dtype)
         try:
-            data = self._read_whole(self._path(key))
+            parsed = self._read_into(self._path(key), block)
         except OSError as e:
             raise DiskKVError(f"disk KV block {key:x}: {e}", key) from None
-        parsed = self._parse(data)
         if parsed is None or parsed[0] != key:
             raise DiskKVError(f"disk KV block {key:x}: the file is corrupt", key)
-        raw = torch.frombuffer(data, dtype=torch.uint8, offset=parsed[2], count=self.payload_bytes)
-        return raw.view(self.dtype).view(self.block_shape)
+        self.num_sync_reads += 1
+        return block
 
-    @staticmethod
-    def _read_whole(path: Path) -> bytearray:
-        """The file's bytes, read once into a buffer of their own (the block's tensor is a view of
-        it: no copy of the payload after the read; ~5x cheaper than bytes + slice + bytearray)."""
+    def _read_into(self, path: Path, block: torch.Tensor) -> tuple[int, tuple[int, ...]] | None:
+        """Read the file at ``path`` into ``block`` (contiguous, the payload's size) with one
+        ``readv``: the header and tokens into a buffer of their own, the payload straight into
+        ``block``. (block hash, tokens) if the file is whole and valid (magic, header, size,
+        checksum), else None (``block`` then holds anything). OSError if it cannot be read."""
+        n_head = len(MAGIC) + _HEADER.size + 8 * self.block_size
+        head = bytearray(n_head)
+        payload = block.view(torch.uint8).reshape(-1).numpy()
         with open(path, "rb", buffering=0) as f:
-            data = bytearray(os.fstat(f.fileno()).st_size)
-            n = f.readinto(data)
-        return data if n == len(data) else data[:n]
-
-    def _parse(self, data: bytes | bytearray) -> tuple[int, tuple[int, ...], int] | None:
-        """(block hash, tokens, offset of the payload) if ``data`` is a whole valid file, else None."""
-        n0 = len(MAGIC) + _HEADER.size
-        if len(data) < n0 or not data.startswith(MAGIC):
+            size = os.fstat(f.fileno()).st_size
+            if size != n_head + self.payload_bytes:
+                return None
+            n, views = 0, [memoryview(head), memoryview(payload)]
+            while views:  # (one readv reads a regular file whole unless a signal cuts it short)
+                got = os.readv(f.fileno(), views)
+                if not got:
+                    break
+                n += got
+                while views and got >= len(views[0]):
+                    got -= len(views.pop(0))
+                if views:
+                    views[0] = views[0][got:]
+        if n != size or not head.startswith(MAGIC):
             return None
-        key, ntok, nbytes, crc = _HEADER.unpack_from(data, len(MAGIC))
-        if ntok != self.block_size or nbytes != self.payload_bytes or len(data) != n0 + 8 * ntok + nbytes:
+        key, ntok, nbytes, crc = _HEADER.unpack_from(head, len(MAGIC))
+        if ntok != self.block_size or nbytes != self.payload_bytes or checksum(payload) != crc:
             return None
-        offset = n0 + 8 * ntok
-        if zlib.crc32(memoryview(data)[offset:]) != crc:
-            return None
-        tokens = tuple(np.frombuffer(data, dtype=np.int64, count=ntok, offset=n0).tolist())
-        return key, tokens, offset
+        tokens = tuple(np.frombuffer(head, dtype=np.int64, count=ntok, offset=n_head - 8 * ntok).tolist())
+        return key, tokens
 
     def scan(self) -> list[tuple[int, tuple[int, ...]]]:
         """(key, tokens) of every valid file, oldest first; invalid files and leftover temporary
         files are deleted."""
-        found = []
+        found, scratch = [], torch.empty(self.block_shape, dtype=self.dtype)
         for path in sorted(self.dir.iterdir(), key=lambda q: q.stat().st_mtime):
             if path.suffix == ".tmp":
                 path.unlink(missing_ok=True)
                 continue
-            parsed = self._parse(self._read_whole(path)) if path.suffix == ".kvb" else None
+            try:
+                parsed = self._read_into(path, scratch) if path.suffix == ".kvb" else None
+            except OSError:
+                parsed = None
             if parsed is None or path != self._path(parsed[0]):
                 path.unlink(missing_ok=True)
                 self.num_discarded += 1
                 continue
-            found.append((parsed[0], parsed[1]))
+            found.append(parsed)
         return found

@@ -265,8 +265,8 @@ class ModelRunner:
             self._swap_in_async(out)
         else:
             self._move_blocks(self.host_kv, self.kv_cache, out.swap_in)
-            for key, b in out.load:
-                self.kv_cache[:, :, b] = self.disk.read(key).to(self.device)
+            if out.load:
+                self.disk.load_into(self.kv_cache, out.load)
         for key in out.disk_drop:
             self.disk.delete(key)
 
@@ -295,8 +295,8 @@ class ModelRunner:
         k = len(out.swap_in)
         staged = self._staging(len(blocks), pin=True).permute(1, 2, 0, 3, 4, 5)
         self._move_blocks(self.host_kv, staged, [(h, i) for i, (h, _) in enumerate(out.swap_in)])
-        for i, (key, _) in enumerate(out.load):
-            staged[:, :, k + i] = self.disk.read(key)
+        if out.load:
+            self.disk.load_into(staged, [(key, k + i) for i, (key, _) in enumerate(out.load)])
         index = torch.tensor(blocks, dtype=torch.int64).pin_memory()
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
