@@ -203,6 +203,9 @@ def _same(a: list, b: list) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv  # (recorded in the JSON's command)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--conversations", type=int, default=12)
     p.add_argument("--turns", type=int, default=5)
