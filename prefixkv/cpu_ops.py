@@ -324,6 +324,17 @@ def copy_kv_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, 
     return True
 
 
+def move_kv_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """dst[:, :, d] = src[:, :, s] for each (s, d) of ``pairs`` (KV tensors [layers, 2, blocks,
+    *block]): ``copy_kv_blocks`` where both are CPU tensors it takes, else torch's indexing (across
+    devices too)."""
+    if not pairs or copy_kv_blocks(src, dst, pairs):
+        return
+    s = torch.tensor([a for a, _ in pairs], dtype=torch.int64, device=src.device)
+    d = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=dst.device)
+    dst.index_copy_(2, d, src.index_select(2, s).to(dst.device))
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     """float32 [R, N] (rows contiguous) -> int64 [R], each row's first largest index (first NaN if
     any), exactly torch.argmax(x, -1); None where the library is not built or x is not that."""

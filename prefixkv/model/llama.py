@@ -436,11 +436,12 @@ class LlamaModel(nn.Module):
         outs: list[torch.Tensor | None] = [None] * len(todo)
         if kind == "c":
             numels = [cpu_ops.gemm_packed_numel(m.out_features, m.in_features) for m in todo]
-            arena = hugepages.empty((sum(-(-n // 16) * 16 for n in numels) + 16,), dtype=torch.float32)
+            spans = [-(-n // 16) * 16 for n in numels]  # whole cache lines
+            arena = hugepages.empty((sum(spans) + 16,), dtype=torch.float32)
             start = (-(arena.data_ptr() // 4)) % 16  # to a 64-byte boundary
-            for i, n in enumerate(numels):
+            for i, (n, span) in enumerate(zip(numels, spans)):
                 outs[i] = arena[start:start + n]
-                start += -(-n // 16) * 16
+                start += span
         for m, out in zip(todo, outs):
             m.prepack(kind, out=out)
         self.packed_lm_head = head

@@ -244,9 +244,10 @@ class DiskKVStore:
                 if k in self._ready:
                     self._ready.move_to_end(k)
             mine = set(keys)
+            # (the loop below adds only this request's keys: whether others' are held is known now)
+            others_held = any(k not in mine for k in self._ready) or any(k not in mine for k in self._reading)
             for k in todo:
-                held = len(self._ready) + len(self._reading)
-                if held + 1 > self._num_slots and not (set(self._ready) | set(self._reading)) <= mine:
+                if len(self._ready) + len(self._reading) + 1 > self._num_slots and others_held:
                     break  # the earlier requests' blocks fill the room: this one's turn comes later
                 if self._arena is None:
                     self._arena = hugepages.empty((self._num_slots, *self.block_shape), dtype=self.dtype)
@@ -330,12 +331,8 @@ class DiskKVStore:
                     own.append((key, block, i))
         own = [(key, block if block is not None else self._read_sync(key), i) for key, block, i in own]
         if taken:
-            arena = self._arena.permute(1, 2, 0, *range(3, self._arena.dim()))
-            pairs_slots = [(slot, i) for _, slot, i in taken]
-            if not cpu_ops.copy_kv_blocks(arena, dst, pairs_slots):
-                s = torch.tensor([a for a, _ in pairs_slots], dtype=torch.int64)
-                d = torch.tensor([b for _, b in pairs_slots], dtype=torch.int64, device=dst.device)
-                dst.index_copy_(2, d, arena.index_select(2, s).to(dst.device))
+            cpu_ops.move_kv_blocks(self._arena.permute(1, 2, 0, *range(3, self._arena.dim())), dst,
+                                   [(slot, i) for _, slot, i in taken])
         for _, block, i in own:
             dst[:, :, i] = block.to(dst.device)
         with self._cv:

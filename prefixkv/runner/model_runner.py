@@ -256,29 +256,19 @@ class ModelRunner:
         back in are copied on the side stream (``_swap_in_async``)."""
         if out.spill:  # each block copied out of its slot now (the swap-outs below may reuse the slot)
             staged = self._staging(len(out.spill))
-            self._move_blocks(self.host_kv, staged.permute(1, 2, 0, *range(3, staged.dim())),
+            cpu_ops.move_kv_blocks(self.host_kv, staged.permute(1, 2, 0, *range(3, staged.dim())),
                               [(slot, i) for i, (slot, _, _) in enumerate(out.spill)])
             for i, (_, key, tokens) in enumerate(out.spill):
                 self.disk.write(key, tokens, staged[i], owned=True)
-        self._move_blocks(self.kv_cache, self.host_kv, out.swap_out)
+        cpu_ops.move_kv_blocks(self.kv_cache, self.host_kv, out.swap_out)
         if out.promote_async and self.copy_stream is not None and (out.swap_in or out.load):
             self._swap_in_async(out)
         else:
-            self._move_blocks(self.host_kv, self.kv_cache, out.swap_in)
+            cpu_ops.move_kv_blocks(self.host_kv, self.kv_cache, out.swap_in)
             if out.load:
                 self.disk.load_into(self.kv_cache, out.load)
         for key in out.disk_drop:
             self.disk.delete(key)
-
-    @staticmethod
-    def _move_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
-        """dst[:, :, d] = src[:, :, s] for each (s, d): the C copy where both are on the CPU (straight
-        between them, ``cpu_ops.copy_kv_blocks``), else torch's indexing (across devices too)."""
-        if not pairs or cpu_ops.copy_kv_blocks(src, dst, pairs):
-            return
-        s = torch.tensor([a for a, _ in pairs], dtype=torch.int64, device=src.device)
-        d = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=dst.device)
-        dst.index_copy_(2, d, src.index_select(2, s).to(dst.device))
 
     def _staging(self, n: int, pin: bool = False) -> torch.Tensor:
         """A host buffer for n blocks of every layer, [n, layers, 2, KVH, block_size, D]: a block a
@@ -294,7 +284,7 @@ class ModelRunner:
         blocks = [b for _, b in out.swap_in] + [b for _, b in out.load]
         k = len(out.swap_in)
         staged = self._staging(len(blocks), pin=True).permute(1, 2, 0, 3, 4, 5)
-        self._move_blocks(self.host_kv, staged, [(h, i) for i, (h, _) in enumerate(out.swap_in)])
+        cpu_ops.move_kv_blocks(self.host_kv, staged, [(h, i) for i, (h, _) in enumerate(out.swap_in)])
         if out.load:
             self.disk.load_into(staged, [(key, k + i) for i, (key, _) in enumerate(out.load)])
         index = torch.tensor(blocks, dtype=torch.int64).pin_memory()
