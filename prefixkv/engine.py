@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import logging
 import random
+import time
 from array import array
 from typing import Any, Sequence
 
@@ -28,6 +29,8 @@ from prefixkv.structured_outputs import GrammarCompiler
 from prefixkv.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+_DISK_WAIT_MAX_S = 0.1  # the most a scheduling pass waits for a request's disk reads (see _disk_prefetch)
 
 PromptType = str | Sequence[int]
 
@@ -128,6 +131,11 @@ class LLMEngine:
         # SamplingParams fields -> the model's defaults, for what a request leaves unset (server, LLM)
         self.default_sampling: dict[str, Any] = generation_config_defaults(gc_dir)
         self.check_integrity_each_step = False
+        self._last_forward_s = 0.0
+        self.disk_wait_max_s = _DISK_WAIT_MAX_S
+        self.disk_wait_left = 0.0  # seconds this scheduling pass may still wait for disk reads
+        self.disk_wait_s = 0.0  # waited so, in all
+        self.num_disk_waits_won = 0  # admissions whose reads ended within such a wait
         self.num_steps = 0
         self.num_aborted = 0  # requests aborted before they finished (client gone, timeout, shutdown)
         self.dead: BaseException | None = None  # set by a fatal step error (EngineFatalError)
@@ -150,16 +158,27 @@ class LLMEngine:
                         plan.num_groups, plan.layers_per_page, list(plan.windows))
         return plan
 
-    def _disk_prefetch(self, keys: list[int]) -> bool:
+    def _disk_prefetch(self, keys: list[int], wait: bool) -> bool:
         """The scheduler's hook: whether a waiting request's blocks from files are all in memory
-        (their reads start otherwise). A block going to its file in this very step is not read
-        yet (next step, from its copy). Files that failed their check are forgotten here, so the
-        request's match stops before them and it recomputes the rest."""
+        (their reads start otherwise). With ``wait`` (the pass would admit the request) it waits
+        for reads that the reader's pace says end within what is left of this pass's bound
+        (``disk_wait_left``): admitted now rather than a whole step later, at the cost of that
+        wait to the running requests (SGLang HiCache's "timeout" prefetch policy). A block going
+        to its file in this very step is not read yet (next step, from its copy). Files that
+        failed their check are forgotten here, so the request's match stops before them and it
+        recomputes the rest."""
         kv, store = self.scheduler.kv, self.runner.disk
         spilling = kv.spilling()
         if spilling and not spilling.isdisjoint(keys):
             return False
         ready = store.prefetch(keys)
+        if not ready and wait and self.disk_wait_left > 0:
+            t0 = time.perf_counter()
+            ready = store.wait_ready(keys, self.disk_wait_left)
+            waited = time.perf_counter() - t0
+            self.disk_wait_left -= waited
+            self.disk_wait_s += waited
+            self.num_disk_waits_won += ready
         self._forget_failed_disk_blocks()
         return ready
 
@@ -321,6 +340,11 @@ class LLMEngine:
         if self.runner.disk is not None:
             self._forget_failed_disk_blocks()  # (reads and writes the threads finished since)
             self.runner.disk.begin_pass()
+            # what this pass may wait for reads: with requests running, no longer than the last
+            # forward took (about the step a waiting request would otherwise lose), and never more
+            # than disk_wait_max_s
+            self.disk_wait_left = min(self.disk_wait_max_s, self._last_forward_s) if self.scheduler.running \
+                else self.disk_wait_max_s
         out = self.scheduler.schedule()
         touched: dict[str, RequestState] = {}
         for seq in out.out_of_memory:  # already finished by the scheduler
@@ -333,8 +357,10 @@ class LLMEngine:
                 self.runner.disk.wait_reads(0.05)  # waiting only for files: no busy loop
             return self._emit(touched)
         self.num_steps += 1
+        t0 = time.perf_counter()
         try:
             model_out = self.runner.execute(out)
+            self._last_forward_s = time.perf_counter() - t0
         except Exception as e:
             return self._failed_forward(out, e) + self._emit(touched)
         except BaseException:  # KeyboardInterrupt and the like: nothing of this step can be trusted
@@ -451,6 +477,8 @@ class LLMEngine:
             "disk_blocks_prefetched": self.runner.disk.num_prefetched if self.runner.disk is not None else 0,
             "disk_sync_reads": self.runner.disk.num_sync_reads if self.runner.disk is not None else 0,
             "disk_admission_waits": self.scheduler.num_disk_waits,
+            "disk_wait_admissions": self.num_disk_waits_won,
+            "disk_wait_s": round(self.disk_wait_s, 6),
             "deferred_promotions": self.scheduler.num_deferred_promotions,
             "async_promoted_blocks": self.runner.num_async_promoted_blocks,
             "num_preemptions": self.scheduler.num_preemptions,

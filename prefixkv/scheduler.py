@@ -108,8 +108,9 @@ class Scheduler:
         self._match_cache: dict[str, tuple[int, MatchResult]] = {}
         # the disk tier's prefetch (the engine sets it: DiskKVStore.prefetch behind it): given the keys
         # of a waiting request's blocks that come from files, whether all are in memory (else their
-        # reads start and the request waits, while the others are scheduled)
-        self.disk_prefetch: Callable[[list[int]], bool] | None = None
+        # reads start and the request waits, while the others are scheduled). With ``wait`` (a
+        # request this pass would admit) the engine may wait a bounded while for reads nearly done.
+        self.disk_prefetch: Callable[[list[int], bool], bool] | None = None
         self.num_disk_waits = 0  # admissions put off while a request's blocks were read from files
         # Promotions overlapped with compute (the engine sets it where the runner copies on a side
         # stream, i.e. CUDA): a request admitted with blocks from the host or disk tier, or matching
@@ -333,13 +334,14 @@ class Scheduler:
                 hit = self._match_cache.get(req.seq_id)
                 match = hit[1] if hit is not None and hit[0] == version else self.kv.match_prefix(req.token_ids,
                                                                                                   touch=False)
-                self._disk_ready(self.kv.match_host(req.token_ids, match))
+                self._disk_ready(self.kv.match_host(req.token_ids, match), wait=False)
 
-    def _disk_ready(self, host_keys: list[int]) -> bool:
+    def _disk_ready(self, host_keys: list[int], wait: bool) -> bool:
         """Whether the blocks of ``host_keys`` that come from files are all in memory (their reads
-        start otherwise); True without a disk tier or without such blocks."""
+        start otherwise; with ``wait`` the engine may wait a bounded while for them); True without a
+        disk tier or without such blocks."""
         disk_keys = self.kv.disk_keys(host_keys) if host_keys and self.disk_prefetch is not None else []
-        return not disk_keys or self.disk_prefetch(disk_keys)
+        return not disk_keys or self.disk_prefetch(disk_keys, wait)
 
     def _admit(self, budget: int, prefills: list[ScheduledRequest], deferred: list[Request]) -> int:
         if not self.waiting:
@@ -368,7 +370,7 @@ class Scheduler:
                 host_keys = self.kv.match_host(req.token_ids, match)
             else:
                 match, host_keys = MatchResult([], 0), []
-            if not self._disk_ready(host_keys):
+            if not self._disk_ready(host_keys, wait=True):
                 self.num_disk_waits += 1
                 continue  # its blocks are being read from files: it waits, the others go on
             cached = match.num_tokens + len(host_keys) * self.block_size

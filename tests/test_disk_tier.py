@@ -5,6 +5,8 @@ never read into attention), strict capacity."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from prefixkv import LLM, SamplingParams
@@ -511,3 +513,102 @@ def test_files_carry_the_crc32c_of_their_payload(tmp_path):
     path = d.dir / f"{6:016x}.kvb"
     path.write_bytes(b"PKVBLK1\n" + path.read_bytes()[8:])
     assert d.scan() == [] and d.num_discarded == 2
+
+
+def test_wait_ready_waits_only_for_reads_that_can_end_in_time(tmp_path):
+    """``wait_ready`` (the engine's bounded wait, HiCache's "timeout" policy): True once every
+    block is read; False without waiting for a block nobody is reading, for no time left, or when
+    the reader's pace says the reads ahead will not end in time."""
+    import threading
+
+    import torch
+
+    d = _store(tmp_path)
+    for k in range(3):
+        d.write(k, (k, 1, 2, 3), _block(float(k)))
+    d.flush()
+    e = _store(tmp_path)
+    assert [k for k, _ in e.scan()] == [0, 1, 2]
+    gate, real_read = threading.Event(), e._read_into
+
+    def gated(path, block):  # the reader holds every read until the gate opens
+        if threading.current_thread().name == "prefixkv-disk-reader":
+            assert gate.wait(30)
+        return real_read(path, block)
+
+    e._read_into = gated
+    waits, real_wait = [], e._cv.wait
+
+    def counted(timeout=None):
+        waits.append(timeout)
+        return real_wait(timeout)
+
+    e._cv.wait = counted
+    assert not e.prefetch([0, 1]) and e.reads_in_flight == 2
+    assert not e.wait_ready([0, 1], 0.0)
+    assert not e.wait_ready([0, 7], 30.0)  # 7 is not being read: no wait
+    e.read_s_per_block = 20.0  # two reads at that pace: 40 s, over the 30 left
+    assert not e.wait_ready([0, 1], 30.0)
+    assert waits == [] and e.reads_in_flight == 2
+    e.read_s_per_block = None
+    threading.Timer(0.05, gate.set).start()
+    assert e.wait_ready([0, 1], 30.0)
+    assert waits and e.num_prefetched == 2 and e.reads_in_flight == 0
+    assert e.read_s_per_block is not None and e.read_s_per_block > 0
+    out = torch.zeros(2, 2, 2, 1, 4, 3, dtype=torch.float64)
+    e.load_into(out, [(0, 0), (1, 1)])
+    assert torch.equal(out[:, :, 1], _block(1.0)) and e.num_sync_reads == 0
+
+
+def test_a_returning_request_is_admitted_in_the_pass_its_reads_end(tiny_llama, tmp_path, probe):
+    """After a restart, a returning conversation arrives while another request runs: the pass
+    waits (within its bound: the last forward's time) for its files and admits it in the same step,
+    its history cached, instead of putting it off a step. With no bound it waits a step as before.
+    Outputs exact either way."""
+    convs = _conversations(1)
+    other = [5 + (i * 7) % 90 for i in range(12)]
+    ref = None
+    for bound in (30.0, 0.0):
+        a = _llm(tiny_llama, tmp_path / str(bound), probe=probe)  # (each its own files)
+        turn1 = a.generate(convs, SP)
+        a.close()
+        turn2 = convs[0] + turn1[0].outputs[0].token_ids + [250]
+        ref = ref or hf_reference(tiny_llama, [turn2, other], max_tokens=6)
+        b = _llm(tiny_llama, tmp_path / str(bound), probe=probe)
+        eng = b.engine
+        eng.disk_wait_max_s = bound
+        real_execute = eng.runner.execute
+
+        def slow_first(out, _slow=[True]):  # "other"'s first forward takes a second: the bound
+            if _slow[0]:
+                _slow[0] = False
+                time.sleep(1.0)
+            return real_execute(out)
+
+        eng.runner.execute = slow_first
+        eng.add_request("other", other, SP)
+        done = {o.request_id: o for o in eng.step()}
+        eng.add_request("back", turn2, SP)
+        seen = []
+        real_schedule = eng.scheduler.schedule
+
+        def spy():
+            out = real_schedule()
+            seen.append([s.req.request_id for s in out.scheduled])
+            return out
+
+        eng.scheduler.schedule = spy
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+        st = eng.stats()
+        if bound:
+            assert "back" in seen[0] and st["disk_wait_admissions"] == 1 and st["disk_admission_waits"] == 0
+        else:
+            assert seen[0] == ["other"] and any("back" in ids for ids in seen[1:])  # (once its reads end)
+            assert st["disk_wait_admissions"] == 0 and st["disk_admission_waits"] >= 1 and st["disk_wait_s"] == 0
+        assert done["back"].num_cached_tokens >= len(turn2) - 8
+        assert [done["back"].outputs[0].token_ids, done["other"].outputs[0].token_ids] == ref
+        eng.check_integrity()
+        b.close()

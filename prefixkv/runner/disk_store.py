@@ -32,6 +32,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -121,6 +122,7 @@ class DiskKVStore:
         self._slot_of: dict[int, int] = {}  # ready keys in a slot
         self._failed: set[int] = set()  # keys whose file failed (read or write), not yet reported
         self._wanted_now: set[int] = set()  # asked for by this scheduling pass (``begin_pass``)
+        self.read_s_per_block: float | None = None  # the reader's recent pace (a moving average)
 
     def _path(self, key: int) -> Path:
         return self.dir / f"{key & 0xFFFFFFFFFFFFFFFF:016x}.kvb"
@@ -287,15 +289,42 @@ class DiskKVStore:
             if self._reading:
                 self._cv.wait(timeout)
 
+    def wait_ready(self, keys: list[int], timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every block of ``keys`` (all asked for by ``prefetch``)
+        to be read; whether they are. Gives up at once where a block is not being read (no room for
+        it, or its file failed) or where the reader's recent pace says the reads ahead of and
+        including these will not finish in time."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                missing = [k for k in keys if k not in self._ready]
+                if not missing:
+                    return True
+                if any(k not in self._reading for k in missing):
+                    return False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                if self.read_s_per_block is not None:
+                    wanted = set(missing)
+                    last = max(i for i, k in enumerate(self._reading) if k in wanted)  # (read in order)
+                    if (last + 1) * self.read_s_per_block > left:
+                        return False
+                self._cv.wait(left)
+
     def _read_op(self, key: int) -> None:
         with self._cv:
             slot = self._reading[key]
         block = self._arena[slot] if slot is not None else torch.empty(self.block_shape, dtype=self.dtype)
+        t0 = time.perf_counter()
         try:
             ok = self._read_into(self._path(key), block) is not None
         except OSError:
             ok = False
+        dt = time.perf_counter() - t0
         with self._cv:
+            pace = self.read_s_per_block
+            self.read_s_per_block = dt if pace is None else 0.8 * pace + 0.2 * dt
             del self._reading[key]
             if ok:
                 self._ready[key] = block
