@@ -99,6 +99,7 @@ class LLMEngine:
             if not num_disk_blocks:
                 raise ValueError(f"kv_disk_cache_gb: {config.cache.disk_cache_bytes} bytes hold no KV block "
                                  f"({disk.payload_bytes} bytes each)")
+            disk.make_buffer(num_disk_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_len, num_host_blocks,
                                    num_disk_blocks, self.kv_plan.windows)
         self.runner = ModelRunner(self.model, backend, num_blocks, bs, config.device, dtype, self.info.eos_token_ids,
@@ -163,7 +164,8 @@ class LLMEngine:
         (their reads start otherwise). With ``wait`` (the pass would admit the request) it waits
         for reads that the reader's pace says end within what is left of this pass's bound
         (``disk_wait_left``): admitted now rather than a whole step later, at the cost of that
-        wait to the running requests (SGLang HiCache's "timeout" prefetch policy). A block going
+        wait to the running requests (SGLang HiCache's "timeout" prefetch policy); with none
+        running, a wait costs nobody and it waits for them up to the bound. A block going
         to its file in this very step is not read yet (next step, from its copy). Files that
         failed their check are forgotten here, so the request's match stops before them and it
         recomputes the rest."""
@@ -174,7 +176,7 @@ class LLMEngine:
         ready = store.prefetch(keys)
         if not ready and wait and self.disk_wait_left > 0:
             t0 = time.perf_counter()
-            ready = store.wait_ready(keys, self.disk_wait_left)
+            ready = store.wait_ready(keys, self.disk_wait_left, by_pace=bool(self.scheduler.running))
             waited = time.perf_counter() - t0
             self.disk_wait_left -= waited
             self.disk_wait_s += waited
