@@ -114,7 +114,8 @@ def _run(llm, order: list[int], max_tokens: int, history: dict[int, list[dict]],
                 host_blocks_loaded=stats["host_blocks_loaded"], disk_blocks_used=stats["num_disk_blocks_used"],
                 disk_bytes_written=stats["disk_bytes_written"], disk_bytes_read=stats["disk_bytes_read"],
                 disk_blocks_prefetched=stats["disk_blocks_prefetched"], disk_sync_reads=stats["disk_sync_reads"],
-                disk_admission_waits=stats["disk_admission_waits"],
+                disk_admission_waits=stats["disk_admission_waits"], disk_wait_admissions=stats["disk_wait_admissions"],
+                disk_wait_s=stats["disk_wait_s"],
                 preemptions=stats["num_preemptions"], conversations_kv_tokens=sum(last_len.values()),
                 outputs=outputs, turns=[dict(conv=c, prompt=p, returning=r) for c, p, r in zip(order, prompts, returns)])
 
