@@ -13,13 +13,15 @@ eng = llm.engine
 sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 def wave(ctx, tag):
     hist = [[1 + (7 * i + 13 * s + 3 * tag) % 40000 for i in range(ctx)] for s in range(S)]
-    if ctx:
-        llm.generate([h for h in hist], sp, use_tqdm=False) if False else [eng.add_request(f"h{tag}-{s}", h, sp) for s, h in enumerate(hist)]
-        while eng.has_unfinished(): eng.step()
-    for s, h in enumerate(hist):
-        eng.add_request(f"w{tag}-{s}", h + [5 + (s * 11 + i) % 900 for i in range(Q)], sp)
-    t0 = time.perf_counter(); out = eng.scheduler  # the wave's one step
-    eng.step(); dt = time.perf_counter() - t0
+    for s, h in enumerate(hist if ctx else ()):  # the histories, cached
+        eng.add_request(f"h{tag}-{s}", h, sp)
+    while eng.has_unfinished():
+        eng.step()
+    for s, h in enumerate(hist):  # (new tokens of each wave its own: no cache hits among them)
+        eng.add_request(f"w{tag}-{s}", h + [5 + (s * 11 + i + 17 * tag) % 40000 for i in range(Q)], sp)
+    t0 = time.perf_counter()
+    eng.step()  # the wave's one step
+    dt = time.perf_counter() - t0
     while eng.has_unfinished(): eng.step()
     return dt
 for ctx in (900, 0):
