@@ -136,7 +136,7 @@ class LLMEngine:
         self.disk_wait_max_s = _DISK_WAIT_MAX_S
         self.disk_wait_left = 0.0  # seconds this scheduling pass may still wait for disk reads
         self.disk_wait_s = 0.0  # waited so, in all
-        self.num_disk_waits_won = 0  # admissions whose reads ended within such a wait
+        self.num_disk_waits_won = 0  # requests whose reads ended within such a wait (then admitted, blocks allowing)
         self.num_steps = 0
         self.num_aborted = 0  # requests aborted before they finished (client gone, timeout, shutdown)
         self.dead: BaseException | None = None  # set by a fatal step error (EngineFatalError)

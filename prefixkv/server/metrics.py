@@ -62,7 +62,8 @@ _ENGINE_METRICS = (
     ("disk_admission_waits", "prefixkv_kv_disk_admission_waits",
      "Times a waiting request's admission was put off while its blocks were read from disk.", "counter"),
     ("disk_wait_admissions", "prefixkv_kv_disk_wait_admissions",
-     "Requests admitted in the same step after a bounded wait for their disk reads.", "counter"),
+     "Waiting requests whose disk reads ended within a scheduling pass's bounded wait (admitted in that step "
+     "unless KV blocks ran short).", "counter"),
     ("disk_wait_s", "prefixkv_kv_disk_wait_seconds",
      "Seconds scheduling passes waited (within their bound) for disk reads.", "counter"),
     ("deferred_promotions", "prefixkv_kv_deferred_promotions",
