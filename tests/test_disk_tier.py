@@ -612,3 +612,23 @@ def test_a_returning_request_is_admitted_in_the_pass_its_reads_end(tiny_llama, t
         assert [done["back"].outputs[0].token_ids, done["other"].outputs[0].token_ids] == ref
         eng.check_integrity()
         b.close()
+
+
+def test_the_engine_makes_the_prefetch_buffer_at_start(tiny_llama, tmp_path, probe):
+    """The prefetch buffer exists (its pages touched) before the first read, with no more slots
+    than the disk tier holds; a store made without the engine still makes it at its first read."""
+    llm = _llm(tiny_llama, tmp_path, probe=probe, disk_blocks=40)
+    d = llm.engine.runner.disk
+    num_disk_blocks = llm.engine.scheduler.kv.disk.num_blocks
+    assert d._arena is not None and d.num_prefetched == 0
+    assert d._num_slots == min(d.prefetch_bytes // d.payload_bytes, num_disk_blocks) == 40
+    assert d._arena.shape == (40, *d.block_shape) and sorted(d._free_slots) == list(range(40))
+    llm.close()
+    e = _store(tmp_path / "alone", prefetch_bytes=1024)  # blocks of 384 bytes: 2 slots
+    assert e._arena is None
+    e.write(1, (1, 2, 3, 4), _block(1.0))
+    e.flush()
+    f = _store(tmp_path / "alone", prefetch_bytes=1024)
+    assert [k for k, _ in f.scan()] == [1]
+    _wait_ready(f, [1])
+    assert f._arena.shape == (2, *f.block_shape) and f.num_prefetched == 1
