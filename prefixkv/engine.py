@@ -164,8 +164,8 @@ class LLMEngine:
         (their reads start otherwise). With ``wait`` (the pass would admit the request) it waits
         for reads that the reader's pace says end within what is left of this pass's bound
         (``disk_wait_left``): admitted now rather than a whole step later, at the cost of that
-        wait to the running requests (SGLang HiCache's "timeout" prefetch policy); with none
-        running, a wait costs nobody and it waits for them up to the bound. A block going
+        wait to the running requests and to those after it in the queue (SGLang HiCache's
+        "timeout" prefetch policy). A block going
         to its file in this very step is not read yet (next step, from its copy). Files that
         failed their check are forgotten here, so the request's match stops before them and it
         recomputes the rest."""
@@ -176,7 +176,7 @@ class LLMEngine:
         ready = store.prefetch(keys)
         if not ready and wait and self.disk_wait_left > 0:
             t0 = time.perf_counter()
-            ready = store.wait_ready(keys, self.disk_wait_left, by_pace=bool(self.scheduler.running))
+            ready = store.wait_ready(keys, self.disk_wait_left)
             waited = time.perf_counter() - t0
             self.disk_wait_left -= waited
             self.disk_wait_s += waited
@@ -362,7 +362,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         try:
             model_out = self.runner.execute(out)
-            self._last_forward_s = time.perf_counter() - t0
+            if out.scheduled:  # (not a step of copies only)
+                self._last_forward_s = time.perf_counter() - t0
         except Exception as e:
             return self._failed_forward(out, e) + self._emit(touched)
         except BaseException:  # KeyboardInterrupt and the like: nothing of this step can be trusted

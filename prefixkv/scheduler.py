@@ -370,13 +370,16 @@ class Scheduler:
                 host_keys = self.kv.match_host(req.token_ids, match)
             else:
                 match, host_keys = MatchResult([], 0), []
-            if not self._disk_ready(host_keys, wait=True):
-                self.num_disk_waits += 1
-                continue  # its blocks are being read from files: it waits, the others go on
             cached = match.num_tokens + len(host_keys) * self.block_size
             defer = self.defer_promotions and bool(host_keys or not self._promoting.isdisjoint(match.block_ids))
             num_new = 0 if defer else req.num_tokens - cached
-            if num_new > budget and not self.config.enable_chunked_prefill and (self.running or admitted):
+            fits = num_new <= budget or self.config.enable_chunked_prefill or not (self.running or admitted)
+            # its blocks from files: read, or (if it would be admitted now) read within the engine's
+            # bounded wait; else it waits, the others go on
+            if not self._disk_ready(host_keys, wait=False) and not (fits and self._disk_ready(host_keys, wait=True)):
+                self.num_disk_waits += 1
+                continue
+            if not fits:
                 rest = pos + 1
                 break
             num_new = min(num_new, budget)

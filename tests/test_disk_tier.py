@@ -549,9 +549,10 @@ def test_wait_ready_waits_only_for_reads_that_can_end_in_time(tmp_path):
     assert not e.wait_ready([0, 7], 30.0)  # 7 is not being read: no wait
     e.read_s_per_block = 20.0  # two reads at that pace: 40 s, over the 30 left
     assert not e.wait_ready([0, 1], 30.0)
+    assert not e.wait_ready([1], 30.0)  # one block, but read after 0: 40 s too
     assert waits == [] and e.reads_in_flight == 2
     e.read_s_per_block = None
-    threading.Timer(0.05, gate.set).start()
+    threading.Timer(0.5, gate.set).start()
     assert e.wait_ready([0, 1], 30.0)
     assert waits and e.num_prefetched == 2 and e.reads_in_flight == 0
     assert e.read_s_per_block is not None and e.read_s_per_block > 0
@@ -632,3 +633,56 @@ def test_the_engine_makes_the_prefetch_buffer_at_start(tiny_llama, tmp_path, pro
     assert [k for k, _ in f.scan()] == [1]
     _wait_ready(f, [1])
     assert f._arena.shape == (2, *f.block_shape) and f.num_prefetched == 1
+
+
+def test_a_pass_waits_no_longer_than_the_last_forward_took(tiny_llama, tmp_path, probe):
+    """With requests running, a pass's wait for reads is bounded by the last forward's time (here
+    a forward slowed to 1 s under a 30 s cap): reads held back, the pass gives up after ~1 s and the
+    request waits; once its reads end it is admitted, outputs exact."""
+    import threading
+
+    convs = _conversations(1)
+    a = _llm(tiny_llama, tmp_path, probe=probe)
+    turn1 = a.generate(convs, SP)
+    a.close()
+    turn2 = convs[0] + turn1[0].outputs[0].token_ids + [250]
+    other = [5 + (i * 7) % 90 for i in range(12)]
+    b = _llm(tiny_llama, tmp_path, probe=probe)
+    eng, d = b.engine, b.engine.runner.disk
+    eng.disk_wait_max_s = 30.0
+    gate, real_read = threading.Event(), d._read_into
+
+    def gated(path, block):
+        if threading.current_thread().name == "prefixkv-disk-reader":
+            assert gate.wait(60)
+        return real_read(path, block)
+
+    d._read_into = gated
+    real_execute = eng.runner.execute
+
+    def slow_first(out, _slow=[True]):
+        if _slow[0]:
+            _slow[0] = False
+            time.sleep(1.0)
+        return real_execute(out)
+
+    eng.runner.execute = slow_first
+    eng.add_request("other", other, SP)
+    done = {o.request_id: o for o in eng.step()}
+    assert eng._last_forward_s >= 1.0
+    eng.add_request("back", turn2, SP)
+    for o in eng.step():  # waits ~1 s (the last forward), not 30, then goes on without "back"
+        done[o.request_id] = o
+    st = eng.stats()
+    assert 0.9 <= st["disk_wait_s"] < 10 and st["disk_wait_admissions"] == 0 and st["disk_admission_waits"] == 1
+    assert [r.request_id for r in eng.scheduler.waiting] == ["back"]
+    gate.set()
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert done["back"].num_cached_tokens >= len(turn2) - 8
+    assert [done["back"].outputs[0].token_ids, done["other"].outputs[0].token_ids] == hf_reference(
+        tiny_llama, [turn2, other], max_tokens=6)
+    eng.check_integrity()
+    b.close()

@@ -263,15 +263,17 @@ class DiskKVStore:
         and touch each of its pages, so that the first reads after a start (a restart's returning
         conversations) do not pay for faulting in fresh huge pages (~0.7 s for 512 MB here)."""
         with self._cv:
-            self._make_buffer(max_blocks)
+            if self._arena is None:
+                self._make_buffer(max_blocks)
+                self._arena.view(-1).view(torch.uint8)[::4096].zero_()  # (every page faulted in now)
 
     def _make_buffer(self, max_blocks: int | None = None) -> None:  # under the lock
+        """(Its pages are faulted in by the reads that first use them, on the reader thread.)"""
         if self._arena is not None:
             return
         if max_blocks is not None:
             self._num_slots = max(1, min(self._num_slots, max_blocks))
         self._arena = hugepages.empty((self._num_slots, *self.block_shape), dtype=self.dtype)
-        self._arena.view(-1).view(torch.uint8)[::4096].zero_()  # (every page faulted in now)
         self._free_slots = list(range(self._num_slots - 1, -1, -1))
 
     def _drop_ready(self, key: int) -> torch.Tensor | None:  # under the lock
@@ -303,11 +305,11 @@ class DiskKVStore:
             if self._reading:
                 self._cv.wait(timeout)
 
-    def wait_ready(self, keys: list[int], timeout: float, by_pace: bool = True) -> bool:
+    def wait_ready(self, keys: list[int], timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for every block of ``keys`` (all asked for by ``prefetch``)
         to be read; whether they are. Gives up at once where a block is not being read (no room for
-        it, or its file failed) or, ``by_pace``, where the reader's recent pace says the reads ahead
-        of and including these will not finish in time."""
+        it, or its file failed) or where the reader's recent pace says the reads ahead of and
+        including these will not finish in time."""
         deadline = time.monotonic() + timeout
         with self._cv:
             while True:
@@ -319,7 +321,7 @@ class DiskKVStore:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                if by_pace and self.read_s_per_block is not None:
+                if self.read_s_per_block is not None:
                     wanted = set(missing)
                     last = max(i for i, k in enumerate(self._reading) if k in wanted)  # (read in order)
                     if (last + 1) * self.read_s_per_block > left:
@@ -333,12 +335,13 @@ class DiskKVStore:
         t0 = time.perf_counter()
         try:
             ok = self._read_into(self._path(key), block) is not None
-        except OSError:
+        except Exception:  # (anything: the file is discarded and its blocks recomputed; the thread goes on)
             ok = False
         dt = time.perf_counter() - t0
         with self._cv:
-            pace = self.read_s_per_block
-            self.read_s_per_block = dt if pace is None else 0.8 * pace + 0.2 * dt
+            if ok:  # the pace of reads that read a whole block
+                pace = self.read_s_per_block
+                self.read_s_per_block = dt if pace is None else 0.8 * pace + 0.2 * dt
             del self._reading[key]
             if ok:
                 self._ready[key] = block
