@@ -165,10 +165,9 @@ class LLMEngine:
         for reads that the reader's pace says end within what is left of this pass's bound
         (``disk_wait_left``): admitted now rather than a whole step later, at the cost of that
         wait to the running requests and to those after it in the queue (SGLang HiCache's
-        "timeout" prefetch policy). A block going
-        to its file in this very step is not read yet (next step, from its copy). Files that
-        failed their check are forgotten here, so the request's match stops before them and it
-        recomputes the rest."""
+        "timeout" prefetch policy). A block going to its file in this very step is not read yet
+        (next step, from its copy). Files that failed their check are forgotten here, so the
+        request's match stops before them and it recomputes the rest."""
         kv, store = self.scheduler.kv, self.runner.disk
         spilling = kv.spilling()
         if spilling and not spilling.isdisjoint(keys):
