@@ -17,7 +17,8 @@ host slot can be reused at once) and queues the file for a writer thread; the st
 while more than ``write_queue_bytes`` of copies are queued. Reads are prefetched: the scheduler
 calls ``prefetch`` for a waiting request whose prefix continues on disk, a reader thread reads and
 checks the files into slots of one buffer (the payload straight from the file into its slot), and
-the request is admitted once all of them are in (it waits, the other requests go on);
+the request is admitted once all of them are in (it waits, the other requests go on; a pass that
+would admit it may wait for reads about to end, ``wait_ready``, within the engine's bound);
 ``load_into`` in the step then copies the blocks out of their slots in one call. A block whose file
 is still queued is read from its copy. A file that fails its check while prefetched is reported
 by ``take_failed`` and the request recomputes from there. Both threads start on demand and end
