@@ -376,7 +376,7 @@ class Scheduler:
             fits = num_new <= budget or self.config.enable_chunked_prefill or not (self.running or admitted)
             # its blocks from files: read, or (if it would be admitted now) read within the engine's
             # bounded wait; else it waits, the others go on
-            if not self._disk_ready(host_keys, wait=False) and not (fits and self._disk_ready(host_keys, wait=True)):
+            if not self._disk_ready(host_keys, wait=fits):
                 self.num_disk_waits += 1
                 continue
             if not fits:

@@ -5,6 +5,7 @@ never read into attention), strict capacity."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -282,8 +283,6 @@ def test_writes_are_queued_copies_read_back_before_and_after_the_file(tmp_path):
 def test_the_write_queue_is_bounded(tmp_path, monkeypatch):
     """With room for one queued block, the next write waits until the writer thread has written the
     first: the step never holds more than ``write_queue_bytes`` of copies."""
-    import threading
-
     d = _store(tmp_path, write_queue_bytes=1)
     gate = threading.Event()
     real = d._path
@@ -352,14 +351,50 @@ def test_prefetch_reads_in_the_background_and_keeps_what_it_reported(tmp_path):
     assert e.take_failed() == []
 
 
+OTHER = [5 + (i * 7) % 90 for i in range(12)]  # a prompt that shares no block with the conversation
+
+
+def _a_second_turn(model, disk_dir, probe) -> list[int]:
+    """A conversation's first turn served with the disk tier in ``disk_dir``, the engine closed (its
+    blocks in files, as before a restart): the token ids of the conversation's second turn."""
+    convs = _conversations(1)
+    a = _llm(model, disk_dir, probe=probe)
+    turn1 = a.generate(convs, SP)
+    a.close()
+    return convs[0] + turn1[0].outputs[0].token_ids + [250]
+
+
+def _hold_reads(store, seconds: float = 60.0) -> threading.Event:
+    """The store's reader thread holds every read until the returned event is set."""
+    gate, real_read = threading.Event(), store._read_into
+
+    def gated(path, block):
+        if threading.current_thread().name == "prefixkv-disk-reader":
+            assert gate.wait(seconds)
+        return real_read(path, block)
+
+    store._read_into = gated
+    return gate
+
+
+def _slow_first_forward(eng, seconds: float = 1.0) -> None:
+    """The engine's next forward takes ``seconds`` longer (the bound of the pass after it)."""
+    real_execute, slow = eng.runner.execute, [True]
+
+    def execute(out):
+        if slow[0]:
+            slow[0] = False
+            time.sleep(seconds)
+        return real_execute(out)
+
+    eng.runner.execute = execute
+
+
 def test_a_request_waits_for_its_files_and_the_others_go_on(tiny_llama, tmp_path, probe):
     """After a restart the conversation's blocks are on disk. While their reads are held back, a
     second request is scheduled step after step and the first waits (its blocks are not read in
     the step); once they are in, it is admitted with them cached. Both outputs exact."""
-    convs = _conversations(1)
-    a = _llm(tiny_llama, tmp_path, probe=probe)
-    turn1 = a.generate(convs, SP)
-    a.close()
+    turn2 = _a_second_turn(tiny_llama, tmp_path, probe)
     b = _llm(tiny_llama, tmp_path, probe=probe)
     d, eng = b.engine.runner.disk, b.engine
     real, calls = d.prefetch, []
@@ -370,8 +405,7 @@ def test_a_request_waits_for_its_files_and_the_others_go_on(tiny_llama, tmp_path
         return False if hold[0] else real(keys)
 
     d.prefetch = held
-    turn2 = convs[0] + turn1[0].outputs[0].token_ids + [250]
-    other = [5 + (i * 7) % 90 for i in range(12)]
+    other = OTHER
     eng.add_request("back", turn2, SP)
     eng.add_request("other", other, SP)
     done = {}
@@ -397,14 +431,10 @@ def test_the_reads_of_a_request_that_must_wait_for_a_seat_start_early(tiny_llama
     """One seat: while the first request runs, the next one (a returning conversation, its blocks
     on disk) cannot be admitted, but its files are read meanwhile; it is then admitted at once
     with them cached, no step reading a file."""
-    convs = _conversations(1)
-    a = _llm(tiny_llama, tmp_path, probe=probe)
-    turn1 = a.generate(convs, SP)
-    a.close()
+    turn2 = _a_second_turn(tiny_llama, tmp_path, probe)
     b = _llm(tiny_llama, tmp_path, probe=probe, max_num_seqs=1)
     d, eng = b.engine.runner.disk, b.engine
-    turn2 = convs[0] + turn1[0].outputs[0].token_ids + [250]
-    other = [5 + (i * 7) % 90 for i in range(12)]
+    other = OTHER
     eng.add_request("other", other, SP)
     eng.add_request("back", turn2, SP)
     done = {}
@@ -442,8 +472,6 @@ def test_load_into_copies_slots_queued_copies_and_unread_files_into_the_cache_la
     buffer (one copy; the slots free again after), a block whose file is still queued from its
     copy, a block nobody prefetched read now; each lands at its index of a [layers, 2, blocks, ...]
     tensor, equal to what was written, nothing else touched."""
-    import threading
-
     import torch
 
     d = _store(tmp_path)
@@ -519,8 +547,6 @@ def test_wait_ready_waits_only_for_reads_that_can_end_in_time(tmp_path):
     """``wait_ready`` (the engine's bounded wait, HiCache's "timeout" policy): True once every
     block is read; False without waiting for a block nobody is reading, for no time left, or when
     the reader's pace says the reads ahead will not end in time."""
-    import threading
-
     import torch
 
     d = _store(tmp_path)
@@ -529,14 +555,7 @@ def test_wait_ready_waits_only_for_reads_that_can_end_in_time(tmp_path):
     d.flush()
     e = _store(tmp_path)
     assert [k for k, _ in e.scan()] == [0, 1, 2]
-    gate, real_read = threading.Event(), e._read_into
-
-    def gated(path, block):  # the reader holds every read until the gate opens
-        if threading.current_thread().name == "prefixkv-disk-reader":
-            assert gate.wait(30)
-        return real_read(path, block)
-
-    e._read_into = gated
+    gate = _hold_reads(e, 30.0)
     waits, real_wait = [], e._cv.wait
 
     def counted(timeout=None):
@@ -566,27 +585,15 @@ def test_a_returning_request_is_admitted_in_the_pass_its_reads_end(tiny_llama, t
     waits (within its bound: the last forward's time) for its files and admits it in the same step,
     its history cached, instead of putting it off a step. With no bound it waits a step as before.
     Outputs exact either way."""
-    convs = _conversations(1)
-    other = [5 + (i * 7) % 90 for i in range(12)]
+    other = OTHER
     ref = None
     for bound in (30.0, 0.0):
-        a = _llm(tiny_llama, tmp_path / str(bound), probe=probe)  # (each its own files)
-        turn1 = a.generate(convs, SP)
-        a.close()
-        turn2 = convs[0] + turn1[0].outputs[0].token_ids + [250]
+        turn2 = _a_second_turn(tiny_llama, tmp_path / str(bound), probe)  # (each its own files)
         ref = ref or hf_reference(tiny_llama, [turn2, other], max_tokens=6)
         b = _llm(tiny_llama, tmp_path / str(bound), probe=probe)
         eng = b.engine
         eng.disk_wait_max_s = bound
-        real_execute = eng.runner.execute
-
-        def slow_first(out, _slow=[True]):  # "other"'s first forward takes a second: the bound
-            if _slow[0]:
-                _slow[0] = False
-                time.sleep(1.0)
-            return real_execute(out)
-
-        eng.runner.execute = slow_first
+        _slow_first_forward(eng)  # "other"'s first forward takes a second: the bound
         eng.add_request("other", other, SP)
         done = {o.request_id: o for o in eng.step()}
         eng.add_request("back", turn2, SP)
@@ -639,34 +646,12 @@ def test_a_pass_waits_no_longer_than_the_last_forward_took(tiny_llama, tmp_path,
     """With requests running, a pass's wait for reads is bounded by the last forward's time (here
     a forward slowed to 1 s under a 30 s cap): reads held back, the pass gives up after ~1 s and the
     request waits; once its reads end it is admitted, outputs exact."""
-    import threading
-
-    convs = _conversations(1)
-    a = _llm(tiny_llama, tmp_path, probe=probe)
-    turn1 = a.generate(convs, SP)
-    a.close()
-    turn2 = convs[0] + turn1[0].outputs[0].token_ids + [250]
-    other = [5 + (i * 7) % 90 for i in range(12)]
+    turn2, other = _a_second_turn(tiny_llama, tmp_path, probe), OTHER
     b = _llm(tiny_llama, tmp_path, probe=probe)
-    eng, d = b.engine, b.engine.runner.disk
+    eng = b.engine
     eng.disk_wait_max_s = 30.0
-    gate, real_read = threading.Event(), d._read_into
-
-    def gated(path, block):
-        if threading.current_thread().name == "prefixkv-disk-reader":
-            assert gate.wait(60)
-        return real_read(path, block)
-
-    d._read_into = gated
-    real_execute = eng.runner.execute
-
-    def slow_first(out, _slow=[True]):
-        if _slow[0]:
-            _slow[0] = False
-            time.sleep(1.0)
-        return real_execute(out)
-
-    eng.runner.execute = slow_first
+    gate = _hold_reads(eng.runner.disk)
+    _slow_first_forward(eng)
     eng.add_request("other", other, SP)
     done = {o.request_id: o for o in eng.step()}
     assert eng._last_forward_s >= 1.0

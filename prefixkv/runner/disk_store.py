@@ -249,10 +249,11 @@ class DiskKVStore:
             mine = set(keys)
             # (the loop below adds only this request's keys: whether others' are held is known now)
             others_held = any(k not in mine for k in self._ready) or any(k not in mine for k in self._reading)
+            if todo:
+                self._make_buffer()
             for k in todo:
                 if len(self._ready) + len(self._reading) + 1 > self._num_slots and others_held:
                     break  # the earlier requests' blocks fill the room: this one's turn comes later
-                self._make_buffer()
                 slot = self._free_slots.pop() if self._free_slots else None
                 self._reading[k] = slot
                 self._reads.put(k)

@@ -257,7 +257,7 @@ class ModelRunner:
         if out.spill:  # each block copied out of its slot now (the swap-outs below may reuse the slot)
             staged = self._staging(len(out.spill))
             cpu_ops.move_kv_blocks(self.host_kv, staged.permute(1, 2, 0, *range(3, staged.dim())),
-                              [(slot, i) for i, (slot, _, _) in enumerate(out.spill)])
+                                   [(slot, i) for i, (slot, _, _) in enumerate(out.spill)])
             for i, (_, key, tokens) in enumerate(out.spill):
                 self.disk.write(key, tokens, staged[i], owned=True)
         cpu_ops.move_kv_blocks(self.kv_cache, self.host_kv, out.swap_out)

@@ -1,4 +1,4 @@
-"""(eighteenth session) PYTHONPATH=. .venv/bin/python bench/results/cpu-2026-12-04-zen4-18th/restart_split.py [BASE_DIR]
+"""(eighteenth session; the nineteenth added WAIT=seconds, the engine's disk_wait_max_s, and MNBT=, its max_num_batched_tokens; MODE=recompute runs without tiers) PYTHONPATH=. .venv/bin/python bench/results/cpu-2026-12-04-zen4-18th/restart_split.py [BASE_DIR]
 bench.tiers' restart (40x4, 480 device blocks, 0.2 GiB host above 3 GiB disk, 8 at once), taken apart:
 each last turn's time from add to admission (waiting for its disk reads), the step that prefills it,
 and the time the steps spend reading files into the device pool. The 'before' turns are served once
@@ -17,7 +17,7 @@ before = [c for i, c in enumerate(order) if i != last[c]]
 after = [c for i, c in enumerate(order) if i == last[c]]
 
 def make(d):
-    kw = dict(model=None, dtype="float32", num_kv_blocks=blocks, max_num_batched_tokens=512, max_num_seqs=16)
+    kw = dict(model=None, dtype="float32", num_kv_blocks=blocks, max_num_batched_tokens=int(os.environ.get("MNBT", 512)), max_num_seqs=16)
     if d:
         kw.update(kv_host_cache_gb=0.2, kv_disk_cache_dir=d, kv_disk_cache_gb=3.0)
     llm = LLM(**kw); llm.generate(["warm up"], None)
@@ -38,6 +38,7 @@ os.system(f"cat {run}/*/* > /dev/null")  # page cache warm, as after the first r
 mode = os.environ.get("MODE", "disk")
 llm = make(run if mode == "disk" else None)
 eng = llm.engine; sched = eng.scheduler
+if "WAIT" in os.environ: eng.disk_wait_max_s = float(os.environ["WAIT"])
 log = []; cur = {}
 real_sched, real_step, real_swap = sched.schedule, eng.step, eng.runner.swap
 def spy_sched():

@@ -8,7 +8,7 @@ orig = disk_store.DiskKVStore._read_op
 def timed(self, key):
     t0 = time.perf_counter(); orig(self, key); R.append((t0, time.perf_counter() - t0))
 disk_store.DiskKVStore._read_op = timed
-g = runpy.run_path("bench/results/cpu-2026-12-04-zen4-19th/restart_split.py", run_name="__main__")
+g = runpy.run_path("bench/results/cpu-2026-12-04-zen4-18th/restart_split.py", run_name="__main__")
 d = [x[1] for x in R]
 print("reads", len(d), "per read ms p50", round(statistics.median(d)*1e3, 2), "p90", round(sorted(d)[int(.9*len(d))]*1e3, 2), "total s", round(sum(d), 2))
 # reads grouped into bursts separated by >50ms gaps
