@@ -232,10 +232,17 @@ def test_api_key_cannot_be_bypassed(keyed_server):
 
 
 def _wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> None:
+    """Until nothing runs or waits and the statistics (a snapshot of the engine thread's last step)
+    stay the same over 0.2 s: a request whose client left may still be admitted, then aborted."""
     deadline = time.monotonic() + timeout
-    while engine.stats()["num_running"] or engine.stats()["num_waiting"] or engine.stats()["num_kv_blocks_used"]:
-        assert time.monotonic() < deadline, engine.stats()
-        time.sleep(0.02)
+    last = None
+    while True:
+        st = engine.stats()
+        if not (st["num_running"] or st["num_waiting"] or st["num_kv_blocks_used"]) and st == last:
+            return
+        assert time.monotonic() < deadline, st
+        last = st
+        time.sleep(0.2)
 
 
 def test_open_routes_do_not_leak_the_key(keyed_server):
