@@ -55,6 +55,48 @@ def test_decode_kernel_rows_do_not_depend_on_the_batch():
     assert torch.equal(out, full[rev])
 
 
+GROUP_SPECS = [(140, 20), (145, 5), (250, 10), (40, 40), (135, 9), (1, 1), (300, 3)]  # (seq_len, query tokens)
+
+
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 2)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (130, None), (None, 2.0), (17, 30.0)])
+def test_decode_rows_of_one_sequence_are_the_bits_of_each_row_alone(head_dim, group, window, softcap):
+    """Prefill tokens as decode rows (the batch-invariant mode's ``token_rows``): the kernel takes
+    consecutive rows of one block table in groups that share the chunks' K/V reads; every row is
+    still bitwise the row decoded alone (and close to the float64 reference). Contexts cross the
+    128-key chunks and the windows' starts, groups start mid-run, and the second sequence continues
+    the first in its blocks (as a prefix-cache hit does), so one group holds rows of both."""
+    b = make_batch(torch.float32, head_dim, 16, 2, group, GROUP_SPECS, seed=11)
+    b["block_tables"][1, :9] = b["block_tables"][0, :9]  # positions 0 .. 143 (the first's 0 .. 139)
+    b["block_tables"] = b["block_tables"].contiguous()
+    gen = torch.Generator().manual_seed(5)
+    b["cache"][:, b["block_tables"][0, 8], :, 12:] = torch.randn(b["cache"][:, 0, :, 12:].shape, generator=gen)
+    tables, lens, starts = [], [], b["query_start_loc"].tolist()
+    for s, (seq_len, qlen) in enumerate(GROUP_SPECS):
+        for i in range(qlen):
+            tables.append(b["block_tables"][s])
+            lens.append(seq_len - qlen + i + 1)
+    tables, lens = torch.stack(tables).contiguous(), torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    if window is not None:
+        others = [0] + list(range(2, len(GROUP_SPECS)))  # the second's blocks are the first's, then its own
+        _nan_before_windows(dict(cache=b["cache"], block_tables=b["block_tables"][others]),
+                            [GROUP_SPECS[s] for s in others], window, 16)
+    q = b["q"] * 4
+    rows = cpu_ops.paged_decode_attention(q, b["cache"], tables, lens, scale, window=window, softcap=softcap)
+    assert not rows.isnan().any()
+    for t in range(len(lens)):
+        alone = cpu_ops.paged_decode_attention(q[t:t + 1], b["cache"], tables[t:t + 1], lens[t:t + 1], scale,
+                                               window=window, softcap=softcap)
+        assert torch.equal(alone, rows[t:t + 1]), t
+    shifted = cpu_ops.paged_decode_attention(q[3:], b["cache"], tables[3:], lens[3:], scale, window=window,
+                                             softcap=softcap)  # other group boundaries
+    assert torch.equal(shifted, rows[3:])
+    ref = reference_attention(q, b["cache"].nan_to_num(), b["block_tables"], b["seq_lens"], b["query_start_loc"],
+                              scale, window=window, softcap=softcap)
+    assert (rows.double() - ref).abs().max().item() < 1e-5
+
+
 def test_softmax_exp_within_2_ulp_of_torch_exp():
     f = lib.softmax_expf_scalar
     f.restype, f.argtypes = ctypes.c_float, [ctypes.c_float]

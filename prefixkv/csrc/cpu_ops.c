@@ -330,96 +330,151 @@ static inline __attribute__((always_inline)) void prefetch_rows(const float *bas
         }
 }
 
-/* One sequence's decode attention, D = 16 * ND (see above). While the first
- * query head of a kv head scores a group of 16 keys, the next group's K rows are asked into L1
- * and this group's V rows into L2 (for P.V after the softmax step). */
-static inline __attribute__((always_inline)) void decode_seq(
-        const float *qb, const float *kv_layer, const int32_t *table, int len, float *ob, int H, int KVH,
-        int BS, int64_t half, float scale, int window, float softcap, const int ND) {
+/* The query tokens of a group (up to DECODE_TG rows that share a block table: consecutive tokens of
+ * one sequence prefilled as decode rows in the batch-invariant mode, see decode_rows_f32), token i at
+ * qb + i * ldq with context length lens[i], its output at ob + i * H * D. Each token's arithmetic is
+ * exactly a decode of that token alone (its own chunks, score chains, hsum16 trees, softmax steps
+ * and P.V chains, key after key); only the order in which the tokens' operations interleave
+ * changes: a chunk's scores are taken 16 keys at a time for every token (the group's K rows from L1
+ * after the first token) and its P.V 32 keys at a time for every token (the V rows from L1; a
+ * head's accumulators stored and reloaded between the 32-key runs, which rounds nothing). One token
+ * alone reads its whole context from memory or L3 once per layer (1.4 MB a layer for SmolLM2 at
+ * 900 tokens, more than L2); a group reads it once for all its tokens. NT = 1 is a decode row. */
+#define DECODE_TG 8
+#define DECODE_PV_RUN 32
+static inline __attribute__((always_inline)) void decode_group(
+        const float *qb, int64_t ldq, const float *kv_layer, const int32_t *table, const int32_t *lens, const int NT,
+        float *ob, int H, int KVH, int BS, int64_t half, float scale, int window, float softcap, const int ND) {
     const int D = 16 * ND, G = H / KVH;
     const int64_t blk_elems = (int64_t)KVH * BS * D, head_elems = (int64_t)BS * D;
-    float m[MAXH], l[MAXH];
-    float acc[MAXH * MAXD] __attribute__((aligned(64)));
-    float p[MAXH][DECODE_CHUNK] __attribute__((aligned(64)));  /* scores, then their exponentials */
+    float m[NT][H], l[NT][H];
+    float acc_raw[NT * H * D + 16], p_raw[NT * H * DECODE_CHUNK + 16];  /* aligned to 64 bytes below */
+    float *acc0 = (float *)(((uintptr_t)acc_raw + 63) & ~(uintptr_t)63);
+    float (*p0)[DECODE_CHUNK] = (float (*)[DECODE_CHUNK])(((uintptr_t)p_raw + 63) & ~(uintptr_t)63);
     int64_t off[DECODE_CHUNK];  /* key c0 + t's row: its offset from kv head 0's K rows in block 0 */
-    for (int h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0; }
-    memset(acc, 0, sizeof(float) * H * D);
-    const int lo = window > 0 && len > window ? len - window : 0;  /* the first key the query sees */
-    for (int c0 = lo / DECODE_CHUNK * DECODE_CHUNK; c0 < len; c0 += DECODE_CHUNK) {
-        /* the keys seen in this chunk: k0 .. k1 - 1 (at least one); 16-key groups from c0 */
-        const int k0 = lo > c0 ? lo : c0, k1 = len - c0 < DECODE_CHUNK ? len : c0 + DECODE_CHUNK;
-        const int ng = (k1 - c0 + 15) / 16, t_lo = k0 - c0, t_hi = k1 - c0;
-        for (int t = k0, j = k0 / BS, r = k0 % BS; t < k1; t++) {
+    int lo[NT];  /* the first key each token sees */
+    int lo_min = 1 << 30, len_max = 0;
+    for (int i = 0; i < NT; i++) {
+        for (int h = 0; h < H; h++) { m[i][h] = -INFINITY; l[i][h] = 0; }
+        lo[i] = window > 0 && lens[i] > window ? lens[i] - window : 0;
+        lo_min = lo[i] < lo_min ? lo[i] : lo_min;
+        len_max = lens[i] > len_max ? lens[i] : len_max;
+    }
+    memset(acc0, 0, sizeof(float) * NT * H * D);
+    for (int c0 = lo_min / DECODE_CHUNK * DECODE_CHUNK; c0 < len_max; c0 += DECODE_CHUNK) {
+        /* token i's keys in this chunk: k0[i] .. k1[i] - 1, lanes t_lo[i] .. t_hi[i] - 1 of ng[i] 16-key
+         * groups from c0; a token whose context ends before the chunk, or whose window starts after
+         * it, skips it (as its own decode does) */
+        int k0[NT], k1[NT], t_lo[NT], t_hi[NT], ng[NT];
+        int a_min = DECODE_CHUNK, b_max = 0, ng_max = 0;
+        for (int i = 0; i < NT; i++) {
+            const int in = c0 >= lo[i] / DECODE_CHUNK * DECODE_CHUNK && c0 < lens[i];
+            k0[i] = lo[i] > c0 ? lo[i] : c0;
+            k1[i] = lens[i] - c0 < DECODE_CHUNK ? lens[i] : c0 + DECODE_CHUNK;
+            ng[i] = in ? (k1[i] - c0 + 15) / 16 : 0;
+            t_lo[i] = k0[i] - c0;
+            t_hi[i] = in ? k1[i] - c0 : t_lo[i];
+            if (in) {
+                a_min = t_lo[i] < a_min ? t_lo[i] : a_min;
+                b_max = t_hi[i] > b_max ? t_hi[i] : b_max;
+                ng_max = ng[i] > ng_max ? ng[i] : ng_max;
+            }
+        }
+        for (int t = c0 + a_min, j = t / BS, r = t % BS; t < c0 + b_max; t++) {
             off[t - c0] = (int64_t)table[j] * blk_elems + (int64_t)r * D;
             if (++r == BS) { r = 0; j++; }
         }
         for (int kh = 0; kh < KVH; kh++) {
             const float *kbase = kv_layer + (int64_t)kh * head_elems, *vbase = kbase + half;
-            for (int h = kh * G; h < (kh + 1) * G; h++) {  /* scores */
-                __m512 qv[ND];
-                for (int c = 0; c < ND; c++) qv[c] = _mm512_loadu_ps(qb + (int64_t)h * D + 16 * c);
-                for (int i = 0; i < ng; i++) {
-                    const __mmask16 seen = keys_seen(c0 + 16 * i, k0, k1);
-                    const int a = 16 * i > t_lo ? 16 * i : t_lo, b = 16 * i + 16 < t_hi ? 16 * i + 16 : t_hi;
-                    if (a >= b) {  /* a group before the window */
-                        _mm512_store_ps(p[h] + 16 * i, _mm512_set1_ps(-INFINITY));
-                        continue;
+            for (int gi = 0; gi < ng_max; gi++) {  /* scores, 16 keys at a time for every token */
+                const int ga = 16 * gi > a_min ? 16 * gi : a_min, gb = 16 * gi + 16 < b_max ? 16 * gi + 16 : b_max;
+                if (ga < gb) {
+                    prefetch_rows(kbase, off, gb, gb + 16 < b_max ? gb + 16 : b_max, D, 0);
+                    prefetch_rows(vbase, off, ga, gb, D, 1);
+                }
+                for (int i = 0; i < NT; i++) {
+                    if (gi >= ng[i]) continue;
+                    const float *qi = qb + (int64_t)i * ldq;
+                    const __mmask16 seen = keys_seen(c0 + 16 * gi, k0[i], k1[i]);
+                    const int a = 16 * gi > t_lo[i] ? 16 * gi : t_lo[i], b = 16 * gi + 16 < t_hi[i] ? 16 * gi + 16 : t_hi[i];
+                    for (int h = kh * G; h < (kh + 1) * G; h++) {
+                        float *ph = p0[(int64_t)i * H + h] + 16 * gi;
+                        if (a >= b) {  /* a group before the window */
+                            _mm512_store_ps(ph, _mm512_set1_ps(-INFINITY));
+                            continue;
+                        }
+                        __m512 qv[ND];
+                        for (int c = 0; c < ND; c++) qv[c] = _mm512_loadu_ps(qi + (int64_t)h * D + 16 * c);
+                        __m512 dot[16];
+                        for (int t = 0; t < 16; t++) {
+                            if (seen >> t & 1) {
+                                const float *kt = kbase + off[16 * gi + t];
+                                dot[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
+                                for (int c = 1; c < ND; c++)
+                                    dot[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + 16 * c), dot[t]);
+                            } else {
+                                dot[t] = _mm512_setzero_ps();
+                            }
+                        }
+                        __m512 raw = _mm512_mul_ps(hsum16(dot), _mm512_set1_ps(scale));
+                        if (softcap > 0) raw = v_softcap(raw, softcap);
+                        _mm512_store_ps(ph, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, raw));
                     }
-                    if (h == kh * G) {
-                        prefetch_rows(kbase, off, b, b + 16 < t_hi ? b + 16 : t_hi, D, 0);
-                        prefetch_rows(vbase, off, a, b, D, 1);
+                }
+            }
+            for (int i = 0; i < NT; i++) {  /* each token's softmax step over the chunk */
+                if (!ng[i]) continue;
+                float (*p)[DECODE_CHUNK] = p0 + (int64_t)i * H;
+                float *acc = acc0 + (int64_t)i * H * D;
+                for (int h = kh * G; h < (kh + 1) * G; h++) {
+                    __m512 vmax = _mm512_load_ps(p[h]);
+                    for (int g = 1; g < ng[i]; g++) vmax = _mm512_max_ps(vmax, _mm512_load_ps(p[h] + 16 * g));
+                    const float bm = fmaxf(m[i][h], _mm512_reduce_max_ps(vmax));
+                    const float a = expf(m[i][h] - bm);  /* 0 on the first chunk (m = -inf) */
+                    const __m512 vbm = _mm512_set1_ps(bm);
+                    __m512 vsum = _mm512_setzero_ps();
+                    for (int g = 0; g < ng[i]; g++) {
+                        const __m512 e = _mm512_maskz_mov_ps(keys_seen(c0 + 16 * g, k0[i], k1[i]),
+                                                             v_exp(_mm512_sub_ps(_mm512_load_ps(p[h] + 16 * g), vbm)));
+                        _mm512_store_ps(p[h] + 16 * g, e);
+                        vsum = _mm512_add_ps(vsum, e);
                     }
-                    __m512 dot[16];
-                    for (int t = 0; t < 16; t++) {
-                        if (seen >> t & 1) {
-                            const float *kt = kbase + off[16 * i + t];
-                            dot[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
-                            for (int c = 1; c < ND; c++)
-                                dot[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + 16 * c), dot[t]);
-                        } else {
-                            dot[t] = _mm512_setzero_ps();
+                    l[i][h] = l[i][h] * a + _mm512_reduce_add_ps(vsum);
+                    m[i][h] = bm;
+                    const __m512 alpha = _mm512_set1_ps(a);
+                    for (int c = 0; c < ND; c++) {
+                        float *ac = acc + (int64_t)h * D + 16 * c;
+                        _mm512_store_ps(ac, _mm512_mul_ps(_mm512_load_ps(ac), alpha));
+                    }
+                }
+            }
+            /* P.V, DECODE_PV_RUN keys at a time for every token (one run when NT = 1) */
+            const int run = NT == 1 ? DECODE_CHUNK : DECODE_PV_RUN;
+            for (int r0 = a_min / run * run; r0 < b_max; r0 += run) {
+                for (int i = 0; i < NT; i++) {
+                    const int ta = t_lo[i] > r0 ? t_lo[i] : r0, tb = t_hi[i] < r0 + run ? t_hi[i] : r0 + run;
+                    if (ta >= tb) continue;
+                    float (*p)[DECODE_CHUNK] = p0 + (int64_t)i * H;
+                    float *acc = acc0 + (int64_t)i * H * D;
+                    for (int h0 = kh * G; h0 < (kh + 1) * G; h0 += DECODE_GB) {
+                        switch ((kh + 1) * G - h0 < DECODE_GB ? (kh + 1) * G - h0 : DECODE_GB) {
+                        case 1: decode_pv(1, ND, p, h0, vbase, off, ta, tb, acc); break;
+                        case 2: decode_pv(2, ND, p, h0, vbase, off, ta, tb, acc); break;
+                        default: decode_pv(3, ND, p, h0, vbase, off, ta, tb, acc); break;
                         }
                     }
-                    __m512 raw = _mm512_mul_ps(hsum16(dot), _mm512_set1_ps(scale));
-                    if (softcap > 0) raw = v_softcap(raw, softcap);
-                    _mm512_store_ps(p[h] + 16 * i, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, raw));
-                }
-            }
-            for (int h = kh * G; h < (kh + 1) * G; h++) {  /* the softmax step */
-                __m512 vmax = _mm512_load_ps(p[h]);
-                for (int i = 1; i < ng; i++) vmax = _mm512_max_ps(vmax, _mm512_load_ps(p[h] + 16 * i));
-                const float bm = fmaxf(m[h], _mm512_reduce_max_ps(vmax));
-                const float a = expf(m[h] - bm);  /* 0 on the first chunk (m = -inf) */
-                const __m512 vbm = _mm512_set1_ps(bm);
-                __m512 vsum = _mm512_setzero_ps();
-                for (int i = 0; i < ng; i++) {
-                    const __m512 e = _mm512_maskz_mov_ps(keys_seen(c0 + 16 * i, k0, k1),
-                                                         v_exp(_mm512_sub_ps(_mm512_load_ps(p[h] + 16 * i), vbm)));
-                    _mm512_store_ps(p[h] + 16 * i, e);
-                    vsum = _mm512_add_ps(vsum, e);
-                }
-                l[h] = l[h] * a + _mm512_reduce_add_ps(vsum);
-                m[h] = bm;
-                const __m512 alpha = _mm512_set1_ps(a);
-                for (int c = 0; c < ND; c++) {
-                    float *ac = acc + (int64_t)h * D + 16 * c;
-                    _mm512_store_ps(ac, _mm512_mul_ps(_mm512_load_ps(ac), alpha));
-                }
-            }
-            for (int h0 = kh * G; h0 < (kh + 1) * G; h0 += DECODE_GB) {  /* P.V */
-                switch ((kh + 1) * G - h0 < DECODE_GB ? (kh + 1) * G - h0 : DECODE_GB) {
-                case 1: decode_pv(1, ND, p, h0, vbase, off, t_lo, t_hi, acc); break;
-                case 2: decode_pv(2, ND, p, h0, vbase, off, t_lo, t_hi, acc); break;
-                default: decode_pv(3, ND, p, h0, vbase, off, t_lo, t_hi, acc); break;
                 }
             }
         }
     }
-    for (int h = 0; h < H; h++) {
-        const __m512 inv = _mm512_set1_ps(1.0f / l[h]);
-        for (int c = 0; c < ND; c++)
-            _mm512_storeu_ps(ob + (int64_t)h * D + 16 * c,
-                             _mm512_mul_ps(_mm512_load_ps(acc + (int64_t)h * D + 16 * c), inv));
+    for (int i = 0; i < NT; i++) {
+        const float *acc = acc0 + (int64_t)i * H * D;
+        float *o = ob + (int64_t)i * H * D;
+        for (int h = 0; h < H; h++) {
+            const __m512 inv = _mm512_set1_ps(1.0f / l[i][h]);
+            for (int c = 0; c < ND; c++)
+                _mm512_storeu_ps(o + (int64_t)h * D + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + (int64_t)h * D + 16 * c), inv));
+        }
     }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -709,22 +764,59 @@ int paged_prefill_attention_f32(const float *q, int64_t ldq, const float *kv_lay
 }
 
 #if defined(VW)
+#if !defined(__AVX512F__)
+#define DECODE_TG 1  /* the AVX2 kernel takes one token at a time */
+#endif
+/* Row a + 1 takes the position after row a's under a block table that agrees with row a's on every
+ * block row a reads: the two can share a group (decode_group; the group reads the last row's table). */
+static inline int decode_rows_continue(const int32_t *block_tables, int max_blocks, const int32_t *seq_lens, int a,
+                                       int BS) {
+    if (seq_lens[a + 1] != seq_lens[a] + 1) return 0;
+    const int nb = (seq_lens[a] + BS - 1) / BS;
+    return memcmp(block_tables + (int64_t)a * max_blocks, block_tables + (int64_t)(a + 1) * max_blocks,
+                  (size_t)nb * sizeof(int32_t)) == 0;
+}
+
 /* The vector decode kernel's rows (BS <= 16, D 64 or 128) shared among the threads of the
- * enclosing parallel region (one thread outside any), each row on its own: the same bits whoever
- * computes it. Implicit barrier at the end. */
+ * enclosing parallel region (one thread outside any). Consecutive rows that continue one another
+ * (the tokens of a prefill in the batch-invariant mode) go in groups of up to DECODE_TG, a group
+ * starting at every position that is a multiple of DECODE_TG (fewer where the model's heads would
+ * make the group's scratch exceed 64 KB); a row's result is the same bits in any group, alone, or
+ * computed by any thread. Implicit barrier at the end. */
 static void decode_rows_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
                             const int32_t *seq_lens, float *out, int B, int H, int KVH, int D, int BS,
                             int max_blocks, int64_t nb1, float scale, int window, float softcap) {
     const int64_t half = nb1 * (int64_t)KVH * BS * D;
+    const int fit = 16384 / (H * (D + 128)), tg = fit < 1 ? 1 : fit < DECODE_TG ? fit : DECODE_TG;
     #pragma omp for schedule(dynamic, 1)
     for (int b = 0; b < B; b++) {
+        if (b > 0 && (seq_lens[b] - 1) % tg && decode_rows_continue(block_tables, max_blocks, seq_lens, b - 1, BS))
+            continue;  /* in the group of a row before it */
+        int n = 1;
+        while (n < tg && b + n < B && (seq_lens[b + n] - 1) % tg &&
+               decode_rows_continue(block_tables, max_blocks, seq_lens, b + n - 1, BS))
+            n++;
         const float *qb = q + (int64_t)b * ldq;
-        const int32_t *table = block_tables + (int64_t)b * max_blocks;
+        const int32_t *table = block_tables + (int64_t)(b + n - 1) * max_blocks;
         float *ob = out + (int64_t)b * H * D;
+#if defined(__AVX512F__)
+        if (n == 1) {
+            if (D == 64)
+                decode_group(qb, ldq, kv_layer, table, seq_lens + b, 1, ob, H, KVH, BS, half, scale, window, softcap, 4);
+            else
+                decode_group(qb, ldq, kv_layer, table, seq_lens + b, 1, ob, H, KVH, BS, half, scale, window, softcap, 8);
+        } else {
+            if (D == 64)
+                decode_group(qb, ldq, kv_layer, table, seq_lens + b, n, ob, H, KVH, BS, half, scale, window, softcap, 4);
+            else
+                decode_group(qb, ldq, kv_layer, table, seq_lens + b, n, ob, H, KVH, BS, half, scale, window, softcap, 8);
+        }
+#else
         if (D == 64)
             decode_seq(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 64 / VW);
         else
             decode_seq(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 128 / VW);
+#endif
     }
 }
 #endif
