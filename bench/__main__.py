@@ -91,6 +91,9 @@ def add_common(p: argparse.ArgumentParser, systems_default: str | None = ALL_SYS
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--max-num-seqs", type=int, default=64, help="engine max batch; hf-static batch size")
     e.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    e.add_argument("--max-admitted-prefill-tokens", type=int, default=None,
+                   help="prefixkv: prompt tokens of new requests after which a step admits no short prefill "
+                        "(default: none; no peer has the knob)")
     e.add_argument("--kv-tokens", type=int, default=32768, help="KV budget in tokens (engine and hf-cb)")
 
 

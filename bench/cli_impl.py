@@ -17,7 +17,7 @@ from bench.systems import OPTIONAL, PEERS, EngineArgs, PrefixKVSystem, make_syst
 def engine_args(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(model=args.model, dtype=args.dtype, block_size=args.block_size,
                       max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                      kv_tokens=args.kv_tokens)
+                      kv_tokens=args.kv_tokens, max_admitted_prefill_tokens=args.max_admitted_prefill_tokens)
 
 
 def load_tokenizer(model: str | None):

@@ -38,6 +38,7 @@ class EngineArgs:
     block_size: int = 16
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
+    max_admitted_prefill_tokens: int | None = None  # prefixkv only
     kv_tokens: int = 32768  # KV budget in tokens, the same for every system that has one
     enable_prefix_caching: bool = True
     scheduling_policy: str = "continuous"
@@ -52,6 +53,7 @@ class EngineArgs:
     def llm_kwargs(self) -> dict:
         return dict(model=self.model, dtype=self.dtype, block_size=self.block_size,
                     max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+                    max_admitted_prefill_tokens=self.max_admitted_prefill_tokens,
                     num_kv_blocks=max(1, self.kv_tokens // self.block_size),
                     enable_prefix_caching=self.enable_prefix_caching, scheduling_policy=self.scheduling_policy,
                     enable_chunked_prefill=self.enable_chunked_prefill,

@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=1,
                    help="turns served at once (of different conversations), as a chat backend with several users")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-admitted-prefill-tokens", type=int, default=None,
+                   help="prefixkv's max_admitted_prefill_tokens, in every configuration (default: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))
@@ -239,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def make(name: str):
         kw = dict(model=None, dtype="float32", num_kv_blocks=a.device_blocks,
-                  max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=max(16, a.concurrency))
+                  max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=max(16, a.concurrency),
+                  max_admitted_prefill_tokens=a.max_admitted_prefill_tokens)
         if name == "host tier":
             kw.update(kv_host_cache_gb=a.host_gb)
         elif name.startswith("disk tier"):

@@ -58,6 +58,12 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
+    # A step admits waiting requests until the prompt tokens it schedules for those it admitted
+    # reach this (the first is admitted whatever its size, within the token budget): a burst of
+    # short prefills (returning turns whose history is cached) is spread over several steps, the
+    # first of them answered after a short step instead of all after one long one. None: the
+    # token budget alone.
+    max_admitted_prefill_tokens: int | None = None
     max_waiting_requests: int = 4096
     # A waiting request that has been passed over for this many steps is admitted in arrival
     # order ahead of requests with longer cached prefixes (aging: nobody starves).
@@ -84,6 +90,10 @@ class SchedulerConfig:
                  "max_num_batched_tokens", f"must be a positive int, got {self.max_num_batched_tokens!r}")
         require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
                  "max_num_seqs", f"must be a positive int, got {self.max_num_seqs!r}")
+        if self.max_admitted_prefill_tokens is not None:
+            require(isinstance(self.max_admitted_prefill_tokens, int) and self.max_admitted_prefill_tokens >= 1,
+                     "max_admitted_prefill_tokens",
+                     f"must be a positive int or None, got {self.max_admitted_prefill_tokens!r}")
         require(self.max_waiting_requests >= 1, "max_waiting_requests", "must be >= 1")
         require(self.max_wait_steps >= 0, "max_wait_steps", "must be >= 0")
         require(self.policy in ("continuous", "static"), "policy",

@@ -33,6 +33,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "free the blocks before their window)")
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-admitted-prefill-tokens", type=int, default=None,
+                   help="a step admits waiting requests until their scheduled prompt tokens reach this (at least "
+                        "one is admitted): a burst of short prefills spread over several short steps "
+                        "(default: the token budget alone)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="requests queued beyond this are refused with 503 (default: SchedulerConfig's)")
@@ -74,6 +78,7 @@ def engine_config_from_args(args: argparse.Namespace):
                           disk_cache_bytes=int(args.kv_disk_cache_gb * (1 << 30))),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs,
+                                  max_admitted_prefill_tokens=args.max_admitted_prefill_tokens,
                                   **({} if args.max_waiting_requests is None
                                      else dict(max_waiting_requests=args.max_waiting_requests)),
                                   num_speculative_tokens=args.num_speculative_tokens,

@@ -7,7 +7,10 @@ Each step:
 2. Waiting requests are admitted while budget, ``max_num_seqs`` and blocks allow (keeping a
    ``watermark`` of free blocks while others run), in
    cache-aware order (longest cached prefix first), except that preempted requests and requests
-   passed over for ``max_wait_steps`` steps go first, oldest first (aging).
+   passed over for ``max_wait_steps`` steps go first, oldest first (aging). With
+   ``max_admitted_prefill_tokens``, once those admitted in a step have that many prompt tokens
+   scheduled, a request whose prefill would finish in the step waits for the next one (a burst
+   of short prefills answered a few at a time, not all after one long step).
 
 Blocks that will be full once this step's tokens are computed enter the radix index when they are
 scheduled, not after the forward pass: a request admitted later in the same step then shares them
@@ -355,6 +358,8 @@ class Scheduler:
             self._prefetch_ahead(self.waiting)
             return budget
         admitted: list[Request] = []
+        admitted_tokens = 0  # prompt tokens scheduled this step for those admitted
+        cap = self.config.max_admitted_prefill_tokens
         order = self._admission_order()
         rest = None  # where admission stopped: those from there on get their reads started
         for pos, (req, _) in enumerate(order):
@@ -373,6 +378,11 @@ class Scheduler:
             cached = match.num_tokens + len(host_keys) * self.block_size
             defer = self.defer_promotions and bool(host_keys or not self._promoting.isdisjoint(match.block_ids))
             num_new = 0 if defer else req.num_tokens - cached
+            if cap is not None and admitted_tokens >= cap and num_new <= budget:
+                # it would finish its prefill in this step beside those admitted: it goes next step
+                # (one that only starts a chunked prefill here is still admitted)
+                rest = pos
+                break
             fits = num_new <= budget or self.config.enable_chunked_prefill or not (self.running or admitted)
             # its blocks from files: read, or (if it would be admitted now) read within the engine's
             # bounded wait; else it waits, the others go on
@@ -408,6 +418,7 @@ class Scheduler:
                 continue
             prefills.append(self._scheduled(req, num_new))
             budget -= num_new
+            admitted_tokens += num_new
         if rest is not None and self.disk_prefetch is not None:
             self._prefetch_ahead([r for r, _ in order[rest:rest + _PREFETCH_AHEAD]])
         if admitted:  # all from the ordering window at the head of the queue

@@ -159,6 +159,53 @@ def test_scheduler_chunks_prefill_and_mixes_decodes():
     s.check_integrity()
 
 
+def test_max_admitted_prefill_tokens_spreads_a_burst_of_short_prefills():
+    """Four returning turns of 5 new tokens each arrive together: by default all four prefill in
+    one step; with max_admitted_prefill_tokens=4 one is admitted a step (the first whatever its
+    size), beside the decodes of those before it. Past the cap, a prompt that would only start a
+    chunked prefill in this step is still admitted with the budget left; one that would finish
+    waits for the next step."""
+    def burst(**kw):
+        s = _sched(num_blocks=64, block_size=4, budget=32, **kw)
+        for i in range(4):
+            s.add_request(_req(i, [10 * i + t for t in range(1, 6)]))
+        steps = []
+        for _ in range(4):
+            out = s.schedule()
+            steps.append([(x.req.seq_id, x.num_scheduled_tokens) for x in out.scheduled])
+            s.update(out, [[99] if x.num_samples else [] for x in out.scheduled])
+            s.check_integrity()
+        return s, steps
+
+    _, steps = burst()
+    assert steps[0] == [("r0#0", 5), ("r1#0", 5), ("r2#0", 5), ("r3#0", 5)]
+    s, steps = burst(max_admitted_prefill_tokens=4)
+    assert steps == [[("r0#0", 5)],
+                     [("r0#0", 1), ("r1#0", 5)],
+                     [("r0#0", 1), ("r1#0", 1), ("r2#0", 5)],
+                     [("r0#0", 1), ("r1#0", 1), ("r2#0", 1), ("r3#0", 5)]]
+    s.add_request(_req(8, list(range(200, 209))))   # 9 tokens: admitted first (4 cap reached)
+    s.add_request(_req(9, list(range(300, 340))))   # 40 tokens: only a chunk fits -> admitted
+    s.add_request(_req(10, [7, 8, 9]))              # would finish its prefill here -> next step
+    out = s.schedule()
+    assert [(x.req.seq_id, x.num_scheduled_tokens) for x in out.scheduled] == [
+        ("r0#0", 1), ("r1#0", 1), ("r2#0", 1), ("r3#0", 1), ("r8#0", 9), ("r9#0", 19)]
+    assert [r.seq_id for r in s.waiting] == ["r10#0"]
+    s.update(out, [[99]] * 5 + [[]])
+    for x in out.scheduled[:4]:
+        s.finish_request(x.req, RequestStatus.FINISHED_STOPPED)
+    out = s.schedule()  # r9's prefill goes on; r10 is this step's first admission
+    assert [(x.req.seq_id, x.num_scheduled_tokens) for x in out.scheduled] == [
+        ("r8#0", 1), ("r9#0", 21), ("r10#0", 3)]
+    s.check_integrity()
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "8"])
+def test_bad_max_admitted_prefill_tokens(bad):
+    with pytest.raises(ValueError, match="max_admitted_prefill_tokens"):
+        SchedulerConfig(max_admitted_prefill_tokens=bad)
+
+
 def test_scheduler_preempts_youngest_and_requeues_it_first():
     s = _sched(num_blocks=4, block_size=4, budget=64)
     a, b = _req(0, list(range(1, 8))), _req(1, list(range(20, 27)))  # 7 tokens: 2 blocks each

@@ -157,17 +157,21 @@ def test_stops_on_eos_like_transformers(tiny_llama):
         assert o.finish_reason == ("stop" if r and r[-1] == 2 else "length")
 
 
-def test_shared_system_prompt_is_computed_once(tiny_llama):
+@pytest.mark.parametrize("cap,steps", [(None, 4), (16, 8)])
+def test_shared_system_prompt_is_computed_once(tiny_llama, cap, steps):
     rng = random.Random(5)
     system = [rng.randrange(3, 384) for _ in range(100)]
     prompts = [system + [rng.randrange(3, 384) for _ in range(5)] for _ in range(8)]
-    llm = LLM(model=str(tiny_llama), dtype="float64", block_size=16, num_kv_blocks=256)
+    llm = LLM(model=str(tiny_llama), dtype="float64", block_size=16, num_kv_blocks=256,
+              max_admitted_prefill_tokens=cap)
     llm.engine.check_integrity_each_step = True
     outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     # submitted together: the first computes the 100 shared tokens; the other 7 reuse its 6 full
-    # blocks, scheduled in the same step (the blocks are shared as soon as they are scheduled)
+    # blocks, scheduled in the same step (the blocks are shared as soon as they are scheduled).
+    # With max_admitted_prefill_tokens=16: 105 tokens in step 1, then two turns of 9 new tokens a
+    # step (9 < 16 admits a second), the last in step 5, its 4th token in step 8.
     assert [o.num_cached_tokens for o in outs] == [0] + [96] * 7
-    assert llm.engine.num_steps == 4
+    assert llm.engine.num_steps == steps
     stats = llm.engine.stats()
     assert stats["prefix_hit_tokens"] == 96 * 7
     refs = hf_reference(tiny_llama, prompts, max_tokens=4)

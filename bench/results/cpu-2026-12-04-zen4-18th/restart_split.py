@@ -1,4 +1,4 @@
-"""(eighteenth session; the nineteenth added WAIT=seconds, the engine's disk_wait_max_s, and MNBT=, its max_num_batched_tokens; MODE=recompute runs without tiers) PYTHONPATH=. .venv/bin/python bench/results/cpu-2026-12-04-zen4-18th/restart_split.py [BASE_DIR]
+"""(eighteenth session; the nineteenth added WAIT=seconds, the engine's disk_wait_max_s, and MNBT=, its max_num_batched_tokens; MODE=recompute runs without tiers; the twentieth MAPT=, max_admitted_prefill_tokens) PYTHONPATH=. .venv/bin/python bench/results/cpu-2026-12-04-zen4-18th/restart_split.py [BASE_DIR]
 bench.tiers' restart (40x4, 480 device blocks, 0.2 GiB host above 3 GiB disk, 8 at once), taken apart:
 each last turn's time from add to admission (waiting for its disk reads), the step that prefills it,
 and the time the steps spend reading files into the device pool. The 'before' turns are served once
@@ -17,7 +17,8 @@ before = [c for i, c in enumerate(order) if i != last[c]]
 after = [c for i, c in enumerate(order) if i == last[c]]
 
 def make(d):
-    kw = dict(model=None, dtype="float32", num_kv_blocks=blocks, max_num_batched_tokens=int(os.environ.get("MNBT", 512)), max_num_seqs=16)
+    kw = dict(model=None, dtype="float32", num_kv_blocks=blocks, max_num_batched_tokens=int(os.environ.get("MNBT", 512)), max_num_seqs=16,
+              max_admitted_prefill_tokens=int(os.environ["MAPT"]) if os.environ.get("MAPT") else None)
     if d:
         kw.update(kv_host_cache_gb=0.2, kv_disk_cache_dir=d, kv_disk_cache_gb=3.0)
     llm = LLM(**kw); llm.generate(["warm up"], None)
