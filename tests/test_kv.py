@@ -206,6 +206,20 @@ def test_bad_max_admitted_prefill_tokens(bad):
         SchedulerConfig(max_admitted_prefill_tokens=bad)
 
 
+def test_max_admitted_prefill_tokens_cli_flag():
+    import argparse
+
+    from prefixkv.engine_args import add_engine_args, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config_from_args(p.parse_args([])).scheduler.max_admitted_prefill_tokens is None
+    cfg = engine_config_from_args(p.parse_args(["--max-admitted-prefill-tokens", "32"]))
+    assert cfg.scheduler.max_admitted_prefill_tokens == 32
+    with pytest.raises(ValueError, match="max_admitted_prefill_tokens"):
+        engine_config_from_args(p.parse_args(["--max-admitted-prefill-tokens", "0"]))
+
+
 def test_scheduler_preempts_youngest_and_requeues_it_first():
     s = _sched(num_blocks=4, block_size=4, budget=64)
     a, b = _req(0, list(range(1, 8))), _req(1, list(range(20, 27)))  # 7 tokens: 2 blocks each
