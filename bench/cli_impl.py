@@ -101,7 +101,7 @@ def cmd_ablate(args: argparse.Namespace, command: str) -> int:
     wanted = {a.strip() for a in args.ablations.split(",") if a.strip()}
     variants: list[tuple[str, EngineArgs]] = [("prefixkv", base)]
     if "policy" in wanted:
-        variants.append(("policy=static", replace(base, scheduling_policy="static")))
+        variants.append(("policy=static", replace(base, scheduling_policy="static", max_admitted_prefill_tokens=None)))
     if "cache" in wanted:
         variants.append(("prefix-cache=off", replace(base, enable_prefix_caching=False)))
     if "chunked" in wanted:

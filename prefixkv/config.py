@@ -94,6 +94,8 @@ class SchedulerConfig:
             require(isinstance(self.max_admitted_prefill_tokens, int) and self.max_admitted_prefill_tokens >= 1,
                      "max_admitted_prefill_tokens",
                      f"must be a positive int or None, got {self.max_admitted_prefill_tokens!r}")
+            require(self.policy == "continuous", "max_admitted_prefill_tokens",
+                     "applies to the continuous policy only (static admits a batch once)")
         require(self.max_waiting_requests >= 1, "max_waiting_requests", "must be >= 1")
         require(self.max_wait_steps >= 0, "max_wait_steps", "must be >= 0")
         require(self.policy in ("continuous", "static"), "policy",

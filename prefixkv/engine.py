@@ -527,7 +527,6 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 64,
-        max_admitted_prefill_tokens: int | None = None,
         max_model_len: int | None = None,
         seed: int = 0,
         attention_backend: str | None = None,
@@ -543,6 +542,7 @@ class LLM:
         prompt_lookup_max: int = 3,
         speculative_disable_by_batch_size: int | None = None,
         generation_config: str = "auto",
+        max_admitted_prefill_tokens: int | None = None,
     ) -> None:
         cfg = EngineConfig(
             model=model, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed,
@@ -556,7 +556,8 @@ class LLM:
                               host_cache_bytes=int(kv_host_cache_gb * (1 << 30)),
                               disk_cache_dir=kv_disk_cache_dir, disk_cache_bytes=int(kv_disk_cache_gb * (1 << 30))),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                      max_admitted_prefill_tokens=max_admitted_prefill_tokens, policy=scheduling_policy, enable_chunked_prefill=enable_chunked_prefill,
+                                      max_admitted_prefill_tokens=max_admitted_prefill_tokens,
+                                      policy=scheduling_policy, enable_chunked_prefill=enable_chunked_prefill,
                                       **({} if max_waiting_requests is None
                                          else dict(max_waiting_requests=max_waiting_requests)),
                                       num_speculative_tokens=num_speculative_tokens,

@@ -34,8 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-admitted-prefill-tokens", type=int, default=None,
-                   help="a step admits waiting requests until their scheduled prompt tokens reach this (at least "
-                        "one is admitted): a burst of short prefills spread over several short steps "
+                   help="once the requests a step admitted have this many prompt tokens scheduled, one whose "
+                        "prefill would finish in the step waits for the next (one that only starts a chunked "
+                        "prefill is still admitted): a burst of short prefills answered a few at a time "
                         "(default: the token budget alone)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-waiting-requests", type=int, default=None,

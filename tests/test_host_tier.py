@@ -211,3 +211,37 @@ def test_a_failed_step_fails_the_requests_it_put_off(tiny_llama):
     eng.runner.execute = real
     got = [o.outputs[0].token_ids for o in llm.generate(second[:2], sp)]
     assert got == hf_reference(tiny_llama, second[:2], max_tokens=4)
+
+
+def test_max_admitted_prefill_tokens_spreads_deferred_promotions_too(tiny_llama):
+    """With the copies beside the forward (``defer_promotions``, the CUDA runner's way; set by hand
+    here), a returning turn is admitted a step before it computes: its new tokens count towards
+    max_admitted_prefill_tokens in the step that admits it, so returning turns are put off and
+    then prefilled one a step, not together. Outputs equal to transformers'."""
+    probe = _llm(tiny_llama, 0.0)
+    gb = _bytes_per_block(probe) / (1 << 30)
+    llm = LLM(model=str(tiny_llama), dtype="float64", block_size=4, num_kv_blocks=48, max_num_batched_tokens=256,
+              kv_host_cache_gb=200 * gb, max_admitted_prefill_tokens=4)
+    eng, sched = llm.engine, llm.engine.scheduler
+    eng.check_integrity_each_step = True
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    first = _conversations(8)
+    outs1 = llm.generate(first, sp)
+    sched.defer_promotions = True
+    steps = []  # per step: (seq ids put off, seq ids prefilling: more than one token scheduled)
+    real = sched.schedule
+
+    def spy():
+        out = real()
+        steps.append(({r.seq_id for r in out.deferred},
+                       {s.req.seq_id for s in out.scheduled if s.num_scheduled_tokens > 1}))
+        return out
+
+    sched.schedule = spy
+    second = [p + o.outputs[0].token_ids + [250, 251, 252] for p, o in zip(first, outs1)]
+    outs2 = llm.generate(second[:4], sp)
+    assert sched.num_deferred_promotions >= 2  # (the others' blocks were still in the device pool)
+    assert all(len(put_off) <= 1 and len(prefilling) <= 1 for put_off, prefilling in steps), steps
+    got = [o.outputs[0].token_ids for o in outs2]
+    assert got == hf_reference(tiny_llama, second[:4], max_tokens=6)
+    eng.check_integrity()

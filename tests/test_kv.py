@@ -206,6 +206,11 @@ def test_bad_max_admitted_prefill_tokens(bad):
         SchedulerConfig(max_admitted_prefill_tokens=bad)
 
 
+def test_max_admitted_prefill_tokens_needs_the_continuous_policy():
+    with pytest.raises(ValueError, match="max_admitted_prefill_tokens"):
+        SchedulerConfig(policy="static", max_admitted_prefill_tokens=4)
+
+
 def test_max_admitted_prefill_tokens_cli_flag():
     import argparse
 
