@@ -800,17 +800,13 @@ static void decode_rows_f32(const float *q, int64_t ldq, const float *kv_layer, 
         const int32_t *table = block_tables + (int64_t)(b + n - 1) * max_blocks;
         float *ob = out + (int64_t)b * H * D;
 #if defined(__AVX512F__)
-        if (n == 1) {
-            if (D == 64)
-                decode_group(qb, ldq, kv_layer, table, seq_lens + b, 1, ob, H, KVH, BS, half, scale, window, softcap, 4);
-            else
-                decode_group(qb, ldq, kv_layer, table, seq_lens + b, 1, ob, H, KVH, BS, half, scale, window, softcap, 8);
-        } else {
-            if (D == 64)
-                decode_group(qb, ldq, kv_layer, table, seq_lens + b, n, ob, H, KVH, BS, half, scale, window, softcap, 4);
-            else
-                decode_group(qb, ldq, kv_layer, table, seq_lens + b, n, ob, H, KVH, BS, half, scale, window, softcap, 8);
-        }
+        /* a row alone (a decode) gets the kernel specialised for one token */
+#define DECODE_GROUP(NT) (D == 64 \
+        ? decode_group(qb, ldq, kv_layer, table, seq_lens + b, NT, ob, H, KVH, BS, half, scale, window, softcap, 4) \
+        : decode_group(qb, ldq, kv_layer, table, seq_lens + b, NT, ob, H, KVH, BS, half, scale, window, softcap, 8))
+        if (n == 1) DECODE_GROUP(1);
+        else DECODE_GROUP(n);
+#undef DECODE_GROUP
 #else
         if (D == 64)
             decode_seq(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 64 / VW);
