@@ -377,8 +377,9 @@ class Scheduler:
                 match, host_keys = MatchResult([], 0), []
             cached = match.num_tokens + len(host_keys) * self.block_size
             defer = self.defer_promotions and bool(host_keys or not self._promoting.isdisjoint(match.block_ids))
-            num_new = 0 if defer else req.num_tokens - cached
-            if cap is not None and admitted_tokens >= cap and req.num_tokens - cached <= budget:
+            uncached = req.num_tokens - cached
+            num_new = 0 if defer else uncached
+            if cap is not None and admitted_tokens >= cap and uncached <= budget:
                 # it would finish its prefill in this step (or, its blocks promoted beside this
                 # step, in the next) beside those admitted: it comes a step later; one that only
                 # starts a chunked prefill here is still admitted
@@ -416,7 +417,7 @@ class Scheduler:
                 self._promoting.update(self.kv.block_tables[req.seq_id][first:first + len(host_keys)])
                 deferred.append(req)
                 self.num_deferred_promotions += 1
-                admitted_tokens += req.num_tokens - cached  # prefilled in the next step, counted here
+                admitted_tokens += uncached  # prefilled in the next step, counted here
                 continue
             prefills.append(self._scheduled(req, num_new))
             budget -= num_new

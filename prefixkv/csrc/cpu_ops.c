@@ -787,7 +787,7 @@ static void decode_rows_f32(const float *q, int64_t ldq, const float *kv_layer, 
                             const int32_t *seq_lens, float *out, int B, int H, int KVH, int D, int BS,
                             int max_blocks, int64_t nb1, float scale, int window, float softcap) {
     const int64_t half = nb1 * (int64_t)KVH * BS * D;
-    const int fit = 16384 / (H * (D + 128)), tg = fit < 1 ? 1 : fit < DECODE_TG ? fit : DECODE_TG;
+    const int fit = 16384 / (H * (D + 128)), tg = fit < 1 ? 1 : fit < DECODE_TG ? fit : DECODE_TG;  /* (128: DECODE_CHUNK) */
     #pragma omp for schedule(dynamic, 1)
     for (int b = 0; b < B; b++) {
         if (b > 0 && (seq_lens[b] - 1) % tg && decode_rows_continue(block_tables, max_blocks, seq_lens, b - 1, BS))
