@@ -97,6 +97,32 @@ def test_decode_rows_of_one_sequence_are_the_bits_of_each_row_alone(head_dim, gr
     assert (rows.double() - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("threads", [1, 3, 5])
+def test_decode_rows_each_computed_once_by_any_number_of_threads(threads):
+    """The threads claim rows (and prefill groups) from a shared counter, each one group ahead of
+    the one it computes: with fewer, as many or more threads than groups, every row is written,
+    with the bits of two threads' run."""
+    b = make_batch(torch.float32, 64, 16, 3, 3, GROUP_SPECS, seed=13)
+    tables, lens = [], []
+    for s, (seq_len, qlen) in enumerate(GROUP_SPECS):
+        for i in range(qlen):
+            tables.append(b["block_tables"][s])
+            lens.append(seq_len - qlen + i + 1)
+    tables, lens = torch.stack(tables).contiguous(), torch.tensor(lens, dtype=torch.int32)
+    q = b["q"]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        ref = cpu_ops.paged_decode_attention(q, b["cache"], tables, lens, 0.125)
+        torch.set_num_threads(threads)
+        for rows in (slice(None), slice(0, 2), slice(40, 43), slice(len(lens) - 1, None)):
+            out = torch.full_like(q[rows], float("nan"))
+            cpu_ops.paged_decode_attention(q[rows], b["cache"], tables[rows], lens[rows], 0.125, out=out)
+            assert torch.equal(out, ref[rows]), (threads, rows)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_softmax_exp_within_2_ulp_of_torch_exp():
     f = lib.softmax_expf_scalar
     f.restype, f.argtypes = ctypes.c_float, [ctypes.c_float]

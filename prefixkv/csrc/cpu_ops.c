@@ -344,7 +344,8 @@ static inline __attribute__((always_inline)) void prefetch_rows(const float *bas
 #define DECODE_PV_RUN 32
 static inline __attribute__((always_inline)) void decode_group(
         const float *qb, int64_t ldq, const float *kv_layer, const int32_t *table, const int32_t *lens, const int NT,
-        float *ob, int H, int KVH, int BS, int64_t half, float scale, int window, float softcap, const int ND) {
+        float *ob, int H, int KVH, int BS, int64_t half, float scale, int window, float softcap, const int ND,
+        const int32_t *ahead_table, int ahead_lo, int ahead_len, const int32_t *prev_table, int prev_len) {
     const int D = 16 * ND, G = H / KVH;
     const int64_t blk_elems = (int64_t)KVH * BS * D, head_elems = (int64_t)BS * D;
     float m[NT][H], l[NT][H];
@@ -361,7 +362,27 @@ static inline __attribute__((always_inline)) void decode_group(
         len_max = lens[i] > len_max ? lens[i] : len_max;
     }
     memset(acc0, 0, sizeof(float) * NT * H * D);
+    /* Read ahead: while a chunk is computed, the blocks of the chunk after it (every kv head, K and
+     * V) go towards L2, a share at each 16-key step; after the last chunk comes the first of the
+     * group this thread takes next (ahead_table: its table, 0 if none), less the blocks this group
+     * reads (in cache already); a block the group before it on this thread read (prev_table, prev_len)
+     * is not asked for again. Without it a block is asked for one 16-key step before its use, too
+     * late for memory. One chunk ahead (3 x 64 KB for SmolLM2) keeps the two in L2 together. */
+    const int64_t blk_lines = blk_elems * (int64_t)sizeof(float) / 64;
+    const int mine = (len_max + BS - 1) / BS;
     for (int c0 = lo_min / DECODE_CHUNK * DECODE_CHUNK; c0 < len_max; c0 += DECODE_CHUNK) {
+        int ahead[DECODE_CHUNK], n_ahead = 0;  /* the blocks read ahead during this chunk */
+        if (c0 + DECODE_CHUNK < len_max) {
+            for (int j = (c0 + DECODE_CHUNK) / BS; j * BS < c0 + 2 * DECODE_CHUNK && j * BS < len_max; j++)
+                if (!prev_table || j * BS >= prev_len || prev_table[j] != table[j]) ahead[n_ahead++] = table[j];
+        } else if (ahead_table) {
+            const int n0 = ahead_lo / DECODE_CHUNK * DECODE_CHUNK;
+            for (int j = n0 / BS; j * BS < n0 + DECODE_CHUNK && j * BS < ahead_len; j++)
+                if (j >= mine || ahead_table[j] != table[j]) ahead[n_ahead++] = ahead_table[j];
+        }
+        const int64_t ahead_lines = 2 * blk_lines * n_ahead, quota = (ahead_lines + KVH * (DECODE_CHUNK / 16) - 1) / (KVH * (DECODE_CHUNK / 16));
+        int64_t ax = 0, ar = 0;  /* lines read ahead so far; the next: line ar of block ahead[ab] */
+        int ab = 0;
         /* token i's keys in this chunk: k0[i] .. k1[i] - 1, lanes t_lo[i] .. t_hi[i] - 1 of ng[i] 16-key
          * groups from c0; a token whose context ends before the chunk, or whose window starts after
          * it, skips it (as its own decode does) */
@@ -386,7 +407,14 @@ static inline __attribute__((always_inline)) void decode_group(
         }
         for (int kh = 0; kh < KVH; kh++) {
             const float *kbase = kv_layer + (int64_t)kh * head_elems, *vbase = kbase + half;
-            for (int gi = 0; gi < ng_max; gi++) {  /* scores, 16 keys at a time for every token */
+            for (int gi = 0; gi < DECODE_CHUNK / 16; gi++) {
+                for (const int64_t x1 = ax + quota < ahead_lines ? ax + quota : ahead_lines; ax < x1; ax++) {
+                    _mm_prefetch((const char *)(kv_layer + (int64_t)ahead[ab] * blk_elems + (ar >= blk_lines ? half : 0))
+                                 + (ar >= blk_lines ? ar - blk_lines : ar) * 64, _MM_HINT_T1);
+                    if (++ar == 2 * blk_lines) { ar = 0; ab++; }
+                }
+                if (gi >= ng_max) continue;
+                /* scores, 16 keys at a time for every token */
                 const int ga = 16 * gi > a_min ? 16 * gi : a_min, gb = 16 * gi + 16 < b_max ? 16 * gi + 16 : b_max;
                 if (ga < gb) {
                     prefetch_rows(kbase, off, gb, gb + 16 < b_max ? gb + 16 : b_max, D, 0);
@@ -777,43 +805,77 @@ static inline int decode_rows_continue(const int32_t *block_tables, int max_bloc
                   (size_t)nb * sizeof(int32_t)) == 0;
 }
 
+/* The rows of the group that starts at row b (1 when b is past the rows). */
+static inline int decode_rows_group(const int32_t *block_tables, int max_blocks, const int32_t *seq_lens, int b, int B,
+                                    int BS, int tg) {
+    int n = 1;
+    while (n < tg && b + n < B && (seq_lens[b + n] - 1) % tg &&
+           decode_rows_continue(block_tables, max_blocks, seq_lens, b + n - 1, BS))
+        n++;
+    return n;
+}
+
+/* The next row that starts a group, claimed from the counter the threads share (B: none left).
+ * A row in the group of a row before it is passed over: that row's thread computes it. */
+static inline int decode_rows_claim(int *next, const int32_t *block_tables, int max_blocks, const int32_t *seq_lens,
+                                    int B, int BS, int tg) {
+    for (;;) {
+        const int b = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (b >= B) return B;
+        if (!(b > 0 && (seq_lens[b] - 1) % tg && decode_rows_continue(block_tables, max_blocks, seq_lens, b - 1, BS)))
+            return b;
+    }
+}
+
 /* The vector decode kernel's rows (BS <= 16, D 64 or 128) shared among the threads of the
  * enclosing parallel region (one thread outside any). Consecutive rows that continue one another
  * (the tokens of a prefill in the batch-invariant mode) go in groups of up to DECODE_TG, a group
  * starting at every position that is a multiple of DECODE_TG (fewer where the model's heads would
  * make the group's scratch exceed 64 KB); a row's result is the same bits in any group, alone, or
- * computed by any thread. Implicit barrier at the end. */
+ * computed by any thread. Each thread claims its next group from the counter *next (0 at the start)
+ * while it computes one: the AVX-512 kernel reads that group's blocks ahead under this one's
+ * arithmetic. A barrier at the end. */
 static void decode_rows_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
                             const int32_t *seq_lens, float *out, int B, int H, int KVH, int D, int BS,
-                            int max_blocks, int64_t nb1, float scale, int window, float softcap) {
+                            int max_blocks, int64_t nb1, float scale, int window, float softcap, int *next) {
     const int64_t half = nb1 * (int64_t)KVH * BS * D;
     const int fit = 16384 / (H * (D + 128)), tg = fit < 1 ? 1 : fit < DECODE_TG ? fit : DECODE_TG;  /* (128: DECODE_CHUNK) */
-    #pragma omp for schedule(dynamic, 1)
-    for (int b = 0; b < B; b++) {
-        if (b > 0 && (seq_lens[b] - 1) % tg && decode_rows_continue(block_tables, max_blocks, seq_lens, b - 1, BS))
-            continue;  /* in the group of a row before it */
-        int n = 1;
-        while (n < tg && b + n < B && (seq_lens[b + n] - 1) % tg &&
-               decode_rows_continue(block_tables, max_blocks, seq_lens, b + n - 1, BS))
-            n++;
+    int b = decode_rows_claim(next, block_tables, max_blocks, seq_lens, B, BS, tg);
+#if defined(__AVX512F__)
+    const int32_t *prev = 0;  /* the table of the group this thread computed before, and its length */
+    int prev_len = 0;
+#endif
+    while (b < B) {
+        const int n = decode_rows_group(block_tables, max_blocks, seq_lens, b, B, BS, tg);
+        const int b2 = decode_rows_claim(next, block_tables, max_blocks, seq_lens, B, BS, tg);
         const float *qb = q + (int64_t)b * ldq;
         const int32_t *table = block_tables + (int64_t)(b + n - 1) * max_blocks;
         float *ob = out + (int64_t)b * H * D;
 #if defined(__AVX512F__)
+        const int n2 = b2 < B ? decode_rows_group(block_tables, max_blocks, seq_lens, b2, B, BS, tg) : 0;
+        const int32_t *ahead = b2 < B ? block_tables + (int64_t)(b2 + n2 - 1) * max_blocks : 0;
+        const int ahead_lo = b2 < B && window > 0 && seq_lens[b2] > window ? seq_lens[b2] - window : 0;
+        const int ahead_len = b2 < B ? seq_lens[b2 + n2 - 1] : 0;
         /* a row alone (a decode) gets the kernel specialised for one token */
 #define DECODE_GROUP(NT) (D == 64 \
-        ? decode_group(qb, ldq, kv_layer, table, seq_lens + b, NT, ob, H, KVH, BS, half, scale, window, softcap, 4) \
-        : decode_group(qb, ldq, kv_layer, table, seq_lens + b, NT, ob, H, KVH, BS, half, scale, window, softcap, 8))
+        ? decode_group(qb, ldq, kv_layer, table, seq_lens + b, NT, ob, H, KVH, BS, half, scale, window, softcap, 4, \
+                       ahead, ahead_lo, ahead_len, prev, prev_len) \
+        : decode_group(qb, ldq, kv_layer, table, seq_lens + b, NT, ob, H, KVH, BS, half, scale, window, softcap, 8, \
+                       ahead, ahead_lo, ahead_len, prev, prev_len))
         if (n == 1) DECODE_GROUP(1);
         else DECODE_GROUP(n);
 #undef DECODE_GROUP
+        prev = table;
+        prev_len = seq_lens[b + n - 1];
 #else
         if (D == 64)
             decode_seq(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 64 / VW);
         else
             decode_seq(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 128 / VW);
 #endif
+        b = b2;
     }
+    #pragma omp barrier
 }
 #endif
 
@@ -822,9 +884,10 @@ void paged_decode_attention_f32(const float *q, int64_t ldq, const float *kv_lay
                                 int max_blocks, int64_t nb1, float scale, int window, float softcap) {
 #if defined(VW)
     if (BS <= 16 && (D == 64 || D == 128)) {
+        int next = 0;
         #pragma omp parallel
         decode_rows_f32(q, ldq, kv_layer, block_tables, seq_lens, out, B, H, KVH, D, BS, max_blocks, nb1, scale,
-                        window, softcap);
+                        window, softcap, &next);
         return;
     }
 #endif
@@ -1275,6 +1338,8 @@ int decoder_layers_f32(const decoder_layer_f32 *layers, int num_layers, const de
     const int T = s->T, hid = s->hidden, H = s->H, KVH = s->KVH, D = s->D, I = s->inter;
     const int nqkv = (H + 2 * KVH) * D;
     const int64_t half = s->nb1 * (int64_t)KVH * s->BS * D;
+    int next_row[num_layers];  /* each layer's attention: the next row to claim */
+    memset(next_row, 0, sizeof(next_row));
     #pragma omp parallel
     {
         for (int i = 0; i < num_layers; i++) {
@@ -1287,7 +1352,7 @@ int decoder_layers_f32(const decoder_layer_f32 *layers, int num_layers, const de
             kv_write_rows_f32(s->qkv + (int64_t)H * D, nqkv, s->qkv + (int64_t)(H + KVH) * D, nqkv, w->kv_layer,
                               half, s->slots, T, KVH, s->BS, D, s->nb1 * s->BS);
             decode_rows_f32(s->qkv, nqkv, w->kv_layer, s->block_tables, s->seq_lens, s->attn, T, H, KVH, D, s->BS,
-                            s->max_blocks, s->nb1, s->scale, 0, 0.0f);
+                            s->max_blocks, s->nb1, s->scale, 0, 0.0f, next_row + i);
             gemm_share(s->attn, (int64_t)H * D, w->o, w->o_bias, s->o_out, hid, T, hid, H * D);
             #pragma omp barrier
             add_rmsnorm_rows(s->o_out, hid, s->residual, hid, s->residual, hid, w->post_attention_norm, s->normed,
