@@ -320,14 +320,11 @@ static inline __attribute__((always_inline)) void decode_pv(
         for (int c = 0; c < ND; c++) _mm512_store_ps(acc + (int64_t)(h0 + g) * D + 16 * c, av[g][c]);
 }
 
-/* the rows t_lo <= t < t_hi (at base + off[t], D floats each) towards the cache (hint) */
+/* the rows t_lo <= t < t_hi (at base + off[t], D floats each) towards L1 */
 static inline __attribute__((always_inline)) void prefetch_rows(const float *base, const int64_t *off, int t_lo,
-                                                                int t_hi, int D, const int hint) {
+                                                                int t_hi, int D) {
     for (int t = t_lo; t < t_hi; t++)
-        for (int o = 0; o < D; o += 16) {
-            if (hint == 0) _mm_prefetch((const char *)(base + off[t] + o), _MM_HINT_T0);
-            else _mm_prefetch((const char *)(base + off[t] + o), _MM_HINT_T1);
-        }
+        for (int o = 0; o < D; o += 16) _mm_prefetch((const char *)(base + off[t] + o), _MM_HINT_T0);
 }
 
 /* The query tokens of a group (up to DECODE_TG rows that share a block table: consecutive tokens of
@@ -366,8 +363,13 @@ static inline __attribute__((always_inline)) void decode_group(
      * V) go towards L2, a share at each 16-key step; after the last chunk comes the first of the
      * group this thread takes next (ahead_table: its table, 0 if none), less the blocks this group
      * reads (in cache already); a block the group before it on this thread read (prev_table, prev_len)
-     * is not asked for again. Without it a block is asked for one 16-key step before its use, too
-     * late for memory. One chunk ahead (3 x 64 KB for SmolLM2) keeps the two in L2 together. */
+     * is not asked for again. Without it a block's K rows were asked for one 16-key step before
+     * their use and its V rows not at all, too late for memory: the blocks a sequence wrote in
+     * earlier steps are out of the caches by its next step (the weights stream through them). One
+     * chunk ahead (3 x 64 KB for SmolLM2) keeps the two chunks in L2 together. On a 2-core Zen 4
+     * VM, SmolLM2's layers at batch 16: -4 % at 230-290 tokens of context, -10 % at 380-440; where
+     * the blocks are in L3 already the extra instructions cost (bench/RESULTS.md, "Twenty-first
+     * session"). Prefetches change which cache holds a line, never a value: the same bits. */
     const int64_t blk_lines = blk_elems * (int64_t)sizeof(float) / 64;
     const int mine = (len_max + BS - 1) / BS;
     for (int c0 = lo_min / DECODE_CHUNK * DECODE_CHUNK; c0 < len_max; c0 += DECODE_CHUNK) {
@@ -380,7 +382,8 @@ static inline __attribute__((always_inline)) void decode_group(
             for (int j = n0 / BS; j * BS < n0 + DECODE_CHUNK && j * BS < ahead_len; j++)
                 if (j >= mine || ahead_table[j] != table[j]) ahead[n_ahead++] = ahead_table[j];
         }
-        const int64_t ahead_lines = 2 * blk_lines * n_ahead, quota = (ahead_lines + KVH * (DECODE_CHUNK / 16) - 1) / (KVH * (DECODE_CHUNK / 16));
+        const int steps = KVH * (DECODE_CHUNK / 16);  /* a chunk's 16-key steps (with keys or not) */
+        const int64_t ahead_lines = 2 * blk_lines * n_ahead, quota = (ahead_lines + steps - 1) / steps;
         int64_t ax = 0, ar = 0;  /* lines read ahead so far; the next: line ar of block ahead[ab] */
         int ab = 0;
         /* token i's keys in this chunk: k0[i] .. k1[i] - 1, lanes t_lo[i] .. t_hi[i] - 1 of ng[i] 16-key
@@ -416,10 +419,7 @@ static inline __attribute__((always_inline)) void decode_group(
                 if (gi >= ng_max) continue;
                 /* scores, 16 keys at a time for every token */
                 const int ga = 16 * gi > a_min ? 16 * gi : a_min, gb = 16 * gi + 16 < b_max ? 16 * gi + 16 : b_max;
-                if (ga < gb) {
-                    prefetch_rows(kbase, off, gb, gb + 16 < b_max ? gb + 16 : b_max, D, 0);
-                    prefetch_rows(vbase, off, ga, gb, D, 1);
-                }
+                if (ga < gb) prefetch_rows(kbase, off, gb, gb + 16 < b_max ? gb + 16 : b_max, D);  /* the next K rows */
                 for (int i = 0; i < NT; i++) {
                     if (gi >= ng[i]) continue;
                     const float *qi = qb + (int64_t)i * ldq;

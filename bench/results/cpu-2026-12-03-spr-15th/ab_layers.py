@@ -1,6 +1,7 @@
 """(fifteenth session) .venv/bin/python bench/results/cpu-2026-12-03-spr-15th/ab_layers.py BASE.c [rounds] [batch]: the fused layer stack's decode call with the current kernels vs BASE.c,
-alternating every step in one process (batch B, 196 shared + 32 own). Prints medians of the layer call."""
-import sys, time, statistics, torch, ctypes
+alternating every step in one process (batch B, 196 shared + 32 own). Prints medians of the layer call.
+(Twenty-first session: WARM=N runs N decode steps first, for longer contexts; default 0.)"""
+import os, sys, time, statistics, torch, ctypes
 from pathlib import Path
 from prefixkv import cpu_ops as co
 from prefixkv import LLM, SamplingParams
@@ -23,6 +24,8 @@ for i in range(B):
     eng.add_request(f"r{i}", shared + [5 + (i * 31 + k) % 40000 for k in range(32)],
                     SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))
 while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
+    eng.step()
+for _ in range(int(os.environ.get("WARM", 0))):
     eng.step()
 for k in T: T[k].clear()
 for i in range(rounds):
