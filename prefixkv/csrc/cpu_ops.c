@@ -378,8 +378,8 @@ static inline __attribute__((always_inline)) void decode_group(
             for (int j = (c0 + DECODE_CHUNK) / BS; j * BS < c0 + 2 * DECODE_CHUNK && j * BS < len_max; j++)
                 if (!prev_table || j * BS >= prev_len || prev_table[j] != table[j]) ahead[n_ahead++] = table[j];
         } else if (ahead_table) {
-            const int n0 = ahead_lo / DECODE_CHUNK * DECODE_CHUNK;
-            for (int j = n0 / BS; j * BS < n0 + DECODE_CHUNK && j * BS < ahead_len; j++)
+            const int n0 = ahead_lo / DECODE_CHUNK * DECODE_CHUNK;  /* its first chunk, from its window's start */
+            for (int j = ahead_lo / BS; j * BS < n0 + DECODE_CHUNK && j * BS < ahead_len; j++)
                 if (j >= mine || ahead_table[j] != table[j]) ahead[n_ahead++] = ahead_table[j];
         }
         const int steps = KVH * (DECODE_CHUNK / 16);  /* a chunk's 16-key steps (with keys or not) */
@@ -833,8 +833,8 @@ static inline int decode_rows_claim(int *next, const int32_t *block_tables, int 
  * starting at every position that is a multiple of DECODE_TG (fewer where the model's heads would
  * make the group's scratch exceed 64 KB); a row's result is the same bits in any group, alone, or
  * computed by any thread. Each thread claims its next group from the counter *next (0 at the start)
- * while it computes one: the AVX-512 kernel reads that group's blocks ahead under this one's
- * arithmetic. A barrier at the end. */
+ * while it computes one (while more groups are left than threads): the AVX-512 kernel reads that
+ * group's blocks ahead under this one's arithmetic. A barrier at the end. */
 static void decode_rows_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
                             const int32_t *seq_lens, float *out, int B, int H, int KVH, int D, int BS,
                             int max_blocks, int64_t nb1, float scale, int window, float softcap, int *next) {
@@ -847,7 +847,11 @@ static void decode_rows_f32(const float *q, int64_t ldq, const float *kv_layer, 
 #endif
     while (b < B) {
         const int n = decode_rows_group(block_tables, max_blocks, seq_lens, b, B, BS, tg);
-        const int b2 = decode_rows_claim(next, block_tables, max_blocks, seq_lens, B, BS, tg);
+        /* the next group claimed now only while more are left than there are threads: with fewer, a
+         * thread that claimed early would leave another idle (at batch 2 on 2 threads, one thread
+         * took both rows); then it is claimed after this one, with nothing read ahead for it */
+        const int early = B - __atomic_load_n(next, __ATOMIC_RELAXED) > omp_get_num_threads();
+        const int b2 = early ? decode_rows_claim(next, block_tables, max_blocks, seq_lens, B, BS, tg) : B;
         const float *qb = q + (int64_t)b * ldq;
         const int32_t *table = block_tables + (int64_t)(b + n - 1) * max_blocks;
         float *ob = out + (int64_t)b * H * D;
@@ -873,7 +877,7 @@ static void decode_rows_f32(const float *q, int64_t ldq, const float *kv_layer, 
         else
             decode_seq(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 128 / VW);
 #endif
-        b = b2;
+        b = early ? b2 : decode_rows_claim(next, block_tables, max_blocks, seq_lens, B, BS, tg);
     }
     #pragma omp barrier
 }
@@ -1338,6 +1342,7 @@ int decoder_layers_f32(const decoder_layer_f32 *layers, int num_layers, const de
     const int T = s->T, hid = s->hidden, H = s->H, KVH = s->KVH, D = s->D, I = s->inter;
     const int nqkv = (H + 2 * KVH) * D;
     const int64_t half = s->nb1 * (int64_t)KVH * s->BS * D;
+    if (num_layers <= 0) return 1;
     int next_row[num_layers];  /* each layer's attention: the next row to claim */
     memset(next_row, 0, sizeof(next_row));
     #pragma omp parallel
