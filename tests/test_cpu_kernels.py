@@ -99,9 +99,9 @@ def test_decode_rows_of_one_sequence_are_the_bits_of_each_row_alone(head_dim, gr
 
 @pytest.mark.parametrize("threads", [1, 3, 5])
 def test_decode_rows_each_computed_once_by_any_number_of_threads(threads):
-    """The threads claim rows (and prefill groups) from a shared counter, each one group ahead of
-    the one it computes: with fewer, as many or more threads than groups, every row is written,
-    with the bits of two threads' run."""
+    """The threads claim rows (and prefill groups) from a shared counter, one group ahead of the
+    one they compute while more are left than threads: with fewer, as many or more threads than
+    groups, every row is written, with the bits of two threads' run."""
     b = make_batch(torch.float32, 64, 16, 3, 3, GROUP_SPECS, seed=13)
     tables, lens = [], []
     for s, (seq_len, qlen) in enumerate(GROUP_SPECS):
