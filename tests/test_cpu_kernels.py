@@ -58,6 +58,17 @@ def test_decode_kernel_rows_do_not_depend_on_the_batch():
 GROUP_SPECS = [(140, 20), (145, 5), (250, 10), (40, 40), (135, 9), (1, 1), (300, 3)]  # (seq_len, query tokens)
 
 
+def _token_rows(block_tables, specs):
+    """Each query token of ``specs`` as a decode row (the batch-invariant mode's ``token_rows``):
+    its sequence's block-table row and its own context length."""
+    tables, lens = [], []
+    for s, (seq_len, qlen) in enumerate(specs):
+        for i in range(qlen):
+            tables.append(block_tables[s])
+            lens.append(seq_len - qlen + i + 1)
+    return torch.stack(tables).contiguous(), torch.tensor(lens, dtype=torch.int32)
+
+
 @pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 2)])
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (130, None), (None, 2.0), (17, 30.0)])
 def test_decode_rows_of_one_sequence_are_the_bits_of_each_row_alone(head_dim, group, window, softcap):
@@ -71,12 +82,7 @@ def test_decode_rows_of_one_sequence_are_the_bits_of_each_row_alone(head_dim, gr
     b["block_tables"] = b["block_tables"].contiguous()
     gen = torch.Generator().manual_seed(5)
     b["cache"][:, b["block_tables"][0, 8], :, 12:] = torch.randn(b["cache"][:, 0, :, 12:].shape, generator=gen)
-    tables, lens, starts = [], [], b["query_start_loc"].tolist()
-    for s, (seq_len, qlen) in enumerate(GROUP_SPECS):
-        for i in range(qlen):
-            tables.append(b["block_tables"][s])
-            lens.append(seq_len - qlen + i + 1)
-    tables, lens = torch.stack(tables).contiguous(), torch.tensor(lens, dtype=torch.int32)
+    tables, lens = _token_rows(b["block_tables"], GROUP_SPECS)
     scale = head_dim ** -0.5
     if window is not None:
         others = [0] + list(range(2, len(GROUP_SPECS)))  # the second's blocks are the first's, then its own
@@ -103,12 +109,7 @@ def test_decode_rows_each_computed_once_by_any_number_of_threads(threads):
     one they compute while more are left than threads: with fewer, as many or more threads than
     groups, every row is written, with the bits of two threads' run."""
     b = make_batch(torch.float32, 64, 16, 3, 3, GROUP_SPECS, seed=13)
-    tables, lens = [], []
-    for s, (seq_len, qlen) in enumerate(GROUP_SPECS):
-        for i in range(qlen):
-            tables.append(b["block_tables"][s])
-            lens.append(seq_len - qlen + i + 1)
-    tables, lens = torch.stack(tables).contiguous(), torch.tensor(lens, dtype=torch.int32)
+    tables, lens = _token_rows(b["block_tables"], GROUP_SPECS)
     q = b["q"]
     before = torch.get_num_threads()
     try:

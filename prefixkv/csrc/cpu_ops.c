@@ -339,6 +339,17 @@ static inline __attribute__((always_inline)) void prefetch_rows(const float *bas
  * 900 tokens, more than L2); a group reads it once for all its tokens. NT = 1 is a decode row. */
 #define DECODE_TG 8
 #define DECODE_PV_RUN 32
+/* The blocks of tbl from index j0 on that hold positions before end, less those that `read` (a table
+ * whose blocks up to position read_len are in cache; 0: none) has at the same index, into out.
+ * Returns their number. */
+static inline int blocks_not_read(const int32_t *tbl, int j0, int end, int BS, const int32_t *read, int read_len,
+                                  int *out) {
+    int n = 0;
+    for (int j = j0; j * BS < end; j++)
+        if (!read || j * BS >= read_len || read[j] != tbl[j]) out[n++] = tbl[j];
+    return n;
+}
+
 static inline __attribute__((always_inline)) void decode_group(
         const float *qb, int64_t ldq, const float *kv_layer, const int32_t *table, const int32_t *lens, const int NT,
         float *ob, int H, int KVH, int BS, int64_t half, float scale, int window, float softcap, const int ND,
@@ -371,17 +382,15 @@ static inline __attribute__((always_inline)) void decode_group(
      * the blocks are in L3 already the extra instructions cost (bench/RESULTS.md, "Twenty-first
      * session"). Prefetches change which cache holds a line, never a value: the same bits. */
     const int64_t blk_lines = blk_elems * (int64_t)sizeof(float) / 64;
-    const int mine = (len_max + BS - 1) / BS;
     for (int c0 = lo_min / DECODE_CHUNK * DECODE_CHUNK; c0 < len_max; c0 += DECODE_CHUNK) {
         int ahead[DECODE_CHUNK], n_ahead = 0;  /* the blocks read ahead during this chunk */
-        if (c0 + DECODE_CHUNK < len_max) {
-            for (int j = (c0 + DECODE_CHUNK) / BS; j * BS < c0 + 2 * DECODE_CHUNK && j * BS < len_max; j++)
-                if (!prev_table || j * BS >= prev_len || prev_table[j] != table[j]) ahead[n_ahead++] = table[j];
-        } else if (ahead_table) {
-            const int n0 = ahead_lo / DECODE_CHUNK * DECODE_CHUNK;  /* its first chunk, from its window's start */
-            for (int j = ahead_lo / BS; j * BS < n0 + DECODE_CHUNK && j * BS < ahead_len; j++)
-                if (j >= mine || ahead_table[j] != table[j]) ahead[n_ahead++] = ahead_table[j];
-        }
+        const int c1 = c0 + DECODE_CHUNK, n1 = ahead_lo / DECODE_CHUNK * DECODE_CHUNK + DECODE_CHUNK;
+        if (c1 < len_max)  /* this group's next chunk */
+            n_ahead = blocks_not_read(table, c1 / BS, c1 + DECODE_CHUNK < len_max ? c1 + DECODE_CHUNK : len_max, BS,
+                                      prev_table, prev_len, ahead);
+        else if (ahead_table)  /* the next group's first chunk, from its window's start */
+            n_ahead = blocks_not_read(ahead_table, ahead_lo / BS, n1 < ahead_len ? n1 : ahead_len, BS, table, len_max,
+                                      ahead);
         const int steps = KVH * (DECODE_CHUNK / 16);  /* a chunk's 16-key steps (with keys or not) */
         const int64_t ahead_lines = 2 * blk_lines * n_ahead, quota = (ahead_lines + steps - 1) / steps;
         int64_t ax = 0, ar = 0;  /* lines read ahead so far; the next: line ar of block ahead[ab] */
@@ -805,13 +814,17 @@ static inline int decode_rows_continue(const int32_t *block_tables, int max_bloc
                   (size_t)nb * sizeof(int32_t)) == 0;
 }
 
-/* The rows of the group that starts at row b (1 when b is past the rows). */
+/* Row r is in the group of the row before it (groups start where (length - 1) % tg == 0). */
+static inline int decode_rows_joins(const int32_t *block_tables, int max_blocks, const int32_t *seq_lens, int r,
+                                    int BS, int tg) {
+    return r > 0 && (seq_lens[r] - 1) % tg && decode_rows_continue(block_tables, max_blocks, seq_lens, r - 1, BS);
+}
+
+/* The rows of the group that starts at row b. */
 static inline int decode_rows_group(const int32_t *block_tables, int max_blocks, const int32_t *seq_lens, int b, int B,
                                     int BS, int tg) {
     int n = 1;
-    while (n < tg && b + n < B && (seq_lens[b + n] - 1) % tg &&
-           decode_rows_continue(block_tables, max_blocks, seq_lens, b + n - 1, BS))
-        n++;
+    while (n < tg && b + n < B && decode_rows_joins(block_tables, max_blocks, seq_lens, b + n, BS, tg)) n++;
     return n;
 }
 
@@ -822,8 +835,7 @@ static inline int decode_rows_claim(int *next, const int32_t *block_tables, int 
     for (;;) {
         const int b = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
         if (b >= B) return B;
-        if (!(b > 0 && (seq_lens[b] - 1) % tg && decode_rows_continue(block_tables, max_blocks, seq_lens, b - 1, BS)))
-            return b;
+        if (!decode_rows_joins(block_tables, max_blocks, seq_lens, b, BS, tg)) return b;
     }
 }
 
@@ -856,10 +868,14 @@ static void decode_rows_f32(const float *q, int64_t ldq, const float *kv_layer, 
         const int32_t *table = block_tables + (int64_t)(b + n - 1) * max_blocks;
         float *ob = out + (int64_t)b * H * D;
 #if defined(__AVX512F__)
-        const int n2 = b2 < B ? decode_rows_group(block_tables, max_blocks, seq_lens, b2, B, BS, tg) : 0;
-        const int32_t *ahead = b2 < B ? block_tables + (int64_t)(b2 + n2 - 1) * max_blocks : 0;
-        const int ahead_lo = b2 < B && window > 0 && seq_lens[b2] > window ? seq_lens[b2] - window : 0;
-        const int ahead_len = b2 < B ? seq_lens[b2 + n2 - 1] : 0;
+        const int32_t *ahead = 0;  /* the next group's table (its last row's), window start and length */
+        int ahead_lo = 0, ahead_len = 0;
+        if (b2 < B) {
+            const int last = b2 + decode_rows_group(block_tables, max_blocks, seq_lens, b2, B, BS, tg) - 1;
+            ahead = block_tables + (int64_t)last * max_blocks;
+            ahead_lo = window > 0 && seq_lens[b2] > window ? seq_lens[b2] - window : 0;
+            ahead_len = seq_lens[last];
+        }
         /* a row alone (a decode) gets the kernel specialised for one token */
 #define DECODE_GROUP(NT) (D == 64 \
         ? decode_group(qb, ldq, kv_layer, table, seq_lens + b, NT, ob, H, KVH, BS, half, scale, window, softcap, 4, \
