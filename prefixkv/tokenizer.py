@@ -171,17 +171,35 @@ class HFTokenizer(Tokenizer):
         self._init_eos(self.hf.eos_token_id, gen_eos_ids)
         template = getattr(self.hf, "chat_template", None)
         self.chat_template = template if template else FALLBACK_CHAT_TEMPLATE
+        self._rust_decode = self._find_rust_decode()
         self.byte_run_probe_id = self._find_byte_run_probe()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._rust_decode is not None:
+            return self._rust_decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens,
                               clean_up_tokenization_spaces=False)
 
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
         return list(self.hf.convert_ids_to_tokens(list(token_ids)))
+
+    def _find_rust_decode(self):
+        """transformers' decode of a fast tokenizer, without clean-up, is its Rust tokenizer's
+        decode (called twice a streamed token; the Python around it cost 3.2 us of 4 here). None
+        where the class overrides either step (its own decode is kept)."""
+        try:
+            from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        except ImportError:
+            return None
+        cls = type(self.hf)
+        if (isinstance(self.hf, TokenizersBackend) and cls.decode is PreTrainedTokenizerBase.decode
+                and cls._decode is TokenizersBackend._decode):
+            return self.hf._tokenizer.decode
+        return None
 
     def _find_byte_run_probe(self) -> int | None:
         ids = self.hf.convert_tokens_to_ids(["<0x61>", "<0x80>"])

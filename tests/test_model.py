@@ -37,6 +37,25 @@ def test_float64_lm_head_is_one_matmul(monkeypatch):
     assert torch.equal(lm_head(h, w), F.linear(h, w)) and calls == []
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rope_table_rows_are_the_computed_values(tiny_llama, dtype):
+    """On CPU, cos/sin come from a table of positions 0 .. n - 1 made once by the same ops: every
+    row must be the bits computed for that position in a batch of any size (elementwise ops; a
+    vector kernel's tail in torch would show here as a last-bit difference). The table grows when
+    a position passes its end."""
+    from prefixkv import LLM
+
+    model = LLM(model=str(tiny_llama), dtype=str(dtype).removeprefix("torch.")).engine.model
+    g = torch.Generator().manual_seed(3)
+    for t in [1, 2, 3, 7, 16, 31, 33, 100]:
+        for top in (50, 5000, 9000):
+            pos = torch.randint(0, top, (t,), generator=g)
+            cos, sin = model.rope(pos, dtype, "default", top)
+            ref_cos, ref_sin = model.rope(pos, dtype)
+            assert cos.dtype == dtype and torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin), (t, top)
+    assert model._rope_tables[("default", dtype)][0].shape[0] == 12288  # (9000 rounded up to 4096s)
+
+
 def test_dtype_auto_resolution():
     from types import SimpleNamespace
 

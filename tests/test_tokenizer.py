@@ -138,6 +138,29 @@ def test_backends_and_vocab(bpe, sp, llama, bpe_dir, sp_dir):
     assert bpe.byte_run_probe_id is None and sp.byte_run_probe_id is None
 
 
+@pytest.mark.parametrize("name", ["bpe", "llama"])
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_fast_decode_is_transformers_decode(request, name, skip_special_tokens):
+    """HFTokenizer.decode calls the Rust tokenizer directly (transformers' decode without clean-up
+    is that call; its Python wrapper was most of a streamed token's cost): the same text for random
+    ids, special tokens and byte runs included; a class overriding ``_decode`` keeps its own."""
+    tok = request.getfixturevalue(name)
+    assert tok._rust_decode is not None
+    rng = random.Random(1)
+    for _ in range(300):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 12))]
+        assert tok.decode(ids, skip_special_tokens=skip_special_tokens) == tok.hf.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False), ids
+
+    class Overriding(type(tok.hf)):
+        def _decode(self, token_ids, **kw):
+            return "own"
+
+    other = object.__new__(HFTokenizer)
+    other.hf = object.__new__(Overriding)
+    assert other._find_rust_decode() is None
+
+
 @pytest.mark.parametrize("text", MIXED_TEXTS)
 def test_round_trip(tok, text):
     ids = tok.encode(text, add_special_tokens=False)

@@ -85,6 +85,9 @@ class FusedStack:
             self._keep += [*norms, a.qkv_proj.packed, a.o_proj.packed, m.gate_up_proj.packed, m.down_proj.packed]
             self._keep += [b for b in (a.qkv_proj.bias, a.o_proj.bias) if b is not None]
         self.fn = cpu_ops.load().decoder_layers_f32
+        # the workspaces of the last call: residual, normed, qkv, attn, o_out, gate_up, act [T, ...]
+        # (the residual is returned: the caller reads it before the next call)
+        self._work: tuple[torch.Tensor, ...] | None = None
 
     @staticmethod
     def rows(meta: AttentionMetadata, batch_invariant: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -107,14 +110,11 @@ class FusedStack:
         slots = meta.slot_mapping.contiguous()
         assert slots.dtype == torch.int64 and slots.shape == (t,)
         d, hid, inter = s.head_dim, s.hidden_size, s.intermediate_size
-        f32 = torch.float32
-        residual = torch.empty((t, hid), dtype=f32)
-        normed = torch.empty((t, hid), dtype=f32)
-        qkv = torch.empty((t, (s.num_heads + 2 * s.num_kv_heads) * d), dtype=f32)
-        attn = torch.empty((t, s.num_heads * d), dtype=f32)
-        o_out = torch.empty((t, hid), dtype=f32)
-        gate_up = torch.empty((t, 2 * inter), dtype=f32)
-        act = torch.empty((t, inter), dtype=f32)
+        if self._work is None or self._work[0].shape[0] != t:  # (a decode batch keeps its size for many steps)
+            f32 = torch.float32
+            self._work = tuple(torch.empty((t, n), dtype=f32) for n in (
+                hid, hid, (s.num_heads + 2 * s.num_kv_heads) * d, s.num_heads * d, hid, 2 * inter, inter))
+        residual, normed, qkv, attn, o_out, gate_up, act = self._work
         st = cpu_ops.DecoderStepF32(
             T=t, hidden=hid, H=s.num_heads, KVH=s.num_kv_heads, D=d, BS=self.block_size, inter=inter,
             max_blocks=tables.shape[1], nb1=self.nb1, eps=s.rms_norm_eps, scale=self.scale,

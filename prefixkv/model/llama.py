@@ -391,6 +391,7 @@ class LlamaModel(nn.Module):
         """The RoPE tables by kind (``rope_inv_freq``): inverse frequencies (fp32, as in
         transformers) and the attention scaling of each."""
         self.ropes = {k: (f.float().to(device) if device else f.float(), scale) for k, (f, scale) in ropes.items()}
+        self._rope_tables: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}  # (rope)
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -477,7 +478,22 @@ class LlamaModel(nn.Module):
             return self.packed_lm_head(h)
         return lm_head(h, self.lm_head_weight())
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype, kind: str = "default") -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, kind: str = "default",
+             max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] of ``positions`` (as transformers computes them). On CPU, given
+        ``max_position`` (above every position), rows of a table of positions 0 .. n - 1 made once
+        by the same ops (elementwise, so each value is the same bits; tests/test_model_parts.py):
+        two index ops a step instead of nine, each costly when a step's weights have just streamed
+        through the caches."""
+        if max_position is None or positions.device.type != "cpu":
+            return self._rope_compute(positions, dtype, kind)
+        table = self._rope_tables.get((kind, dtype))
+        if table is None or table[0].shape[0] < max_position:
+            n = -(-max_position // 4096) * 4096
+            table = self._rope_tables[(kind, dtype)] = self._rope_compute(torch.arange(n), dtype, kind)
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
+
+    def _rope_compute(self, positions: torch.Tensor, dtype: torch.dtype, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq, scaling = self.ropes[kind]
         freqs = positions[:, None].float() * inv_freq[None, :]  # [T, D/2] fp32
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -491,14 +507,15 @@ class LlamaModel(nn.Module):
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks + 1, KVH, block_size, D]
         meta: AttentionMetadata | list[AttentionMetadata],  # a list: one per KV cache group
         backend: AttentionBackend,
-        logits_indices: torch.Tensor,  # [S] rows of the batch whose logits are needed
+        logits_indices: torch.Tensor | None,  # [S] rows of the batch whose logits are needed (None: all, in order)
     ) -> torch.Tensor:  # [S, vocab] float32 (float64 models: float64)
         """With KV cache groups, ``kv_cache`` is [layers_per_page, 2, num_pages + 1, ...] and layer
         i uses ``kv_cache[kv_slots[i]]`` with ``meta[kv_groups[i]]``."""
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         if self.shape.gemma:  # sqrt(hidden) as a tensor of the model's dtype, as transformers'
             h = h * torch.tensor(self.shape.hidden_size ** 0.5, dtype=h.dtype)
-        tables = {k: self.rope(positions, h.dtype, k) for k in self.ropes}  # [T, D] cos, sin each
+        top = (meta[0] if isinstance(meta, list) else meta).max_seq_len  # above every position
+        tables = {k: self.rope(positions, h.dtype, k, top) for k in self.ropes}  # [T, D] cos, sin each
         residual = None
         grouped = isinstance(meta, list)
         stack = None if grouped else self._fused_stack(kv_cache, backend)
@@ -513,7 +530,9 @@ class LlamaModel(nn.Module):
                                         backend)
                 else:
                     h, residual = layer(h, residual, cos, sin, kv_cache[i], meta, backend)
-        h, _ = self.model.norm.add_forward(h[logits_indices], residual[logits_indices])  # [S, hidden]
+        if logits_indices is not None:
+            h, residual = h[logits_indices], residual[logits_indices]
+        h, _ = self.model.norm.add_forward(h, residual)  # [S, hidden]
         logits = self.logits(h)
         if self.shape.final_softcap is not None:
             cap = self.shape.final_softcap
@@ -521,4 +540,4 @@ class LlamaModel(nn.Module):
                 cpu_ops.softcap_(logits, cap)
             else:
                 logits = torch.tanh(logits / cap) * cap
-        return logits if logits.dtype == torch.float64 else logits.float()
+        return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()

@@ -108,9 +108,10 @@ class ModelRunner:
                 * torch.empty((), dtype=dtype).element_size())
 
     # ------------------------------------------------------------------ inputs
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list, torch.Tensor]:
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list,
+                                                     torch.Tensor | None]:
         """Step inputs; the returned logits rows hold one row per sampling sequence (a fork step's
-        n samples share it). Host work follows this step's tokens and new blocks: the block
+        n samples share it; None where that is every row, in order: a step of decodes). Host work follows this step's tokens and new blocks: the block
         tables are the runner's persistent copies (``BlockTables``), updated by the step's deltas."""
         tables = self.block_tables
         tables.release(out.released_seq_ids)
@@ -157,13 +158,14 @@ class ModelRunner:
         slots = tables.table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
         max_blocks = int(tables.num_blocks[rows_np].max())
         dev = self.device
+        on_dev = (lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev))  # (no dispatch on CPU)
         seq_lens_cpu = seq_lens.tolist()
         starts_cpu = starts.tolist()
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(starts.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(tables.gather(rows, max_blocks)).to(dev),
+            slot_mapping=on_dev(torch.from_numpy(slots)),
+            query_start_loc=on_dev(torch.from_numpy(starts.astype(np.int32))),
+            seq_lens=on_dev(torch.from_numpy(seq_lens.astype(np.int32))),
+            block_tables=on_dev(torch.from_numpy(tables.gather(rows, max_blocks))),
             num_decode_seqs=out.num_decodes,
             # an upper bound: on the GPU the decode kernel's split-K choice then matches the
             # captured graphs' (sized for max_model_len), so a batch's arithmetic does not depend
@@ -180,34 +182,34 @@ class ModelRunner:
                 g_tok = g_np if end == len(rows) else np.repeat(g_np, counts_np)
                 g_slots = t.table[g_tok, positions // bs].astype(np.int64) * bs + positions % bs
                 metas.append(AttentionMetadata(
-                    slot_mapping=torch.from_numpy(g_slots).to(dev), query_start_loc=meta.query_start_loc,
-                    seq_lens=meta.seq_lens, block_tables=torch.from_numpy(t.gather(g_rows, max_blocks)).to(dev),
+                    slot_mapping=on_dev(torch.from_numpy(g_slots)), query_start_loc=meta.query_start_loc,
+                    seq_lens=meta.seq_lens, block_tables=on_dev(torch.from_numpy(t.gather(g_rows, max_blocks))),
                     num_decode_seqs=meta.num_decode_seqs, max_seq_len=meta.max_seq_len,
                     max_query_len=meta.max_query_len, seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=starts_cpu))
             meta = metas
-        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                torch.from_numpy(positions).to(dev), meta,
-                torch.tensor(logits_rows, dtype=torch.int64, device=dev))
+        # logits rows increase, so as many as the step's tokens are every row in order (None)
+        return (torch.tensor(input_ids, dtype=torch.int64, device=dev), on_dev(torch.from_numpy(positions)), meta,
+                None if len(logits_rows) == end else torch.tensor(logits_rows, dtype=torch.int64, device=dev))
 
     def sampling_batch(self, rows: list[tuple[Request, int]]) -> SamplingBatch:
         """rows: (request, sample_index) per token to sample."""
         dev, v = self.device, self.vocab_size
         params = [r.sampling_params for r, _ in rows]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=dev)
         b = SamplingBatch(
-            temperature=temperature,
-            top_k=torch.tensor([min(p.top_k, v) if p.top_k > 0 else v for p in params], dtype=torch.int64,
-                               device=dev),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float64, device=dev),
-            seeds=torch.tensor([mix_seed(r.seed, k) for r, k in rows], dtype=torch.int64, device=dev),
-            positions=torch.tensor([r.num_output_tokens for r, _ in rows], dtype=torch.int64, device=dev),
             all_greedy=all(p.greedy for p in params),
             any_top_k=any(0 < p.top_k < v for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0.0 for p in params),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
         )
+        if not b.all_greedy:  # (a greedy batch takes the argmax alone: six tensors fewer a step)
+            b.temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=dev)
+            b.top_k = torch.tensor([min(p.top_k, v) if p.top_k > 0 else v for p in params], dtype=torch.int64,
+                                   device=dev)
+            b.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev)
+            b.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64, device=dev)
+            b.seeds = torch.tensor([mix_seed(r.seed, k) for r, k in rows], dtype=torch.int64, device=dev)
+            b.positions = torch.tensor([r.num_output_tokens for r, _ in rows], dtype=torch.int64, device=dev)
         if any(p.uses_penalties for p in params):
             b.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float64, device=dev)
             b.presence_penalty = torch.tensor([p.presence_penalty for p in params], dtype=torch.float64, device=dev)
@@ -311,8 +313,10 @@ class ModelRunner:
         input_ids, positions, meta, logits_rows = self.prepare(out)
         prompt_rows = self._prompt_logprob_rows(out)
         if prompt_rows:  # their logits too, after the sampling rows
-            logits_rows = torch.cat([logits_rows, torch.tensor([r for r, _, _ in prompt_rows], dtype=torch.int64,
-                                                               device=logits_rows.device)])
+            n = input_ids.shape[0]
+            logits_rows = torch.cat([torch.arange(n, device=self.device) if logits_rows is None else logits_rows,
+                                     torch.tensor([r for r, _, _ in prompt_rows], dtype=torch.int64,
+                                                  device=self.device)])
         if self._graph_step(out):
             logits = self.graphs.replay(input_ids, positions, meta)
         else:

@@ -63,16 +63,17 @@ def row_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 class SamplingBatch:
     """Per-row sampling parameters for one step (row = one token to sample)."""
 
-    temperature: torch.Tensor  # [S] float
-    top_k: torch.Tensor  # [S] int64, vocab_size when disabled
-    top_p: torch.Tensor  # [S] float
-    min_p: torch.Tensor  # [S] float
-    seeds: torch.Tensor  # [S] int64 (32-bit stream ids)
-    positions: torch.Tensor  # [S] int64, index of the output token being sampled
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
+    # the rows' sampling parameters (None in a batch of greedy rows only: the argmax needs none)
+    temperature: torch.Tensor | None = None  # [S] float
+    top_k: torch.Tensor | None = None  # [S] int64, vocab_size when disabled
+    top_p: torch.Tensor | None = None  # [S] float
+    min_p: torch.Tensor | None = None  # [S] float
+    seeds: torch.Tensor | None = None  # [S] int64 (32-bit stream ids)
+    positions: torch.Tensor | None = None  # [S] int64, index of the output token being sampled
     # penalties (None when no row uses them)
     repetition_penalty: torch.Tensor | None = None  # [S]
     presence_penalty: torch.Tensor | None = None  # [S]
