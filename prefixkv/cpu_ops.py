@@ -123,6 +123,8 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.gemm_pack_f32.argtypes = [p, i64, i32, i32, p]
     lib.gemm_f32.argtypes = [p, i64, p, p, p, i64, i32, i32, i32]
     lib.gemm_f32.restype = i32
+    lib.lm_head_argmax_f32.argtypes = [p, i64, p, i64, p, ctypes.c_float, p, p, p, i32, i32, i32, p]
+    lib.lm_head_argmax_f32.restype = i32
     for name in ("add_rmsnorm_f32", "rope_f32", "rope_f64", "silu_mul_f32", "gemm_pack_f32"):
         getattr(lib, name).restype = None
     lib.decoder_layers_f32.argtypes = [p, i32, p]
@@ -345,6 +347,27 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     if x.shape[0]:
         lib.argmax_rows_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
+    return out
+
+
+def lm_head_argmax(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Greedy decoding's last step in one call: float32 x, residual [M, K] (rows contiguous) ->
+    int64 [M], each row's argmax (first largest index, first NaN if any) over the logits
+    ``gemm_caller(packed, n, bias)(add_rmsnorm(x, residual, norm_weight, eps)[0])`` would return,
+    bitwise those values, never written (tests/test_linear.py). None where the library has no GEMM."""
+    lib = load()
+    m, k = x.shape
+    assert x.dtype == residual.dtype == torch.float32 and residual.shape == (m, k) and x.stride(1) == 1
+    assert residual.stride(1) == 1 and norm_weight.is_contiguous() and norm_weight.shape == (k,)
+    assert packed.is_contiguous() and packed.shape[1] == k and packed.shape[0] * packed.shape[2] >= n
+    assert bias is None or (bias.shape == (n,) and bias.is_contiguous())
+    out = torch.empty(m, dtype=torch.int64)
+    normed = torch.empty((m, k), dtype=torch.float32)
+    if m and not lib.lm_head_argmax_f32(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
+                                        norm_weight.data_ptr(), eps, normed.data_ptr(), packed.data_ptr(),
+                                        None if bias is None else bias.data_ptr(), m, n, k, out.data_ptr()):
+        return None
     return out
 
 

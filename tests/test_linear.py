@@ -84,6 +84,56 @@ def test_c_gemm_rows_do_not_depend_on_the_batch_or_threads(n_in, n_out):
         torch.set_num_threads(threads)
 
 
+@needs_c_gemm
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n_in,n_out", [(576, 49152 // 8), (64, 97), (128, 48 * 5)])
+def test_lm_head_argmax_is_argmax_of_the_written_logits(n_in, n_out, bias):
+    """cpu_ops.lm_head_argmax (greedy decoding's norm + LM head + argmax in one call, the logits
+    never written) gives each row torch.argmax of the logits the norm and the C GEMM return: ties
+    (duplicated weight rows, in one panel of 48 columns and across panels and threads) go to the
+    first index, a NaN logit wins (the first NaN), -inf rows give index 0; 1-3 threads."""
+    g = torch.Generator().manual_seed(n_out)
+    m = _linear(n_in, n_out, bias, seed=n_out)
+    w = m.weight.detach().clone()
+    w[n_out - 3] = w[5]  # a tie across panels (and threads): argmax must be 5 where row 5 wins
+    w[n_out // 2 + 1] = w[n_out // 2]  # a tie inside one panel
+    if bias:
+        m.bias.data[n_out - 3] = m.bias.data[5]
+        m.bias.data[n_out // 2 + 1] = m.bias.data[n_out // 2]
+    m.weight = torch.nn.Parameter(w, requires_grad=False)
+    norm_w = torch.rand(n_in, generator=g) + 0.5
+    x, residual = torch.randn(40, n_in, generator=g), torch.randn(40, n_in, generator=g)
+    x[3] = 0.0  # h = residual
+    residual[7] = float("-inf")  # a row of NaN logits (inf / inf in the norm)
+    # rows whose largest logit is a tied one: their normed input along the tied weight row
+    unit = w[5] / norm_w
+    x[10], residual[10] = 3.0 * unit, 0.0 * unit
+    unit2 = w[n_out // 2] / norm_w
+    x[11], residual[11] = 3.0 * unit2, 0.0 * unit2
+    m.prepack("c")
+    normed, _ = cpu_ops.add_rmsnorm(x, residual, norm_w, 1e-5)
+    logits = m(normed)
+    ref = logits.argmax(dim=-1)
+    assert ref[10].item() == 5 and ref[11].item() == n_out // 2 and ref[7].item() == 0  # what the rows test
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            got = cpu_ops.lm_head_argmax(x, residual, norm_w, 1e-5, m.packed, n_out, m.bias)
+            assert torch.equal(got, ref), (n, (got != ref).nonzero())
+    finally:
+        torch.set_num_threads(threads)
+    nan_w = w.clone()
+    nan_w[n_out - 2] = float("nan")  # two NaN columns: every row's argmax is the first (row 7: all NaN, 0)
+    nan_w[n_out - 10] = float("nan")
+    m2 = _linear(n_in, n_out, bias, seed=n_out)
+    m2.weight = torch.nn.Parameter(nan_w, requires_grad=False)
+    m2.prepack("c")
+    ref2 = m2(normed).argmax(dim=-1)
+    assert ref2[7].item() == 0 and (ref2[torch.arange(40) != 7] == n_out - 10).all()
+    assert torch.equal(cpu_ops.lm_head_argmax(x, residual, norm_w, 1e-5, m2.packed, n_out, m2.bias), ref2)
+
+
 @needs_onednn
 @pytest.mark.parametrize("n_in,n_out", [(576, 960), (1536, 576), (576, 3072)])
 def test_onednn_rows_do_not_depend_on_the_batch(n_in, n_out):
@@ -192,3 +242,35 @@ def test_prepacked_model_logits_close_to_plain_and_same_greedy_tokens(tiny_llama
             diff = max(diff, max(abs(a.logprob - b.logprob) for a, b in zip(la, lb)))
         print(f"{path.name}: max abs diff of chosen logprobs, {kind} vs F.linear: {diff:.3e}")
         assert diff < 1e-4
+
+
+@needs_c_gemm
+def test_engine_takes_greedy_tokens_from_the_c_head_only_where_sampling_is_the_argmax(tiny_llama, tiny_qwen2,
+                                                                                    monkeypatch):
+    """A step whose every token is greedy with nothing else asked (no logprobs, penalties, masks)
+    takes its tokens from cpu_ops.lm_head_argmax (no logits); the tokens are those of the logits
+    path (the same model with it off), Qwen2's LM head included; a request with logprobs, or one
+    sampling, in the batch sends the step through the logits."""
+    from prefixkv import LLM, SamplingParams
+    from prefixkv.model.llama import LlamaModel
+
+    calls = []
+    real = cpu_ops.lm_head_argmax
+    monkeypatch.setattr(cpu_ops, "lm_head_argmax", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    prompts = [[5 + (i * 7 + k) % 300 for i in range(20 + 9 * k)] for k in range(4)]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for path in (tiny_llama, tiny_qwen2):
+        llm = LLM(model=str(path), block_size=4, num_kv_blocks=256)
+        assert llm.engine.model.greedy_head_ok
+        calls.clear()
+        fused = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        assert len(calls) == 11 and set(calls) == {4}  # the 11 decode steps (the prefill step: logits of 4 rows of 134)
+        with monkeypatch.context() as mp:
+            mp.setattr(LlamaModel, "greedy_head_ok", property(lambda self: False))
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == fused
+        calls.clear()
+        mixed = [greedy] * 3 + [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, mixed)] == fused and calls == []
+        calls.clear()
+        mixed = [greedy] * 3 + [SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True)]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, mixed)][:3] == fused[:3] and calls == []

@@ -13,6 +13,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+#include <stdlib.h>
 
 /* Decode attention: one query token per sequence, at its last position (seq_lens[b] - 1),
  * attending to positions 0 .. seq_lens[b] - 1 read through its block table.
@@ -1079,23 +1080,37 @@ void copy_kv_blocks(const char *src, int64_t src_outer_stride, int64_t src_block
     }
 }
 
+/* Row m's running argmax over the values v[0 .. n - 1] (columns j0 .. j0 + n - 1, after those
+ * before j0 in order): *best and *idx (-1: no value yet) become those of the row's first largest
+ * value so far, or of its first NaN once one is seen (torch.argmax's rule);
+ * the max and the NaN test of the n values vectorised, a scan only where they change the best. */
+static inline void argmax_update(const float *v, int n, int64_t j0, float *best, int64_t *idx) {
+    if (*idx >= 0 && *best != *best) return;  /* a NaN already: the first NaN stays */
+    float mx = -INFINITY;
+    int nan_seen = 0;
+    #pragma omp simd reduction(max:mx) reduction(|:nan_seen)
+    for (int j = 0; j < n; j++) {
+        mx = v[j] > mx ? v[j] : mx;
+        nan_seen |= v[j] != v[j];
+    }
+    if (!nan_seen && *idx >= 0 && !(mx > *best)) return;
+    for (int j = 0; j < n; j++)
+        if (nan_seen ? v[j] != v[j] : v[j] == mx) {
+            *best = v[j];
+            *idx = j0 + j;
+            return;
+        }
+}
+
 /* Greedy sampling's argmax, row by row: x [rows, n] (rows ld apart) -> out[r], the index of the
  * first largest value, or of the first NaN where the row has one (as torch.argmax). */
 void argmax_rows_f32(const float *x, int64_t ld, int rows, int n, int64_t *out) {
     #pragma omp parallel for schedule(static) if (rows >= 2)
     for (int r = 0; r < rows; r++) {
-        const float *xr = x + r * ld;
         float best = -INFINITY;
-        int nan_seen = 0;
-        #pragma omp simd reduction(max:best) reduction(|:nan_seen)
-        for (int i = 0; i < n; i++) {
-            best = xr[i] > best ? xr[i] : best;
-            nan_seen |= xr[i] != xr[i];
-        }
-        int64_t idx = 0;
-        for (int i = 0; i < n; i++)
-            if (nan_seen ? xr[i] != xr[i] : xr[i] == best) { idx = i; break; }
-        out[r] = idx;
+        int64_t idx = -1;
+        argmax_update(x + r * ld, n, 0, &best, &idx);
+        out[r] = idx < 0 ? 0 : idx;
     }
 }
 
@@ -1254,9 +1269,16 @@ static inline __attribute__((always_inline)) void gemm_tile_kblock(const int MR,
 /* This thread's share of the GEMM among the threads of the enclosing parallel region (all of it
  * outside any): each thread a contiguous range of panels; the row groups outside the panels, so a
  * group's GEMM_RG rows of x stay in L2 while the thread's panels go by (from memory for the first
- * group, then from L3). No barrier at the end. */
+ * group, then from L3). No barrier at the end. With am_best (y unused): y is not written; row m's
+ * argmax over this thread's columns (in order) goes to am_best[m], am_idx[m] (argmax_update). */
+static void gemm_share_to(const float *x, int64_t ld_x, const float *packed, const float *bias, float *y,
+                          int64_t ld_y, int M, int N, int K, float *am_best, int64_t *am_idx);
 static void gemm_share(const float *x, int64_t ld_x, const float *packed, const float *bias, float *y,
                        int64_t ld_y, int M, int N, int K) {
+    gemm_share_to(x, ld_x, packed, bias, y, ld_y, M, N, K, 0, 0);
+}
+static void gemm_share_to(const float *x, int64_t ld_x, const float *packed, const float *bias, float *y,
+                          int64_t ld_y, int M, int N, int K, float *am_best, int64_t *am_idx) {
     const int P = (N + GEMM_NR - 1) / GEMM_NR;
     {
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
@@ -1292,8 +1314,13 @@ static void gemm_share(const float *x, int64_t ld_x, const float *packed, const 
                     }
                 }
                 for (int m = 0; m < rows; m++) {
+                    float *tr = total + m * GEMM_NR;
+                    if (am_best) {  /* the values y would hold, in place */
+                        if (b) for (int c = 0; c < ncols; c++) tr[c] += b[c];
+                        argmax_update(tr, ncols, (int64_t)p * GEMM_NR, am_best + g0 + m, am_idx + g0 + m);
+                        continue;
+                    }
                     float *yr = y + (g0 + m) * ld_y + p * GEMM_NR;
-                    const float *tr = total + m * GEMM_NR;
                     if (b) for (int c = 0; c < ncols; c++) yr[c] = tr[c] + b[c];
                     else memcpy(yr, tr, sizeof(float) * ncols);
                 }
@@ -1309,10 +1336,55 @@ int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bia
     gemm_share(x, ld_x, packed, bias, y, ld_y, M, N, K);
     return 1;
 }
+
+/* Greedy decoding's last step, M rows of float32: h = x + residual, normed = rmsnorm(h) * norm_w
+ * (add_rmsnorm_f32's arithmetic, into the workspace normed [M, K]), logits = normed @ W^T (+ bias)
+ * as gemm_f32 computes them, never written: out[m] = the first index of row m's largest logit (its
+ * first NaN if any), argmax_rows_f32 of the logits gemm_f32 would write. Each thread's columns in
+ * order, then the threads in order. Returns 1, or 0 (nothing done) as gemm_f32. */
+int lm_head_argmax_f32(const float *x, int64_t ld_x, const float *residual, int64_t ld_res, const float *norm_w,
+                       float eps, float *normed, const float *packed, const float *bias, int M, int N, int K,
+                       int64_t *out) {
+    const int nt_max = omp_get_max_threads();
+    float *best = malloc(sizeof(float) * (size_t)nt_max * M);
+    int64_t *idx = malloc(sizeof(int64_t) * (size_t)nt_max * M);
+    if (!best || !idx) abort();
+    for (int64_t i = 0; i < (int64_t)nt_max * M; i++) idx[i] = -1;
+    int nt_used = 1;
+    #pragma omp parallel
+    {
+        add_rmsnorm_rows(x, ld_x, residual, ld_res, 0, 0, norm_w, normed, K, M, K, eps);  /* (a barrier after) */
+        const int t = omp_get_thread_num();
+        #pragma omp single nowait
+        nt_used = omp_get_num_threads();
+        gemm_share_to(normed, K, packed, bias, 0, 0, M, N, K, best + (int64_t)t * M, idx + (int64_t)t * M);
+    }
+    for (int m = 0; m < M; m++) {
+        float b = 0;
+        int64_t j = -1;
+        for (int t = 0; t < nt_used; t++) {
+            const int64_t jt = idx[(int64_t)t * M + m];
+            if (jt < 0) continue;
+            const float bt = best[(int64_t)t * M + m];
+            if (j < 0 || (b == b && (bt != bt || bt > b))) { b = bt; j = jt; }
+        }
+        out[m] = j < 0 ? 0 : j;
+    }
+    free(best);
+    free(idx);
+    return 1;
+}
 #else
 int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bias, float *y, int64_t ld_y,
              int M, int N, int K) {
     (void)x; (void)ld_x; (void)packed; (void)bias; (void)y; (void)ld_y; (void)M; (void)N; (void)K;
+    return 0;
+}
+int lm_head_argmax_f32(const float *x, int64_t ld_x, const float *residual, int64_t ld_res, const float *norm_w,
+                       float eps, float *normed, const float *packed, const float *bias, int M, int N, int K,
+                       int64_t *out) {
+    (void)x; (void)ld_x; (void)residual; (void)ld_res; (void)norm_w; (void)eps; (void)normed; (void)packed;
+    (void)bias; (void)M; (void)N; (void)K; (void)out;
     return 0;
 }
 #endif

@@ -473,6 +473,14 @@ class LlamaModel(nn.Module):
             return self.model.embed_tokens.weight
         return self.lm_head.weight
 
+    @property
+    def greedy_head_ok(self) -> bool:
+        """Whether ``forward(greedy=True)`` can take each row's argmax inside the C LM head (the C
+        GEMM's packed head, the C norm; no final softcap, whose tanh could tie values)."""
+        head = self.packed_lm_head
+        return (head is not None and head.kind == "c" and self.model.norm.fused
+                and self.shape.final_softcap is None)
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # h [S, hidden] -> [S, vocab]
         if self.packed_lm_head is not None:
             return self.packed_lm_head(h)
@@ -508,9 +516,12 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata | list[AttentionMetadata],  # a list: one per KV cache group
         backend: AttentionBackend,
         logits_indices: torch.Tensor | None,  # [S] rows of the batch whose logits are needed (None: all, in order)
-    ) -> torch.Tensor:  # [S, vocab] float32 (float64 models: float64)
+        greedy: bool = False,
+    ) -> torch.Tensor:  # [S, vocab] float32 (float64 models: float64); greedy: [S] int64
         """With KV cache groups, ``kv_cache`` is [layers_per_page, 2, num_pages + 1, ...] and layer
-        i uses ``kv_cache[kv_slots[i]]`` with ``meta[kv_groups[i]]``."""
+        i uses ``kv_cache[kv_slots[i]]`` with ``meta[kv_groups[i]]``. ``greedy`` (where
+        ``greedy_head_ok``): each row's argmax token instead of its logits, the logits never
+        written (cpu_ops.lm_head_argmax: the same token as argmax of the logits returned otherwise)."""
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         if self.shape.gemma:  # sqrt(hidden) as a tensor of the model's dtype, as transformers'
             h = h * torch.tensor(self.shape.hidden_size ** 0.5, dtype=h.dtype)
@@ -532,6 +543,11 @@ class LlamaModel(nn.Module):
                     h, residual = layer(h, residual, cos, sin, kv_cache[i], meta, backend)
         if logits_indices is not None:
             h, residual = h[logits_indices], residual[logits_indices]
+        if greedy:
+            assert self.greedy_head_ok
+            head, norm = self.packed_lm_head, self.model.norm
+            return cpu_ops.lm_head_argmax(h, residual, norm._kernel_weight(), norm.eps, head.packed,
+                                          head.out_features, head.bias)
         h, _ = self.model.norm.add_forward(h, residual)  # [S, hidden]
         logits = self.logits(h)
         if self.shape.final_softcap is not None:

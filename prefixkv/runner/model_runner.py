@@ -18,7 +18,7 @@ from prefixkv.kv.groups import KVGroupPlan, plan_kv_groups
 from prefixkv.model.llama import LlamaModel
 from prefixkv.request import Request
 from prefixkv.runner.block_table import BlockTables
-from prefixkv.runner.sampler import SamplingBatch, SamplerOutput, mix_seed, sample
+from prefixkv.runner.sampler import SamplingBatch, SamplerOutput, argmax_only, mix_seed, sample
 
 if TYPE_CHECKING:
     from prefixkv.runner.cuda_graph import CudaGraphRunner
@@ -317,15 +317,6 @@ class ModelRunner:
             logits_rows = torch.cat([torch.arange(n, device=self.device) if logits_rows is None else logits_rows,
                                      torch.tensor([r for r, _, _ in prompt_rows], dtype=torch.int64,
                                                   device=self.device)])
-        if self._graph_step(out):
-            logits = self.graphs.replay(input_ids, positions, meta)
-        else:
-            logits = self.model(input_ids, positions, self.kv_cache, meta, self.backend, logits_rows)
-        prompt_lps = None
-        if prompt_rows:
-            n = logits.shape[0] - len(prompt_rows)
-            prompt_lps = self._prompt_logprobs(out, logits[n:], prompt_rows)
-            logits = logits[:n]
         rows: list[tuple[Request, int]] = []  # (request, sample index) per token to sample
         repeats: list[int] = []  # per row of logits: how many of those tokens it serves
         for s in out.scheduled:
@@ -336,11 +327,27 @@ class ModelRunner:
             elif s.num_samples:  # the n samples of a fork step share one row of logits
                 rows += [(req, k if req.needs_fork else req.sample_index) for k in range(s.num_samples)]
                 repeats.append(s.num_samples)
+        batch = self.sampling_batch(rows) if rows else None
+        graph = self._graph_step(out)
+        if (batch is not None and logits_rows is None and not graph and len(rows) == input_ids.shape[0]
+                and argmax_only(batch) and self.model.greedy_head_ok):
+            # every token samples, each its argmax: the model's C LM head takes it, no logits written
+            tokens = self.model(input_ids, positions, self.kv_cache, meta, self.backend, None, greedy=True)
+            return self._split(out, SamplerOutput(tokens.tolist(), None, None, None, None))
+        if graph:
+            logits = self.graphs.replay(input_ids, positions, meta)
+        else:
+            logits = self.model(input_ids, positions, self.kv_cache, meta, self.backend, logits_rows)
+        prompt_lps = None
+        if prompt_rows:
+            n = logits.shape[0] - len(prompt_rows)
+            prompt_lps = self._prompt_logprobs(out, logits[n:], prompt_rows)
+            logits = logits[:n]
         if not rows:
             return ModelOutput([[] for _ in out.scheduled], [None for _ in out.scheduled], prompt_lps)
         if len(rows) != logits.shape[0]:
             logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
-        res = sample(logits, self.sampling_batch(rows))
+        res = sample(logits, batch)
         model_out = self._split(out, res)
         model_out.prompt_logprobs = prompt_lps
         return model_out

@@ -100,6 +100,13 @@ class SamplerOutput:
     top_logprobs: list[list[float]] | None
 
 
+def argmax_only(b: SamplingBatch) -> bool:
+    """Whether ``sample`` takes each row's argmax of the logits as they are: greedy rows, no
+    logprobs, penalties, masks or biases (a model may then give the argmax itself)."""
+    return (b.all_greedy and b.max_logprobs < 0 and b.repetition_penalty is None and b.output_counts is None
+            and not b.banned and not b.biases and not b.allowed_only and b.allowed is None)
+
+
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     if b.repetition_penalty is not None and b.seen_mask is not None:
         p = b.repetition_penalty[:, None].to(logits.dtype)
