@@ -274,3 +274,12 @@ def test_engine_takes_greedy_tokens_from_the_c_head_only_where_sampling_is_the_a
         calls.clear()
         mixed = [greedy] * 3 + [SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True)]
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, mixed)][:3] == fused[:3] and calls == []
+    # n-gram drafts: a verifying step's rows are every token, each its argmax (the accepted prefix)
+    llm = LLM(model=str(tiny_llama), block_size=4, num_kv_blocks=256, num_speculative_tokens=3)
+    repetitive = [[7, 8, 9, 10] * 6, [11, 12, 13] * 9]
+    calls.clear()
+    spec = [o.outputs[0].token_ids for o in llm.generate(repetitive, greedy)]
+    assert calls and max(calls) > 2  # drafts verified through the C head
+    with monkeypatch.context() as mp:
+        mp.setattr(LlamaModel, "greedy_head_ok", property(lambda self: False))
+        assert [o.outputs[0].token_ids for o in llm.generate(repetitive, greedy)] == spec

@@ -391,7 +391,8 @@ class LlamaModel(nn.Module):
         """The RoPE tables by kind (``rope_inv_freq``): inverse frequencies (fp32, as in
         transformers) and the attention scaling of each."""
         self.ropes = {k: (f.float().to(device) if device else f.float(), scale) for k, (f, scale) in ropes.items()}
-        self._rope_tables: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}  # (rope)
+        # rope()'s cos/sin tables on CPU, by (kind, dtype)
+        self._rope_tables: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -490,7 +491,7 @@ class LlamaModel(nn.Module):
              max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] of ``positions`` (as transformers computes them). On CPU, given
         ``max_position`` (above every position), rows of a table of positions 0 .. n - 1 made once
-        by the same ops (elementwise, so each value is the same bits; tests/test_model_parts.py):
+        by the same ops (elementwise, so each value is the same bits; tests/test_model.py):
         two index ops a step instead of nine, each costly when a step's weights have just streamed
         through the caches."""
         if max_position is None or positions.device.type != "cpu":

@@ -111,8 +111,9 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list,
                                                      torch.Tensor | None]:
         """Step inputs; the returned logits rows hold one row per sampling sequence (a fork step's
-        n samples share it; None where that is every row, in order: a step of decodes). Host work follows this step's tokens and new blocks: the block
-        tables are the runner's persistent copies (``BlockTables``), updated by the step's deltas."""
+        n samples share it; None where that is every row, in order: a step of decodes). Host work
+        follows this step's tokens and new blocks: the block tables are the runner's persistent
+        copies (``BlockTables``), updated by the step's deltas."""
         tables = self.block_tables
         tables.release(out.released_seq_ids)
         for t in self.group_tables:
