@@ -355,11 +355,14 @@ def lm_head_argmax(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.T
     """Greedy decoding's last step in one call: float32 x, residual [M, K] (rows contiguous) ->
     int64 [M], each row's argmax (first largest index, first NaN if any) over the logits
     ``gemm_caller(packed, n, bias)(add_rmsnorm(x, residual, norm_weight, eps)[0])`` would return,
-    bitwise those values, never written (tests/test_linear.py). None where the library has no GEMM."""
+    bitwise those values, never written (tests/test_linear.py). None where the library has no GEMM
+    or its scratch could not be allocated."""
     lib = load()
     m, k = x.shape
-    assert x.dtype == residual.dtype == torch.float32 and residual.shape == (m, k) and x.stride(1) == 1
-    assert residual.stride(1) == 1 and norm_weight.is_contiguous() and norm_weight.shape == (k,)
+    for t in (x, residual, norm_weight, packed, *(() if bias is None else (bias,))):
+        assert t.dtype == torch.float32 and t.device.type == "cpu", (t.dtype, t.device)
+    assert residual.shape == (m, k) and x.stride(1) == 1 and residual.stride(1) == 1
+    assert norm_weight.is_contiguous() and norm_weight.shape == (k,)
     assert packed.is_contiguous() and packed.shape[1] == k and packed.shape[0] * packed.shape[2] >= n
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous())
     out = torch.empty(m, dtype=torch.int64)

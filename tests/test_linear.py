@@ -274,6 +274,10 @@ def test_engine_takes_greedy_tokens_from_the_c_head_only_where_sampling_is_the_a
         calls.clear()
         mixed = [greedy] * 3 + [SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True)]
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, mixed)][:3] == fused[:3] and calls == []
+    with monkeypatch.context() as mp:  # the C scratch not allocated: the same tokens through logits
+        mp.setattr(cpu_ops, "lm_head_argmax", lambda *a, **k: calls.append(-1) and None)
+        calls.clear()
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == fused and -1 in calls
     # n-gram drafts: a verifying step's rows are every token, each its argmax (the accepted prefix)
     llm = LLM(model=str(tiny_llama), block_size=4, num_kv_blocks=256, num_speculative_tokens=3)
     repetitive = [[7, 8, 9, 10] * 6, [11, 12, 13] * 9]

@@ -1341,14 +1341,20 @@ int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bia
  * (add_rmsnorm_f32's arithmetic, into the workspace normed [M, K]), logits = normed @ W^T (+ bias)
  * as gemm_f32 computes them, never written: out[m] = the first index of row m's largest logit (its
  * first NaN if any), argmax_rows_f32 of the logits gemm_f32 would write. Each thread's columns in
- * order, then the threads in order. Returns 1, or 0 (nothing done) as gemm_f32. */
+ * order, then the threads in order. Returns 1, or 0 (nothing done) as gemm_f32 or where its scratch
+ * cannot be allocated. */
 int lm_head_argmax_f32(const float *x, int64_t ld_x, const float *residual, int64_t ld_res, const float *norm_w,
                        float eps, float *normed, const float *packed, const float *bias, int M, int N, int K,
                        int64_t *out) {
+    if (M <= 0) return 1;
     const int nt_max = omp_get_max_threads();
     float *best = malloc(sizeof(float) * (size_t)nt_max * M);
     int64_t *idx = malloc(sizeof(int64_t) * (size_t)nt_max * M);
-    if (!best || !idx) abort();
+    if (!best || !idx) {
+        free(best);
+        free(idx);
+        return 0;
+    }
     for (int64_t i = 0; i < (int64_t)nt_max * M; i++) idx[i] = -1;
     int nt_used = 1;
     #pragma omp parallel

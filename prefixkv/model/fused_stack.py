@@ -112,6 +112,7 @@ class FusedStack:
         d, hid, inter = s.head_dim, s.hidden_size, s.intermediate_size
         if self._work is None or self._work[0].shape[0] != t:  # (a decode batch keeps its size for many steps)
             f32 = torch.float32
+            self._work = None  # (the old set freed first)
             self._work = tuple(torch.empty((t, n), dtype=f32) for n in (
                 hid, hid, (s.num_heads + 2 * s.num_kv_heads) * d, s.num_heads * d, hid, 2 * inter, inter))
         residual, normed, qkv, attn, o_out, gate_up, act = self._work

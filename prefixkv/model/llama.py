@@ -480,7 +480,7 @@ class LlamaModel(nn.Module):
         GEMM's packed head, the C norm; no final softcap, whose tanh could tie values)."""
         head = self.packed_lm_head
         return (head is not None and head.kind == "c" and self.model.norm.fused
-                and self.shape.final_softcap is None)
+                and self.shape.final_softcap is None and cpu_ops.gemm_available())
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # h [S, hidden] -> [S, vocab]
         if self.packed_lm_head is not None:
@@ -497,9 +497,11 @@ class LlamaModel(nn.Module):
         if max_position is None or positions.device.type != "cpu":
             return self._rope_compute(positions, dtype, kind)
         table = self._rope_tables.get((kind, dtype))
-        if table is None or table[0].shape[0] < max_position:
-            n = -(-max_position // 4096) * 4096
-            table = self._rope_tables[(kind, dtype)] = self._rope_compute(torch.arange(n), dtype, kind)
+        have = 0 if table is None else table[0].shape[0]
+        if have < max_position:  # the rows of the new positions appended (4,096 at a time)
+            cos, sin = self._rope_compute(torch.arange(have, -(-max_position // 4096) * 4096), dtype, kind)
+            table = self._rope_tables[(kind, dtype)] = (cos, sin) if table is None else (
+                torch.cat((table[0], cos)), torch.cat((table[1], sin)))
         return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
     def _rope_compute(self, positions: torch.Tensor, dtype: torch.dtype, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -547,8 +549,12 @@ class LlamaModel(nn.Module):
         if greedy:
             assert self.greedy_head_ok
             head, norm = self.packed_lm_head, self.model.norm
-            return cpu_ops.lm_head_argmax(h, residual, norm._kernel_weight(), norm.eps, head.packed,
-                                          head.out_features, head.bias)
+            tokens = cpu_ops.lm_head_argmax(h, residual, norm._kernel_weight(), norm.eps, head.packed,
+                                            head.out_features, head.bias)
+            if tokens is not None:
+                return tokens
+            # (its scratch could not be allocated: the same tokens from written logits)
+            return self.logits(self.model.norm.add_forward(h, residual)[0]).argmax(dim=-1)
         h, _ = self.model.norm.add_forward(h, residual)  # [S, hidden]
         logits = self.logits(h)
         if self.shape.final_softcap is not None:
