@@ -47,11 +47,24 @@ def time_kernels(eng) -> dict[str, float]:
     return spent
 
 
+def shared_prefix_decodes(eng, batch: int = 16, system_tokens: int = 196, question_tokens: int = 32) -> None:
+    """``batch`` greedy requests sharing a ``system_tokens`` prefix, each with its own
+    ``question_tokens``, added to ``eng`` and prefilled: its next steps are decode steps."""
+    from prefixkv import SamplingParams
+
+    shared = [3 + (i * 7919) % 40000 for i in range(system_tokens)]
+    for i in range(batch):
+        eng.add_request(f"r{i}", shared + [5 + (i * 31 + k) % 40000 for k in range(question_tokens)],
+                        SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))
+    while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
+        eng.step()
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from prefixkv import LLM, SamplingParams
+    from prefixkv import LLM
 
     p = argparse.ArgumentParser(prog="python -m bench.profile_step")
     p.add_argument("--batch", type=int, default=16)
@@ -64,12 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     llm = LLM()
     eng = llm.engine
-    shared = [3 + (i * 7919) % 40000 for i in range(a.system_tokens)]
-    for i in range(a.batch):
-        eng.add_request(f"r{i}", shared + [5 + (i * 31 + k) % 40000 for k in range(a.question_tokens)],
-                        SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))
-    while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
-        eng.step()
+    shared_prefix_decodes(eng, a.batch, a.system_tokens, a.question_tokens)
     times = []
     for _ in range(20):
         t0 = time.perf_counter()

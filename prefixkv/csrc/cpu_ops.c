@@ -1355,25 +1355,18 @@ int lm_head_argmax_f32(const float *x, int64_t ld_x, const float *residual, int6
         free(idx);
         return 0;
     }
-    for (int64_t i = 0; i < (int64_t)nt_max * M; i++) idx[i] = -1;
-    int nt_used = 1;
+    for (int64_t i = 0; i < (int64_t)nt_max * M; i++) idx[i] = -1;  /* (a thread without columns keeps -1) */
     #pragma omp parallel
     {
         add_rmsnorm_rows(x, ld_x, residual, ld_res, 0, 0, norm_w, normed, K, M, K, eps);  /* (a barrier after) */
         const int t = omp_get_thread_num();
-        #pragma omp single nowait
-        nt_used = omp_get_num_threads();
         gemm_share_to(normed, K, packed, bias, 0, 0, M, N, K, best + (int64_t)t * M, idx + (int64_t)t * M);
     }
-    for (int m = 0; m < M; m++) {
-        float b = 0;
+    for (int m = 0; m < M; m++) {  /* the threads' results in order, by the same rule as one value each */
+        float b = -INFINITY;
         int64_t j = -1;
-        for (int t = 0; t < nt_used; t++) {
-            const int64_t jt = idx[(int64_t)t * M + m];
-            if (jt < 0) continue;
-            const float bt = best[(int64_t)t * M + m];
-            if (j < 0 || (b == b && (bt != bt || bt > b))) { b = bt; j = jt; }
-        }
+        for (int t = 0; t < nt_max; t++)
+            if (idx[(int64_t)t * M + m] >= 0) argmax_update(best + (int64_t)t * M + m, 1, idx[(int64_t)t * M + m], &b, &j);
         out[m] = j < 0 ? 0 : j;
     }
     free(best);

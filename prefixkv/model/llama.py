@@ -552,9 +552,7 @@ class LlamaModel(nn.Module):
             tokens = cpu_ops.lm_head_argmax(h, residual, norm._kernel_weight(), norm.eps, head.packed,
                                             head.out_features, head.bias)
             if tokens is not None:
-                return tokens
-            # (its scratch could not be allocated: the same tokens from written logits)
-            return self.logits(self.model.norm.add_forward(h, residual)[0]).argmax(dim=-1)
+                return tokens  # (None: its scratch could not be allocated; the logits below instead)
         h, _ = self.model.norm.add_forward(h, residual)  # [S, hidden]
         logits = self.logits(h)
         if self.shape.final_softcap is not None:
@@ -563,4 +561,6 @@ class LlamaModel(nn.Module):
                 cpu_ops.softcap_(logits, cap)
             else:
                 logits = torch.tanh(logits / cap) * cap
+        if greedy:
+            return logits.argmax(dim=-1)
         return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()

@@ -3,18 +3,14 @@ A batch-16 decode step (196 shared + 32 own tokens each) with the greedy tokens 
 (cpu_ops.lm_head_argmax) and through logits + sample(), alternating step by step in one process
 (WARM=N decode steps first; N=steps)."""
 import os, time, statistics
-from prefixkv import LLM, SamplingParams
+from prefixkv import LLM
+from bench.profile_step import shared_prefix_decodes
 from prefixkv.model.llama import LlamaModel
 llm = LLM(); eng = llm.engine
 flag = [True]
 orig = LlamaModel.greedy_head_ok
 LlamaModel.greedy_head_ok = property(lambda self: flag[0] and orig.fget(self))
-shared = [3 + (i * 7919) % 40000 for i in range(196)]
-for i in range(16):
-    eng.add_request(f"r{i}", shared + [5 + (i * 31 + k) % 40000 for k in range(32)],
-                    SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))
-while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
-    eng.step()
+shared_prefix_decodes(eng)
 for _ in range(int(os.environ.get("WARM", 0))): eng.step()
 T = {True: [], False: []}
 for i in range(int(os.environ.get("N", 100))):

@@ -5,7 +5,8 @@ barriers included) over batch-B decode steps (196 shared + 32 own tokens), then 
 import os, sys, time, statistics, torch, ctypes
 from pathlib import Path
 from prefixkv import cpu_ops as co
-from prefixkv import LLM, SamplingParams
+from prefixkv import LLM
+from bench.profile_step import shared_prefix_decodes
 from prefixkv.model import fused_stack
 torch.set_num_threads(2)
 lib = co.load_source(Path(sys.argv[1]))
@@ -17,12 +18,7 @@ def call(self, *a, **k):
     return orig(self, *a, **k)
 fused_stack.FusedStack.__call__ = call
 llm = LLM(); eng = llm.engine
-shared = [3 + (i * 7919) % 40000 for i in range(196)]
-for i in range(B):
-    eng.add_request(f"r{i}", shared + [5 + (i * 31 + k) % 40000 for k in range(32)],
-                    SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))
-while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
-    eng.step()
+shared_prefix_decodes(eng, B)
 for _ in range(int(os.environ.get("WARM", 0))): eng.step()
 buf = (ctypes.c_double * 64)()
 lib.phase_get(buf)

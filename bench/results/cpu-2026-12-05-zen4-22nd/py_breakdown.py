@@ -5,16 +5,12 @@ with a timer; "python total" is the step less the fused layer stack's and the LM
 53fad47 a greedy step's LM head is cpu_ops.lm_head_argmax: then the head's time is in "forward" and the
 total over-counts by it; read the pieces.)"""
 import time, collections
-from prefixkv import LLM, SamplingParams, cpu_ops
+from prefixkv import LLM, cpu_ops
+from bench.profile_step import shared_prefix_decodes
 from prefixkv.model import fused_stack
 import prefixkv.runner.model_runner as mr
 llm = LLM(); eng = llm.engine
-shared = [3 + (i * 7919) % 40000 for i in range(196)]
-for i in range(16):
-    eng.add_request(f"r{i}", shared + [5 + (i * 31 + k) % 40000 for k in range(32)],
-                    SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))
-while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
-    eng.step()
+shared_prefix_decodes(eng)
 spent = collections.defaultdict(float)
 def wrapf(fn, key):
     def w(*a, **k):
