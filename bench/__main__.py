@@ -85,15 +85,17 @@ def add_common(p: argparse.ArgumentParser, systems_default: str | None = ALL_SYS
     g.add_argument("--no-plot", action="store_true")
     g.add_argument("--no-progress", action="store_true")
     g.add_argument("--stem", default=None, help="file name stem of the JSON/PNG (default: workload-time)")
+    from prefixkv.engine_args import admitted_prefill_tokens
+
     e = p.add_argument_group("engine (mirrored by the peers where they have the knob)")
     e.add_argument("--model", default=None, help="local HF model dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
     e.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--max-num-seqs", type=int, default=64, help="engine max batch; hf-static batch size")
     e.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
-    e.add_argument("--max-admitted-prefill-tokens", type=int, default=None,
-                   help="prefixkv: prompt tokens of new requests after which a step admits no short prefill "
-                        "(default: none; no peer has the knob)")
+    e.add_argument("--max-admitted-prefill-tokens", type=admitted_prefill_tokens, default="auto",
+                   help="prefixkv: prompt tokens of new requests after which a step admits no short prefill: "
+                        "auto (the engine's default), none or an int (no peer has the knob)")
     e.add_argument("--kv-tokens", type=int, default=32768, help="KV budget in tokens (engine and hf-cb)")
 
 

@@ -38,7 +38,7 @@ class EngineArgs:
     block_size: int = 16
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
-    max_admitted_prefill_tokens: int | None = None  # prefixkv only
+    max_admitted_prefill_tokens: int | str | None = "auto"  # prefixkv only
     kv_tokens: int = 32768  # KV budget in tokens, the same for every system that has one
     enable_prefix_caching: bool = True
     scheduling_policy: str = "continuous"

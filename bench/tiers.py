@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     argv = sys.argv[1:] if argv is None else argv  # (recorded in the JSON's command)
+    from prefixkv.engine_args import admitted_prefill_tokens
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--conversations", type=int, default=12)
     p.add_argument("--turns", type=int, default=5)
@@ -223,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=1,
                    help="turns served at once (of different conversations), as a chat backend with several users")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-admitted-prefill-tokens", type=int, default=None,
-                   help="prefixkv's max_admitted_prefill_tokens, in every configuration (default: none)")
+    p.add_argument("--max-admitted-prefill-tokens", type=admitted_prefill_tokens, default="auto",
+                   help="prefixkv's max_admitted_prefill_tokens, in every configuration: auto (the engine's "
+                        "default), none or an int")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))

@@ -6,12 +6,15 @@ Values only known at run time (number of KV blocks, eos ids, the model's shape) 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prefixkv.validation import require
 
 SUPPORTED_DTYPES = ("auto", "float32", "float64", "float16", "bfloat16")
 SUPPORTED_DEVICES = ("cpu", "cuda")
+# max_admitted_prefill_tokens="auto": the cap of a step that follows one which held nobody back
+# (bench/RESULTS.md, twenty-third session: 16 and 32 measured)
+AUTO_ADMITTED_PREFILL_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -61,9 +64,11 @@ class SchedulerConfig:
     # A step admits waiting requests until the prompt tokens it schedules for those it admitted
     # reach this (the first is admitted whatever its size, within the token budget): a burst of
     # short prefills (returning turns whose history is cached) is spread over several steps, the
-    # first of them answered after a short step instead of all after one long one. None: the
-    # token budget alone.
-    max_admitted_prefill_tokens: int | None = None
+    # first of them answered after a short step instead of all after one long one. An int: that
+    # cap, every step. "auto": AUTO_ADMITTED_PREFILL_TOKENS, doubled for each step in a row that held
+    # a request back (a burst is admitted within a few steps, not one request a step), on CPU; on
+    # CUDA the token budget alone (not measured on a GPU). None: the token budget alone.
+    max_admitted_prefill_tokens: int | str | None = "auto"
     max_waiting_requests: int = 4096
     # A waiting request that has been passed over for this many steps is admitted in arrival
     # order ahead of requests with longer cached prefixes (aging: nobody starves).
@@ -90,10 +95,11 @@ class SchedulerConfig:
                  "max_num_batched_tokens", f"must be a positive int, got {self.max_num_batched_tokens!r}")
         require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
                  "max_num_seqs", f"must be a positive int, got {self.max_num_seqs!r}")
-        if self.max_admitted_prefill_tokens is not None:
-            require(isinstance(self.max_admitted_prefill_tokens, int) and self.max_admitted_prefill_tokens >= 1,
-                     "max_admitted_prefill_tokens",
-                     f"must be a positive int or None, got {self.max_admitted_prefill_tokens!r}")
+        if self.max_admitted_prefill_tokens not in (None, "auto"):
+            require(isinstance(self.max_admitted_prefill_tokens, int)
+                     and not isinstance(self.max_admitted_prefill_tokens, bool)
+                     and self.max_admitted_prefill_tokens >= 1, "max_admitted_prefill_tokens",
+                     f"must be a positive int, 'auto' or None, got {self.max_admitted_prefill_tokens!r}")
             require(self.policy == "continuous", "max_admitted_prefill_tokens",
                      "applies to the continuous policy only (static admits a batch once)")
         require(self.max_waiting_requests >= 1, "max_waiting_requests", "must be >= 1")
@@ -112,6 +118,14 @@ class SchedulerConfig:
             require(isinstance(self.speculative_disable_by_batch_size, int)
                      and self.speculative_disable_by_batch_size >= 1, "speculative_disable_by_batch_size",
                      f"must be a positive int or None, got {self.speculative_disable_by_batch_size!r}")
+
+    def for_device(self, device: str) -> SchedulerConfig:
+        """What a scheduler on ``device`` runs: ``max_admitted_prefill_tokens="auto"`` was measured on
+        CPU, where a step's time grows with its tokens from a few on; a GPU step costs about the same
+        up to hundreds of them (not measured yet), so there "auto" is no cap."""
+        if device == "cuda" and self.max_admitted_prefill_tokens == "auto":
+            return replace(self, max_admitted_prefill_tokens=None)
+        return self
 
 
 @dataclass(frozen=True)

@@ -100,8 +100,8 @@ class LLMEngine:
                 raise ValueError(f"kv_disk_cache_gb: {config.cache.disk_cache_bytes} bytes hold no KV block "
                                  f"({disk.payload_bytes} bytes each)")
             disk.make_buffer(num_disk_blocks)
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_len, num_host_blocks,
-                                   num_disk_blocks, self.kv_plan.windows)
+        self.scheduler = Scheduler(config.scheduler.for_device(config.device), config.cache, num_blocks, max_len,
+                                   num_host_blocks, num_disk_blocks, self.kv_plan.windows)
         self.runner = ModelRunner(self.model, backend, num_blocks, bs, config.device, dtype, self.info.eos_token_ids,
                                   max_len, num_host_blocks, disk, self.kv_plan)
         if disk is not None:  # the files of an earlier run: the disk tier's index again
@@ -542,7 +542,7 @@ class LLM:
         prompt_lookup_max: int = 3,
         speculative_disable_by_batch_size: int | None = None,
         generation_config: str = "auto",
-        max_admitted_prefill_tokens: int | None = None,
+        max_admitted_prefill_tokens: int | str | None = "auto",
     ) -> None:
         cfg = EngineConfig(
             model=model, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed,

@@ -6,6 +6,16 @@ from __future__ import annotations
 import argparse
 
 
+def admitted_prefill_tokens(value: str) -> int | str | None:
+    """--max-admitted-prefill-tokens: 'auto', 'none' or a number of tokens (checked by SchedulerConfig)."""
+    if value in ("auto", "none"):
+        return None if value == "none" else value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be auto, none or an int, got {value!r}") from None
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="local HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
@@ -33,11 +43,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "free the blocks before their window)")
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-admitted-prefill-tokens", type=int, default=None,
+    g.add_argument("--max-admitted-prefill-tokens", type=admitted_prefill_tokens, default="auto",
                    help="once the requests a step admitted have this many prompt tokens scheduled, one whose "
                         "prefill would finish in the step waits for the next (one that only starts a chunked "
-                        "prefill is still admitted): a burst of short prefills answered a few at a time "
-                        "(default: the token budget alone)")
+                        "prefill is still admitted): a burst of short prefills answered a few at a time. auto "
+                        "(default): 16 on cpu, doubled for each step in a row that held a request back; none on "
+                        "cuda. none: the token budget alone")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="requests queued beyond this are refused with 503 (default: SchedulerConfig's)")

@@ -10,7 +10,9 @@ Each step:
    passed over for ``max_wait_steps`` steps go first, oldest first (aging). With
    ``max_admitted_prefill_tokens``, once those admitted in a step have that many prompt tokens
    scheduled, a request whose prefill would finish in the step waits for the next one (a burst
-   of short prefills answered a few at a time, not all after one long step).
+   of short prefills answered a few at a time, not all after one long step); with "auto" that
+   cap doubles for each step in a row that held a request back, so a burst of B tokens is in
+   after about log2(B / cap) steps.
 
 Blocks that will be full once this step's tokens are computed enter the radix index when they are
 scheduled, not after the forward pass: a request admitted later in the same step then shares them
@@ -23,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prefixkv.config import CacheConfig, SchedulerConfig
+from prefixkv.config import AUTO_ADMITTED_PREFILL_TOKENS, CacheConfig, SchedulerConfig
 from prefixkv.kv import CopyOp, KVCacheManager, MatchResult
 from prefixkv.request import Request, RequestStatus
 from prefixkv.spec_decode import NgramIndex
@@ -124,6 +126,13 @@ class Scheduler:
         self.num_deferred_promotions = 0  # requests admitted that way
         self.num_draft_tokens = 0  # speculative tokens proposed ...
         self.num_accepted_tokens = 0  # ... and accepted
+        # max_admitted_prefill_tokens: the cap of a step that follows one which held nobody back
+        # (None: no cap), and with "auto" how many steps in a row held a request back (each doubles it)
+        cap = config.max_admitted_prefill_tokens
+        self._admission_cap_base = (None if config.policy == "static" or cap is None
+                                    else AUTO_ADMITTED_PREFILL_TOKENS if cap == "auto" else cap)
+        self._admission_cap_grows = cap == "auto"
+        self._admission_cap_doublings = 0
 
     # ------------------------------------------------------------------ queue management
     def add_request(self, req: Request) -> None:
@@ -346,6 +355,14 @@ class Scheduler:
         disk_keys = self.kv.disk_keys(host_keys) if host_keys and self.disk_prefetch is not None else []
         return not disk_keys or self.disk_prefetch(disk_keys, wait)
 
+    @property
+    def admission_cap(self) -> int | None:
+        """This step's max_admitted_prefill_tokens (None: the token budget alone)."""
+        base = self._admission_cap_base
+        if base is None or not self._admission_cap_doublings:
+            return base
+        return min(base << self._admission_cap_doublings, max(base, self.config.max_num_batched_tokens))
+
     def _admit(self, budget: int, prefills: list[ScheduledRequest], deferred: list[Request]) -> int:
         if not self.waiting:
             return budget
@@ -359,7 +376,8 @@ class Scheduler:
             return budget
         admitted: list[Request] = []
         admitted_tokens = 0  # prompt tokens scheduled this step for those admitted
-        cap = self.config.max_admitted_prefill_tokens
+        cap = self.admission_cap
+        held = False  # whether the cap held a request back
         order = self._admission_order()
         rest = None  # where admission stopped: those from there on get their reads started
         for pos, (req, _) in enumerate(order):
@@ -384,6 +402,7 @@ class Scheduler:
                 # step, in the next) beside those admitted: it comes a step later; one that only
                 # starts a chunked prefill here is still admitted
                 rest = pos
+                held = True
                 break
             fits = num_new <= budget or self.config.enable_chunked_prefill or not (self.running or admitted)
             # its blocks from files: read, or (if it would be admitted now) read within the engine's
@@ -422,6 +441,8 @@ class Scheduler:
             prefills.append(self._scheduled(req, num_new))
             budget -= num_new
             admitted_tokens += num_new
+        if self._admission_cap_grows:
+            self._admission_cap_doublings = min(self._admission_cap_doublings + 1, 30) if held else 0
         if rest is not None and self.disk_prefetch is not None:
             self._prefetch_ahead([r for r, _ in order[rest:rest + _PREFETCH_AHEAD]])
         if admitted:  # all from the ordering window at the head of the queue

@@ -177,7 +177,7 @@ def test_max_admitted_prefill_tokens_spreads_a_burst_of_short_prefills():
             s.check_integrity()
         return s, steps
 
-    _, steps = burst()
+    _, steps = burst(max_admitted_prefill_tokens=None)
     assert steps[0] == [("r0#0", 5), ("r1#0", 5), ("r2#0", 5), ("r3#0", 5)]
     s, steps = burst(max_admitted_prefill_tokens=4)
     assert steps == [[("r0#0", 5)],
@@ -200,7 +200,47 @@ def test_max_admitted_prefill_tokens_spreads_a_burst_of_short_prefills():
     s.check_integrity()
 
 
-@pytest.mark.parametrize("bad", [0, -3, 2.5, "8"])
+def test_auto_admission_cap_doubles_while_it_holds_requests_back():
+    """max_admitted_prefill_tokens="auto" (the default): a step admits short prefills until 16 of
+    their tokens are scheduled; each step in a row that held one back doubles that (at most the
+    step's token budget), a step that held nobody back sets it to 16 again. Twelve turns of 5 new tokens
+    come in 4 + 7 + 1 over three steps (a fixed cap of 16 takes four steps for four turns, one a
+    step after the first eleven), the next burst starts at 16 again."""
+    s = _sched(num_blocks=256, block_size=4, budget=100, max_seqs=64)
+    assert s.config.max_admitted_prefill_tokens == "auto"
+
+    def step():
+        cap = s.admission_cap
+        out = s.schedule()
+        s.update(out, [[99] if x.num_samples else [] for x in out.scheduled])
+        s.check_integrity()
+        return cap, [x.req.seq_id for x in out.scheduled if x.num_computed_tokens == 0]
+
+    for i in range(12):
+        s.add_request(_req(i, [100 * i + t for t in range(1, 6)], max_tokens=20))
+    assert step() == (16, ["r0#0", "r1#0", "r2#0", "r3#0"])  # 15 < 16 admits the fourth
+    assert step() == (32, [f"r{i}#0" for i in range(4, 11)])  # 30 < 32 admits the seventh
+    assert step() == (64, ["r11#0"])  # nobody held back
+    assert step() == (16, [])
+    for i in range(12, 24):
+        s.add_request(_req(i, [100 * i + t for t in range(1, 6)], max_tokens=20))
+    assert step() == (16, [f"r{i}#0" for i in range(12, 16)])
+    assert step() == (32, [f"r{i}#0" for i in range(16, 23)])
+    s.add_request(_req(24, [2400 + t for t in range(1, 6)], max_tokens=20))
+    assert step() == (64, ["r23#0", "r24#0"])
+
+
+def test_auto_admission_cap_is_none_on_cuda_and_with_the_static_policy():
+    cfg = SchedulerConfig()
+    assert cfg.for_device("cpu") is cfg
+    assert cfg.for_device("cuda").max_admitted_prefill_tokens is None
+    assert SchedulerConfig(max_admitted_prefill_tokens=32).for_device("cuda").max_admitted_prefill_tokens == 32
+    assert _sched(num_blocks=8).admission_cap == 16
+    assert _sched(num_blocks=8, max_admitted_prefill_tokens=None).admission_cap is None
+    assert _sched(num_blocks=8, policy="static").admission_cap is None
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "8", True, "none"])
 def test_bad_max_admitted_prefill_tokens(bad):
     with pytest.raises(ValueError, match="max_admitted_prefill_tokens"):
         SchedulerConfig(max_admitted_prefill_tokens=bad)
@@ -218,11 +258,14 @@ def test_max_admitted_prefill_tokens_cli_flag():
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    assert engine_config_from_args(p.parse_args([])).scheduler.max_admitted_prefill_tokens is None
-    cfg = engine_config_from_args(p.parse_args(["--max-admitted-prefill-tokens", "32"]))
-    assert cfg.scheduler.max_admitted_prefill_tokens == 32
+    assert engine_config_from_args(p.parse_args([])).scheduler.max_admitted_prefill_tokens == "auto"
+    for flag, value in [("32", 32), ("auto", "auto"), ("none", None)]:
+        cfg = engine_config_from_args(p.parse_args(["--max-admitted-prefill-tokens", flag]))
+        assert cfg.scheduler.max_admitted_prefill_tokens == value
     with pytest.raises(ValueError, match="max_admitted_prefill_tokens"):
         engine_config_from_args(p.parse_args(["--max-admitted-prefill-tokens", "0"]))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--max-admitted-prefill-tokens", "lots"])
 
 
 def test_scheduler_preempts_youngest_and_requeues_it_first():
@@ -331,7 +374,7 @@ def test_max_num_seqs_counts_the_samples_a_request_will_fork_into():
 
 def test_admission_keeps_the_watermark_free_while_others_run():
     # 10 blocks of 4 tokens, watermark 0.2 -> 2 blocks stay free at admission
-    s = _sched(num_blocks=10, block_size=4, budget=64, watermark=0.2)
+    s = _sched(num_blocks=10, block_size=4, budget=64, watermark=0.2, max_admitted_prefill_tokens=None)
     assert s.watermark_blocks == 2
     a, b, c = _req(0, list(range(1, 8))), _req(1, list(range(20, 40))), _req(2, list(range(50, 57)))
     for r in (a, b, c):
@@ -341,7 +384,7 @@ def test_admission_keeps_the_watermark_free_while_others_run():
     assert s.kv.pool.num_free == 3
     s.check_integrity()
     # without a watermark c is admitted in the same situation
-    s0 = _sched(num_blocks=10, block_size=4, budget=64, watermark=0.0)
+    s0 = _sched(num_blocks=10, block_size=4, budget=64, watermark=0.0, max_admitted_prefill_tokens=None)
     for r in (_req(0, list(range(1, 8))), _req(1, list(range(20, 40))), _req(2, list(range(50, 57)))):
         s0.add_request(r)
     assert len(s0.schedule().scheduled) == 3

@@ -260,7 +260,8 @@ def test_engine_takes_greedy_tokens_from_the_c_head_only_where_sampling_is_the_a
     prompts = [[5 + (i * 7 + k) % 300 for i in range(20 + 9 * k)] for k in range(4)]
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     for path in (tiny_llama, tiny_qwen2):
-        llm = LLM(model=str(path), block_size=4, num_kv_blocks=256)
+        # all four prompts in the first step (no admission cap), then 11 decode steps
+        llm = LLM(model=str(path), block_size=4, num_kv_blocks=256, max_admitted_prefill_tokens=None)
         assert llm.engine.model.greedy_head_ok
         calls.clear()
         fused = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]

@@ -57,23 +57,26 @@ def hf_reference(model_dir, prompts: list[list[int]], max_tokens: int = MAX_TOKE
 
 
 def run_engine(model_dir, prompts, *, chunk=512, block_size=16, prefix=True, num_kv_blocks=512,
-               max_tokens=MAX_TOKENS, ignore_eos=True, max_num_seqs=64):
+               max_tokens=MAX_TOKENS, ignore_eos=True, max_num_seqs=64, cap="auto"):
     llm = LLM(model=str(model_dir), dtype="float64", block_size=block_size, enable_prefix_caching=prefix,
-              max_num_batched_tokens=chunk, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs)
+              max_num_batched_tokens=chunk, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+              max_admitted_prefill_tokens=cap)
     llm.engine.check_integrity_each_step = True
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos))
     assert llm.engine.scheduler.kv.num_used_blocks == 0, "blocks leaked after all requests ended"
     return llm, outs
 
 
-@pytest.mark.parametrize("batch", [1, 3, 17])
+# cap: max_admitted_prefill_tokens; "auto" (the default) spreads the 17 prompts over a few steps,
+# None admits them all in the first (a prompt that is a prefix of another shares its blocks there)
+@pytest.mark.parametrize("batch,cap", [(1, "auto"), (3, "auto"), (17, "auto"), (17, None)])
 @pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("prefix", [True, False])
-def test_llama_matrix(tiny_llama, batch, chunk, block_size, prefix):
+def test_llama_matrix(tiny_llama, batch, cap, chunk, block_size, prefix):
     prompts = make_prompts(384)[:batch]
     refs = hf_reference(tiny_llama, make_prompts(384))[:batch]
-    _, outs = run_engine(tiny_llama, prompts, chunk=chunk, block_size=block_size, prefix=prefix)
+    _, outs = run_engine(tiny_llama, prompts, chunk=chunk, block_size=block_size, prefix=prefix, cap=cap)
     assert [o.token_ids for o in outs] == refs
 
 
@@ -83,12 +86,14 @@ FAMILIES = ["tiny_mistral", "tiny_qwen2", "tiny_qwen3", "tiny_mistral_window", "
 
 @pytest.mark.parametrize("arch", FAMILIES)
 @pytest.mark.parametrize("batch", [1, 17])
-@pytest.mark.parametrize("chunk,block_size,prefix", [(7, 1, True), (32, 16, False), (512, 16, True), (64, 1, False)])
-def test_other_architectures(request, arch, batch, chunk, block_size, prefix):
+@pytest.mark.parametrize("chunk,block_size,prefix,cap", [(7, 1, True, "auto"), (32, 16, False, "auto"),
+                                                        (512, 16, True, "auto"), (512, 16, True, None),
+                                                        (64, 1, False, "auto")])
+def test_other_architectures(request, arch, batch, chunk, block_size, prefix, cap):
     model_dir = request.getfixturevalue(arch)
     prompts = make_prompts(384, seed=1)
     refs = hf_reference(model_dir, prompts)
-    _, outs = run_engine(model_dir, prompts[:batch], chunk=chunk, block_size=block_size, prefix=prefix)
+    _, outs = run_engine(model_dir, prompts[:batch], chunk=chunk, block_size=block_size, prefix=prefix, cap=cap)
     assert [o.token_ids for o in outs] == refs[:batch]
 
 
@@ -157,7 +162,7 @@ def test_stops_on_eos_like_transformers(tiny_llama):
         assert o.finish_reason == ("stop" if r and r[-1] == 2 else "length")
 
 
-@pytest.mark.parametrize("cap,steps", [(None, 4), (16, 8)])
+@pytest.mark.parametrize("cap,steps", [(None, 4), (16, 8), ("auto", 6)])
 def test_shared_system_prompt_is_computed_once(tiny_llama, cap, steps):
     rng = random.Random(5)
     system = [rng.randrange(3, 384) for _ in range(100)]
@@ -169,7 +174,9 @@ def test_shared_system_prompt_is_computed_once(tiny_llama, cap, steps):
     # submitted together: the first computes the 100 shared tokens; the other 7 reuse its 6 full
     # blocks, scheduled in the same step (the blocks are shared as soon as they are scheduled).
     # With max_admitted_prefill_tokens=16: 105 tokens in step 1, then two turns of 9 new tokens a
-    # step (9 < 16 admits a second), the last in step 5, its 4th token in step 8.
+    # step (9 < 16 admits a second), the last in step 5, its 4th token in step 8. With "auto" (the
+    # default): 105 in step 1, four turns in step 2 (the cap 32: 27 < 32 admits a fourth), the last
+    # three in step 3 (cap 64), their 4th token in step 6.
     assert [o.num_cached_tokens for o in outs] == [0] + [96] * 7
     assert llm.engine.num_steps == steps
     stats = llm.engine.stats()

@@ -108,7 +108,10 @@ def test_matched_prefix_then_growth_extends_from_the_request_node():
 
 
 def _sched(num_blocks: int, budget: int = 64, max_seqs: int = 256, block_size: int = BS) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs),
+    # the token budget alone: these set-ups admit a queue at once (the "auto" cap, which spreads
+    # it over a few steps, has its own test in test_kv.py)
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                                     max_admitted_prefill_tokens=None),
                      CacheConfig(block_size=block_size, num_kv_blocks=num_blocks), num_blocks)
 
 

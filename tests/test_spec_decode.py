@@ -141,7 +141,9 @@ def test_only_verified_tokens_enter_the_prefix_cache(tiny_llama, monkeypatch):
     prompts = make_prompts(384)[:6]
     refs = hf_reference(tiny_llama, prompts, max_tokens=MAX_TOKENS)
     oracle = OracleDrafts(prompts, refs, p_wrong=0.5, seed=7)
-    llm, outs = run(tiny_llama, prompts, k=6, block_size=2, oracle=oracle, monkeypatch=monkeypatch)
+    # all six admitted in the first step (no admission cap): prompt 1, a prefix of prompt 0, with it
+    llm, outs = run(tiny_llama, prompts, k=6, block_size=2, oracle=oracle, monkeypatch=monkeypatch,
+                    max_admitted_prefill_tokens=None)
     assert [o.outputs[0].token_ids for o in outs] == refs
     seqs = [tuple(p + r) for p, r in zip(prompts, refs)]
     stack = [((), llm.engine.scheduler.kv.radix.root)]
@@ -161,7 +163,8 @@ def test_only_verified_tokens_enter_the_prefix_cache(tiny_llama, monkeypatch):
     # the prefix cache serves exactly what it serves after plain decoding (prompts of odd length
     # end mid-block; prompt 1, a prefix of prompt 0 computed in the same step, keeps a duplicate
     # block and its later blocks stay out of the tree, drafts or not)
-    plain = LLM(model=str(tiny_llama), dtype="float64", block_size=2, num_kv_blocks=512)
+    plain = LLM(model=str(tiny_llama), dtype="float64", block_size=2, num_kv_blocks=512,
+                max_admitted_prefill_tokens=None)
     plain.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     plain_again = plain.generate(longer, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert [o.num_cached_tokens for o in again] == [o.num_cached_tokens for o in plain_again]
