@@ -190,7 +190,8 @@ def simulate_paged(trace, budget_tokens: int, block_size: int, max_num_seqs: int
 
     num_blocks = budget_tokens // block_size
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=step_tokens, max_num_seqs=max_num_seqs,
-                                      max_waiting_requests=len(trace) + 1, watermark=watermark),
+                                      max_waiting_requests=len(trace) + 1, watermark=watermark,
+                                      max_admitted_prefill_tokens=None),  # as recorded (memory.json)
                       CacheConfig(block_size=block_size, num_kv_blocks=num_blocks, enable_prefix_caching=False),
                       num_blocks)
     params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)

@@ -65,9 +65,10 @@ class SchedulerConfig:
     # reach this (the first is admitted whatever its size, within the token budget): a burst of
     # short prefills (returning turns whose history is cached) is spread over several steps, the
     # first of them answered after a short step instead of all after one long one. An int: that
-    # cap, every step. "auto": AUTO_ADMITTED_PREFILL_TOKENS, doubled for each step in a row that held
-    # a request back (a burst is admitted within a few steps, not one request a step), on CPU; on
-    # CUDA the token budget alone (not measured on a GPU). None: the token budget alone.
+    # cap, every step. "auto": AUTO_ADMITTED_PREFILL_TOKENS, doubled for each step that held a
+    # request back until a step admits the rest of the queue (a burst is admitted within a few
+    # steps, not one request a step), on CPU; on CUDA the token budget alone (not measured on a
+    # GPU). None: the token budget alone.
     max_admitted_prefill_tokens: int | str | None = "auto"
     max_waiting_requests: int = 4096
     # A waiting request that has been passed over for this many steps is admitted in arrival

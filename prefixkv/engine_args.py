@@ -47,8 +47,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="once the requests a step admitted have this many prompt tokens scheduled, one whose "
                         "prefill would finish in the step waits for the next (one that only starts a chunked "
                         "prefill is still admitted): a burst of short prefills answered a few at a time. auto "
-                        "(default): 16 on cpu, doubled for each step in a row that held a request back; none on "
-                        "cuda. none: the token budget alone")
+                        "(default): 16 on cpu, doubled for each step that held a request back until a step admits "
+                        "the rest of the queue; none on cuda. none: the token budget alone")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="requests queued beyond this are refused with 503 (default: SchedulerConfig's)")

@@ -11,8 +11,9 @@ Each step:
    ``max_admitted_prefill_tokens``, once those admitted in a step have that many prompt tokens
    scheduled, a request whose prefill would finish in the step waits for the next one (a burst
    of short prefills answered a few at a time, not all after one long step); with "auto" that
-   cap doubles for each step in a row that held a request back, so a burst of B tokens is in
-   after about log2(B / cap) steps.
+   cap doubles for each step in a row that held a request back (until a pass admits the rest of
+   the queue), so a burst of B tokens is in after about log2(B / cap) steps more than the token
+   budget alone takes.
 
 Blocks that will be full once this step's tokens are computed enter the radix index when they are
 scheduled, not after the forward pass: a request admitted later in the same step then shares them
@@ -127,7 +128,7 @@ class Scheduler:
         self.num_draft_tokens = 0  # speculative tokens proposed ...
         self.num_accepted_tokens = 0  # ... and accepted
         # max_admitted_prefill_tokens: the cap of a step that follows one which held nobody back
-        # (None: no cap), and with "auto" how many steps in a row held a request back (each doubles it)
+        # (None: no cap), and with "auto" how many times it doubled since a pass last got through the queue
         cap = config.max_admitted_prefill_tokens
         self._admission_cap_base = (None if config.policy == "static" or cap is None
                                     else AUTO_ADMITTED_PREFILL_TOKENS if cap == "auto" else cap)
@@ -365,6 +366,7 @@ class Scheduler:
 
     def _admit(self, budget: int, prefills: list[ScheduledRequest], deferred: list[Request]) -> int:
         if not self.waiting:
+            self._admission_cap_doublings = 0  # (a burst aborted while waiting starts nothing)
             return budget
         full = budget <= 0 or len(self.running) >= self.config.max_num_seqs  # (seats >= running sequences)
         seats = 0 if full else self.num_seats
@@ -442,7 +444,13 @@ class Scheduler:
             budget -= num_new
             admitted_tokens += num_new
         if self._admission_cap_grows:
-            self._admission_cap_doublings = min(self._admission_cap_doublings + 1, 30) if held else 0
+            # grown while it holds requests back, back to its start once a pass got through the
+            # queue; a pass that stopped for the budget, seats or blocks leaves it as it is (a burst
+            # larger than a step's budget keeps the cap it reached)
+            if held:
+                self._admission_cap_doublings = min(self._admission_cap_doublings + 1, 30)
+            elif rest is None:
+                self._admission_cap_doublings = 0
         if rest is not None and self.disk_prefetch is not None:
             self._prefetch_ahead([r for r, _ in order[rest:rest + _PREFETCH_AHEAD]])
         if admitted:  # all from the ordering window at the head of the queue

@@ -136,8 +136,10 @@ def test_deferred_promotions_wait_a_step_while_the_others_run(tiny_llama, tmp_pa
     probe = _llm(tiny_llama, 0.0)
     gb = _bytes_per_block(probe) / (1 << 30)
     kw = dict(kv_disk_cache_dir=str(tmp_path), kv_disk_cache_gb=400 * gb) if disk else {}
+    # 48 blocks: room for four at once, not for all eight; no admission cap, as on CUDA (where
+    # promotions are deferred and "auto" is no cap)
     llm = LLM(model=str(tiny_llama), dtype="float64", block_size=4, num_kv_blocks=48, max_num_batched_tokens=256,
-              kv_host_cache_gb=(6 if disk else 200) * gb, **kw)  # 48 blocks: room for four at once, not for all eight
+              kv_host_cache_gb=(6 if disk else 200) * gb, max_admitted_prefill_tokens=None, **kw)
     eng = llm.engine
     eng.check_integrity_each_step = True
     sched = eng.scheduler

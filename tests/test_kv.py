@@ -202,10 +202,12 @@ def test_max_admitted_prefill_tokens_spreads_a_burst_of_short_prefills():
 
 def test_auto_admission_cap_doubles_while_it_holds_requests_back():
     """max_admitted_prefill_tokens="auto" (the default): a step admits short prefills until 16 of
-    their tokens are scheduled; each step in a row that held one back doubles that (at most the
-    step's token budget), a step that held nobody back sets it to 16 again. Twelve turns of 5 new tokens
-    come in 4 + 7 + 1 over three steps (a fixed cap of 16 takes four steps for four turns, one a
-    step after the first eleven), the next burst starts at 16 again."""
+    their tokens are scheduled; each step that held one back doubles that (at most the token
+    budget) until a step's pass gets through the queue, which sets it to 16 again. Twelve turns of 5
+    new tokens come in 4 + 7 + 1 over three steps (a fixed cap of 16: 4 + 4 + 4), the next burst
+    starts at 16 again. A pass stopped by the token budget keeps the cap (a burst larger than a
+    step's budget is not throttled back to 16 between its steps); a queue emptied by aborts resets
+    it."""
     s = _sched(num_blocks=256, block_size=4, budget=100, max_seqs=64)
     assert s.config.max_admitted_prefill_tokens == "auto"
 
@@ -228,6 +230,29 @@ def test_auto_admission_cap_doubles_while_it_holds_requests_back():
     assert step() == (32, [f"r{i}#0" for i in range(16, 23)])
     s.add_request(_req(24, [2400 + t for t in range(1, 6)], max_tokens=20))
     assert step() == (64, ["r23#0", "r24#0"])
+    # 40 turns against a budget of 40 tokens that the decodes take more of each step: from the
+    # second step the budget stops each pass before the cap does, so the cap stays 32 until the
+    # pass that admits the last of them
+    s2 = _sched(num_blocks=512, block_size=4, budget=40, max_seqs=64)
+    for i in range(40):
+        s2.add_request(_req(i, [100 * i + t for t in range(1, 6)], max_tokens=50))
+    caps = []
+    while s2.waiting:
+        caps.append(s2.admission_cap)
+        out = s2.schedule()
+        s2.update(out, [[99] if x.num_samples else [] for x in out.scheduled])
+        s2.check_integrity()
+    assert caps == [16] + [32] * 15 and s2.admission_cap == 16
+    # a burst held back, then aborted while it waits: the next step starts from 16
+    s3 = _sched(num_blocks=256, block_size=4, budget=100, max_seqs=64)
+    for i in range(12):
+        s3.add_request(_req(i, [100 * i + t for t in range(1, 6)], max_tokens=20))
+    s3.update(s3.schedule(), [[99]] * 4)
+    assert s3.admission_cap == 32
+    for r in list(s3.waiting):
+        s3.finish_request(r, RequestStatus.FINISHED_ABORTED)
+    s3.update(s3.schedule(), [[99]] * 4)
+    assert s3.admission_cap == 16
 
 
 def test_auto_admission_cap_is_none_on_cuda_and_with_the_static_policy():

@@ -103,7 +103,7 @@ def test_other_architectures_under_preemption(request, arch):
     prompts = make_prompts(384, seed=1)
     refs = hf_reference(model_dir, prompts, max_tokens=16)
     # windowed layers hold a few blocks once past their window: a smaller pool for them to preempt
-    num_kv_blocks = {"tiny_mistral_window": 20, "tiny_qwen3": 40, "tiny_gemma2": 40, "tiny_gemma3": 40}.get(arch, 80)
+    num_kv_blocks = {"tiny_mistral_window": 16, "tiny_qwen3": 40, "tiny_gemma2": 40, "tiny_gemma3": 40}.get(arch, 80)
     llm, outs = run_engine(model_dir, prompts, chunk=48, block_size=4, num_kv_blocks=num_kv_blocks, max_tokens=16)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == refs
@@ -121,7 +121,7 @@ def test_sliding_windows_matter_and_survive_preemption(request, arch, tmp_path):
     prompts = make_prompts(384, seed=1)
     refs = hf_reference(model_dir, prompts, max_tokens=16)
     # windowed layers hold a few blocks once past their window: a smaller pool for them to preempt
-    num_kv_blocks = {"tiny_mistral_window": 20, "tiny_qwen3": 40, "tiny_gemma2": 40, "tiny_gemma3": 40}[arch]
+    num_kv_blocks = {"tiny_mistral_window": 16, "tiny_qwen3": 40, "tiny_gemma2": 40, "tiny_gemma3": 40}[arch]
     llm, outs = run_engine(model_dir, prompts, chunk=48, block_size=4, num_kv_blocks=num_kv_blocks, max_tokens=16)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == refs
