@@ -12,8 +12,8 @@ from prefixkv.validation import require
 
 SUPPORTED_DTYPES = ("auto", "float32", "float64", "float16", "bfloat16")
 SUPPORTED_DEVICES = ("cpu", "cuda")
-# max_admitted_prefill_tokens="auto": the cap of a step that follows one which held nobody back
-# (bench/RESULTS.md, twenty-third session: 16 and 32 measured)
+# max_admitted_prefill_tokens="auto": the cap it starts from, and returns to once a step's admission
+# got through the queue (bench/RESULTS.md, twenty-third session: 16 and 32 measured)
 AUTO_ADMITTED_PREFILL_TOKENS = 16
 
 

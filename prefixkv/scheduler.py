@@ -127,8 +127,8 @@ class Scheduler:
         self.num_deferred_promotions = 0  # requests admitted that way
         self.num_draft_tokens = 0  # speculative tokens proposed ...
         self.num_accepted_tokens = 0  # ... and accepted
-        # max_admitted_prefill_tokens: the cap of a step that follows one which held nobody back
-        # (None: no cap), and with "auto" how many times it doubled since a pass last got through the queue
+        # max_admitted_prefill_tokens: the cap it starts from (None: no cap), and with "auto" how many
+        # times it doubled since a pass last got through the queue
         cap = config.max_admitted_prefill_tokens
         self._admission_cap_base = (None if config.policy == "static" or cap is None
                                     else AUTO_ADMITTED_PREFILL_TOKENS if cap == "auto" else cap)
