@@ -141,7 +141,7 @@ BAD_INPUTS = [
     ("long-prompt-in-batch", COMPL, compl(prompt=[[5] * 4, [5] * 1100]), 400, INVALID, "prompt", None),
     ("completion-logprobs=30", COMPL, compl(logprobs=30), 400, INVALID, "logprobs", None),
     ("completion-logprobs-bool", COMPL, compl(logprobs=True), 400, INVALID, "logprobs", None),
-    ("echo", COMPL, compl(echo=True), 400, INVALID, "echo", None),
+    ("max-tokens-0-without-echo", COMPL, compl(max_tokens=0), 400, INVALID, "max_tokens", None),
     ("suffix", COMPL, compl(suffix="x"), 400, INVALID, "suffix", None),
     ("completion-n=0", COMPL, compl(n=0), 400, INVALID, "n", None),
 ]

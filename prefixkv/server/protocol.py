@@ -360,8 +360,8 @@ class ChatCompletionChunk(Struct):
 
 class CompletionLogprobs(Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing precedes it)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -432,7 +432,20 @@ def completion_logprobs(lps: list[TokenLogprob], token_text: TokenText, num_top:
                         text_offset: int = 0) -> CompletionLogprobs:
     """``text_offset`` is where the first of these tokens starts in the choice's text (streaming
     passes the length already sent)."""
-    out = CompletionLogprobs([], [], [], [])
+    return _add_completion_logprobs(CompletionLogprobs([], [], [], []), lps, token_text, num_top, text_offset)
+
+
+def echo_logprobs(prompt_ids: list[int], lps: list[TokenLogprob], token_text: TokenText,
+                  num_top: int) -> CompletionLogprobs:
+    """An echoed prompt's tokens in the completions format: the first has no logprob (null, as
+    OpenAI and vLLM answer), token i + 1's record is ``lps[i]``."""
+    first, _ = token_text(prompt_ids[0])
+    out = CompletionLogprobs([first], [None], [None], [0])
+    return _add_completion_logprobs(out, lps, token_text, num_top, len(first))
+
+
+def _add_completion_logprobs(out: CompletionLogprobs, lps: list[TokenLogprob], token_text: TokenText,
+                             num_top: int, text_offset: int) -> CompletionLogprobs:
     offset = text_offset
     for lp in lps:
         text, _ = token_text(lp.token_id)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import hmac
 import logging
 import re
@@ -71,6 +72,7 @@ from prefixkv.server.protocol import (
     chat_logprobs,
     completion_logprobs,
     decode_request,
+    echo_logprobs,
     encode,
     make_usage,
     prompt_list,
@@ -266,6 +268,7 @@ class TokenTexts:
 class _ChoiceState:
     num_sent_chars: int = 0
     finished: bool = False
+    started: bool = False  # its first chunk was sent
 
 
 @dataclass
@@ -284,6 +287,7 @@ class _Format:
     model: str
     num_top_logprobs: int
     token_text: TokenText
+    show_prompt_logprobs: bool = False  # the request asked for vLLM's ``prompt_logprobs`` field
 
     def start_chunks(self, num_choices: int) -> list[msgspec.Struct]:
         return []
@@ -364,13 +368,29 @@ class _ChatFormat(_Format):
         return chat_logprobs(lps, self.token_text, self.num_top_logprobs)
 
 
+@dataclass
 class _CompletionFormat(_Format):
     id_prefix = "cmpl"
     chunk_type = response_type = CompletionResponse  # OpenAI streams the response object itself
     _choice = _delta_choice = staticmethod(CompletionChoice)
+    echo_texts: list[str] | None = None  # echo: each prompt's text, which its choices' texts begin with
 
     def _logprobs(self, lps: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:
         return completion_logprobs(lps, self.token_text, self.num_top_logprobs, text_offset)
+
+    def prepend_echo(self, choice: CompletionChoice, prompt_index: int, out: RequestOutput) -> int:
+        """echo: the prompt's text (and, with logprobs, its tokens' logprobs: the engine computed
+        them as ``prompt_logprobs``) before what ``choice`` holds. Returns the characters added."""
+        text = self.echo_texts[prompt_index]
+        if choice.logprobs is not None:
+            head = echo_logprobs(out.prompt_token_ids, out.prompt_token_logprobs, self.token_text,
+                                 self.num_top_logprobs)
+            tail = choice.logprobs
+            choice.logprobs = CompletionLogprobs(head.tokens + tail.tokens, head.token_logprobs + tail.token_logprobs,
+                                                 head.top_logprobs + tail.top_logprobs,
+                                                 head.text_offset + [o + len(text) for o in tail.text_offset])
+        choice.text = text + choice.text
+        return len(text)
 
 
 def _sse(obj: object) -> bytes:
@@ -407,6 +427,35 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
     finally:
         for t in tasks:
             t.cancel()
+
+
+class PromptOnlyStream:
+    """A request run for its prompt alone (``max_tokens: 0`` with echo): the engine samples one
+    token (its logits are computed for the last prompt position anyway), which this stream drops,
+    so the outputs hold no tokens and finish with "length"."""
+
+    def __init__(self, stream: RequestStream) -> None:
+        self._stream = stream
+
+    @property
+    def done(self) -> bool:
+        return self._stream.done
+
+    def __aiter__(self) -> PromptOnlyStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        out = await self._stream.__anext__()
+        empty = lambda lps: None if lps is None else []  # noqa: E731
+        outputs = [dataclasses.replace(co, token_ids=[], text="", delta_text="", delta_token_ids=[],
+                                       token_logprobs=empty(co.token_logprobs),
+                                       delta_token_logprobs=empty(co.delta_token_logprobs),
+                                       finish_reason="length" if co.finish_reason else None, stop_reason=None)
+                   for co in out.outputs]
+        return dataclasses.replace(out, outputs=outputs)
+
+    def abort(self) -> None:
+        self._stream.abort()
 
 
 def _usage(finals: list[RequestOutput]) -> Usage:
@@ -539,8 +588,6 @@ class OpenAIServing:
     async def completions(self, body: bytes, t0: float) -> Reply:
         req = decode_request(body, CompletionRequest)
         self._check_model(req.model)
-        if req.echo:
-            raise ApiError(400, "echo: is not supported", param="echo")
         if req.suffix:
             raise ApiError(400, "suffix: is not supported", param="suffix")
         prompts = prompt_list(req.prompt)
@@ -548,8 +595,14 @@ class OpenAIServing:
         if len(prompts) > limit:
             raise ApiError(400, f"prompt: a batch of {len(prompts)} prompts is larger than the server's waiting "
                                 f"queue ({limit})", param="prompt")
-        params = self._params(req, req.max_tokens, req.logprobs, {})
-        return await self._generate(t0, _CompletionFormat, req, prompts, params, {})
+        prompt_only = req.max_tokens == 0  # vLLM's: with echo, the prompt (and its logprobs) alone
+        if prompt_only and not req.echo:
+            raise ApiError(400, "max_tokens: 0 is only allowed with echo (the reply is then the prompt alone)",
+                           param="max_tokens")
+        params = self._params(req, 1 if prompt_only else req.max_tokens, req.logprobs, {})
+        if req.echo and req.logprobs is not None:  # the prompt's logprobs: it is computed whole (no cache hit)
+            params = dataclasses.replace(params, prompt_logprobs=max(req.logprobs, params.prompt_logprobs or 0))
+        return await self._generate(t0, _CompletionFormat, req, prompts, params, {}, prompt_only=prompt_only)
 
     def _params(self, req: Any, max_tokens: int | None, logprobs: int | None,
                 aliases: dict[str, str], tools: ToolPlan | None = None) -> SamplingParams:
@@ -634,11 +687,12 @@ class OpenAIServing:
 
     async def _generate(self, t0: float, fmt_type: type[_Format], req: ChatCompletionRequest | CompletionRequest,
                         prompts: list, params: SamplingParams, aliases: dict[str, str],
-                        tools: ToolPlan | None = None) -> Reply:
+                        tools: ToolPlan | None = None, prompt_only: bool = False) -> Reply:
         fmt = fmt_type(f"{fmt_type.id_prefix}-{uuid.uuid4().hex}", int(time.time()), self.config.model_name,
                        params.logprobs or 0, self.token_text)
         if tools is not None and tools.mode != "none":
             fmt.tools = tools
+        fmt.show_prompt_logprobs = req.prompt_logprobs is not None
         deadline = t0 + self.config.request_timeout
         streams: list[RequestStream] = []
         handed_over = False  # a stream's EventStream aborts its requests when the transport closes it
@@ -647,8 +701,13 @@ class OpenAIServing:
                 async with _timeout_at(deadline):
                     ids = await self._off_loop(lambda: self._prepare_prompts(prompts, params))
                     self._check_room(ids, params, aliases)
+                    if getattr(req, "echo", False):
+                        fmt.echo_texts = await self._off_loop(
+                            lambda: [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts])
                     rids = [fmt.id if len(prompts) == 1 else f"{fmt.id}-{i}" for i in range(len(prompts))]
                     streams.extend(await self.engine.add_requests(list(zip(rids, ids)), params))
+                    if prompt_only:
+                        streams[:] = [PromptOnlyStream(s) for s in streams]
             except OverflowError as e:
                 raise ApiError(503, f"the server is overloaded: {e}; retry later", type="server_error",
                                code="overloaded", headers={"Retry-After": "1"}) from None
@@ -684,7 +743,10 @@ class OpenAIServing:
         assert len(done) == len(finals), "a stream ended without a finished output"
         choices = [(i * params.n + co.index, co) for i, out in enumerate(done) for co in out.outputs]
         resp = fmt.response(choices, self._observe(t0, ttft, done))
-        if params.prompt_logprobs is not None:  # vLLM's places: per choice (completions), per response (chat)
+        if isinstance(fmt, _CompletionFormat) and fmt.echo_texts is not None:
+            for c in resp.choices:
+                fmt.prepend_echo(c, c.index // params.n, done[c.index // params.n])
+        if fmt.show_prompt_logprobs:  # vLLM's places: per choice (completions), per response (chat)
             if isinstance(resp, ChatCompletionResponse):
                 resp.prompt_logprobs = prompt_logprobs_wire(done[0].prompt_logprobs)
             else:
@@ -719,7 +781,7 @@ class OpenAIServing:
                     ttft = loop.time() - t0
                 if out.finished:
                     finals[i] = out
-                chunks = _delta_chunks(fmt, i * params.n, out, states)
+                chunks = _delta_chunks(fmt, i, params.n, out, states)
                 if chunks:
                     yield b"".join(map(_sse, chunks))
         except Exception as e:  # the engine failed or the deadline passed: the stream ends with the error
@@ -757,20 +819,28 @@ def _check_tool_messages(messages: list) -> None:
                                     "of an earlier assistant message", param=f"messages[{i}].tool_call_id")
 
 
-def _delta_chunks(fmt: _Format, base: int, out: RequestOutput, states: list[_ChoiceState]) -> list[msgspec.Struct]:
+def _delta_chunks(fmt: _Format, prompt_index: int, n: int, out: RequestOutput,
+                  states: list[_ChoiceState]) -> list[msgspec.Struct]:
     """The stream chunks for one engine output (of kind "delta"): new text, new logprobs (when they
     were asked for), and each choice's finish reason once."""
+    base = prompt_index * n
     chunks = []
+    echo = isinstance(fmt, _CompletionFormat) and fmt.echo_texts is not None
     for co in out.outputs:
         index = base + co.index
         st = states[index]
         lps = co.delta_token_logprobs
         finish = co.finish_reason if co.finish_reason and not st.finished else None
-        if not co.delta_text and not lps and finish is None:
+        echo_now = echo and not st.started  # the choice's first chunk begins with the prompt
+        if not co.delta_text and not lps and finish is None and not echo_now:
             continue
         st.finished = st.finished or finish is not None
-        chunks.append(fmt.delta_chunk(index, co.delta_text, lps, st.num_sent_chars, finish,
-                                      co.stop_reason if finish is not None else None))
+        chunk = fmt.delta_chunk(index, co.delta_text, lps, st.num_sent_chars, finish,
+                                co.stop_reason if finish is not None else None)
+        if echo_now:
+            st.num_sent_chars += fmt.prepend_echo(chunk.choices[0], prompt_index, out)
+        st.started = True
+        chunks.append(chunk)
         st.num_sent_chars += len(co.delta_text)
     return chunks
 
