@@ -64,8 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-view-text", action="store_true",
                        help="let the /cache page (GET /v1/cache/summary) show the start of each cached run's text; "
                             "off by default: the cache view then shows token counts only, never prompt text")
-    serve.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
-                       help="parse tool calls out of free replies: enables tool_choice 'auto' (server/tools.py)")
+    serve.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json", "none"), default="auto",
+                       help="parse tool calls out of free replies, for tool_choice 'auto' (server/tools.py); auto "
+                            "(the default): the parser for the chat template's tool format, if recognised (logged at "
+                            "start-up); none: tool_choice 'auto' is refused")
+    serve.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
+                       help="split <think> ... </think> out of replies: reasoning_content (chat), reasoning items "
+                            "(Responses), thinking blocks (Messages) (server/reasoning.py)")
     add_engine_args(serve)
     add_ray_args(serve)
 

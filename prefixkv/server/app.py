@@ -233,11 +233,16 @@ def default_model_name(model: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+def _none_word(value: str | None) -> str | None:
+    return None if value == "none" else value
+
+
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(model_name=args.served_model_name or default_model_name(args.model),
                         api_key=args.api_key or os.environ.get("PREFIXKV_API_KEY") or None,
                         max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
-                        tool_call_parser=getattr(args, "tool_call_parser", None),
+                        tool_call_parser=_none_word(getattr(args, "tool_call_parser", None)),
+                        reasoning_parser=getattr(args, "reasoning_parser", None),
                         cache_view_text=getattr(args, "cache_view_text", False))
 
 

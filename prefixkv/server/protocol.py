@@ -103,9 +103,15 @@ UNSUPPORTED_FIELDS = ("functions", "function_call", "guided_json",
                       "modalities", "audio", "prediction", "reasoning_effort", "web_search_options")
 
 
+class ApiRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    """The base of every generation request (chat, completions, responses, messages): a field they
+    all share (``cache_salt``, a tenant) is declared here once and read where every request reaches
+    the engine, ``OpenAIServing.add_requests``."""
+
+
 # declared (as Any, default None) only to be refused by name
 _Unsupported = msgspec.defstruct("_Unsupported", [(f, Any, None) for f in UNSUPPORTED_FIELDS], kw_only=True,
-                                 forbid_unknown_fields=True)
+                                 forbid_unknown_fields=True, bases=(ApiRequest,))
 
 
 class _SamplingRequest(_Unsupported, kw_only=True, forbid_unknown_fields=True):
@@ -196,22 +202,40 @@ def decode_request(body: bytes, type: type[S]) -> S:
     try:
         return msgspec.json.decode(body, type=type)
     except msgspec.ValidationError as e:
-        msg = str(e)
-        m = _AT.search(msg)
-        path = m.group("path") if m else ""
-        missing = _MISSING.search(msg)
-        if missing:
-            path = f"{path}.{missing.group('field')}" if path else missing.group("field")
-        unknown = _UNKNOWN.search(msg)
-        if unknown:
-            path = f"{path}.{unknown.group('field')}" if path else unknown.group("field")
-            raise ProtocolError(f"{path}: unknown field (this server refuses fields it does not know rather "
-                                f"than ignore them)", path)
-        raise ProtocolError(f"{path}: {msg}" if path else f"request body: {msg}", path or None) from None
+        raise _validation_error(e, "") from None
     except msgspec.DecodeError as e:
         raise ProtocolError(f"malformed JSON body: {e}") from None
     except RecursionError:
         raise ProtocolError("malformed JSON body: nested too deeply") from None
+
+
+def convert(obj: Any, type: type[S], path: str) -> S:
+    """A decoded JSON value (a dict) -> ``type``, errors naming the field under ``path`` (an item
+    whose type is read from its own "type" field, e.g. ``input[2]``)."""
+    try:
+        return msgspec.convert(obj, type)
+    except msgspec.ValidationError as e:
+        raise _validation_error(e, path) from None
+
+
+def _validation_error(e: msgspec.ValidationError, prefix: str) -> ProtocolError:
+    msg = str(e)
+    m = _AT.search(msg)
+    path = m.group("path") if m else ""
+    missing = _MISSING.search(msg)
+    if missing:
+        path = f"{path}.{missing.group('field')}" if path else missing.group("field")
+    unknown = _UNKNOWN.search(msg)
+    if unknown:
+        path = f"{path}.{unknown.group('field')}" if path else unknown.group("field")
+    if prefix:
+        path = f"{prefix}{path if path.startswith('[') or not path else '.' + path}"
+    if unknown:
+        return ProtocolError(f"{path}: unknown field (this server refuses fields it does not know rather "
+                             f"than ignore them)", path)
+    if m:  # (the message's own "- at `$...`" is the path, now in front)
+        msg = msg[:m.start()]
+    return ProtocolError(f"{path}: {msg}" if path else f"request body: {msg}", path or None)
 
 
 def prompt_list(prompt: str | list) -> list[str | list[int]]:
@@ -289,6 +313,7 @@ class ChatMessageOut(Struct, omit_defaults=True):
     role: str
     content: str | None  # null when the reply is tool calls only
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None  # --reasoning-parser: the reply's reasoning (vLLM's field)
 
 
 class ChatChoice(Struct):
@@ -339,6 +364,7 @@ class DeltaMessage(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(Struct):

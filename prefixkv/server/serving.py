@@ -57,6 +57,7 @@ from prefixkv.server.protocol import (
     DeltaMessage,
     DetokenizeRequest,
     DetokenizeResponse,
+    ApiRequest,
     ErrorBody,
     ErrorResponse,
     FunctionCall,
@@ -78,7 +79,8 @@ from prefixkv.server.protocol import (
     prompt_list,
     prompt_logprobs_wire,
 )
-from prefixkv.server.tools import PARSERS, ToolPlan, ToolStream, plan_tools
+from prefixkv.server.reasoning import REASONING_PARSERS, ReplyParser, thinking_enabled
+from prefixkv.server.tools import AUTO, PARSERS, ToolPlan, detect_tool_parser, plan_tools
 
 logger = logging.getLogger(__name__)
 
@@ -116,12 +118,24 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
     request_timeout: float = 600.0  # seconds from arrival until the request is aborted
-    tool_call_parser: str | None = None  # "hermes" | "llama3_json": tool_choice "auto" (server/tools.py)
+    # "hermes" | "llama3_json" | "auto" (the chat template's format, if recognised): tool_choice "auto"
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # "qwen3" | "deepseek_r1": <think> ... </think> (server/reasoning.py)
     cache_view_text: bool = False  # /v1/cache/summary (the /cache page) may show the cached runs' text
+    # POST /v1/responses with store (the default): responses kept for previous_response_id and GET,
+    # least recently used dropped first beyond either bound (server/responses.py)
+    max_stored_responses: int = 1000
+    max_stored_response_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
-        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
-            raise ValueError(f"tool_call_parser: must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in (*PARSERS, AUTO):
+            raise ValueError(f"tool_call_parser: must be one of {', '.join((*PARSERS, AUTO))}, got "
+                             f"{self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser: must be one of {', '.join(REASONING_PARSERS)}, got "
+                             f"{self.reasoning_parser!r}")
+        if self.max_stored_responses < 0 or self.max_stored_response_bytes < 0:
+            raise ValueError("max_stored_responses: the store's bounds must be non-negative")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes: must be positive, got {self.max_body_bytes}")
         if not self.request_timeout > 0:
@@ -318,34 +332,35 @@ class _ChatFormat(_Format):
     chunk_type = ChatCompletionChunk
     response_type = ChatCompletionResponse
     tools: ToolPlan | None = None  # the reply holds tool calls (server/tools.py)
-    _tool_streams: dict[int, ToolStream] = field(default_factory=dict)  # choice index -> its stream
+    reasoning: bool = False  # the reply's reasoning is split out (server/reasoning.py)
+    _parsers: dict[int, ReplyParser] = field(default_factory=dict)  # choice index -> its stream's parser
 
     def response(self, choices: list[tuple[int, CompletionOutput]], usage: Usage) -> msgspec.Struct:
-        if self.tools is None:
+        if self.tools is None and not self.reasoning:
             return super().response(choices, usage)
         out = []
         for index, co in choices:
-            stream = self.tools.stream()
-            stream.feed(co.text)
-            stream.close()
-            calls = [ToolCallOut(c.id, FunctionCall(c.name, c.arguments)) for c in stream.calls] or None
+            parser = ReplyParser(self.tools, self.reasoning)
+            parser.feed(co.text)
+            parser.close()
+            calls = [ToolCallOut(c.id, FunctionCall(c.name, c.arguments)) for c in parser.calls] or None
             finish = self.tools.calls_finish_reason if calls and co.finish_reason == "stop" else co.finish_reason
-            out.append(ChatChoice(index, ChatMessageOut("assistant", stream.content, calls),
+            out.append(ChatChoice(index, ChatMessageOut("assistant", parser.content, calls, parser.reasoning),
                                   self._logprobs_or_none(co.token_logprobs, 0), finish, co.stop_reason))
         return self.response_type(self.id, self.created, self.model, out, usage)
 
     def delta_chunk(self, index: int, text: str, lps: list[TokenLogprob] | None, text_offset: int,
                     finish_reason: str | None, stop_reason: int | str | None = None) -> msgspec.Struct:
-        if self.tools is None:
+        if self.tools is None and not self.reasoning:
             return super().delta_chunk(index, text, lps, text_offset, finish_reason, stop_reason)
-        stream = self._tool_streams.setdefault(index, self.tools.stream())
-        content, calls = stream.feed(text)
+        parser = self._parsers.setdefault(index, ReplyParser(self.tools, self.reasoning))
+        reasoning, content, calls = parser.feed(text)
         if finish_reason is not None:
-            more, more_calls = stream.close()
-            content, calls = content + more, calls + more_calls
-            if stream.calls and finish_reason == "stop":
+            more_reasoning, more, more_calls = parser.close()
+            reasoning, content, calls = reasoning + more_reasoning, content + more, calls + more_calls
+            if parser.calls and finish_reason == "stop":
                 finish_reason = self.tools.calls_finish_reason
-        delta = DeltaMessage(content=content or None, tool_calls=calls or None)
+        delta = DeltaMessage(content=content or None, tool_calls=calls or None, reasoning_content=reasoning or None)
         choice = ChatChunkChoice(index, delta, self._logprobs_or_none(lps, text_offset), finish_reason, stop_reason)
         return self.chunk_type(self.id, self.created, self.model, [choice])
 
@@ -458,6 +473,28 @@ class PromptOnlyStream:
         self._stream.abort()
 
 
+@contextlib.contextmanager
+def _admission_errors(aliases: dict[str, str]):
+    """What adding requests to the engine can raise, as the API's errors (nothing was started)."""
+    try:
+        yield
+    except OverflowError as e:
+        raise ApiError(503, f"the server is overloaded: {e}; retry later", type="server_error",
+                       code="overloaded", headers={"Retry-After": "1"}) from None
+    except ValueError as e:
+        raise bad_request(e, aliases) from None
+    except (TimeoutError, EngineDeadError) as e:
+        raise _engine_error(e) from None
+
+
+@dataclass(frozen=True)
+class Retention:
+    """A request that a prompt's prefix stay in the prefix cache (see ``OpenAIServing.add_requests``)."""
+
+    num_tokens: int | None  # the prefix's length in tokens; None: the whole conversation
+    ttl_s: float | None  # None: until released (a stored response deleted or dropped)
+
+
 def _usage(finals: list[RequestOutput]) -> Usage:
     return make_usage(sum(o.num_prompt_tokens for o in finals), sum(o.num_output_tokens for o in finals),
                       sum(o.num_cached_tokens for o in finals))
@@ -486,6 +523,10 @@ class OpenAIServing:
         # the event loop
         self.tokenizer = engine.tokenizer
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefixkv-tokenize")
+        self.tool_call_parser = config.tool_call_parser
+        if self.tool_call_parser == AUTO:
+            self.tool_call_parser, why = detect_tool_parser(getattr(engine.tokenizer, "chat_template", "") or "")
+            logger.info("tool-call parser: %s (%s)", self.tool_call_parser or "none, tool_choice 'auto' is refused", why)
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
@@ -495,11 +536,16 @@ class OpenAIServing:
         return self._expected_auth is not None and (path == "/v1" or path.startswith("/v1/")
                                                     or path in ("/tokenize", "/detokenize"))
 
-    def check_key(self, authorization: str | None) -> None:
-        """401 unless ``authorization`` is ``Bearer <the server's key>`` (constant-time compare)."""
-        if not hmac.compare_digest((authorization or "").encode(), self._expected_auth or b""):
-            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    def check_key(self, authorization: str | None, x_api_key: str | None = None) -> None:
+        """401 unless ``authorization`` is ``Bearer <the server's key>`` or ``x_api_key`` (the
+        ``x-api-key`` header, Anthropic's) is the key (constant-time compares)."""
+        expected = self._expected_auth or b""
+        if hmac.compare_digest((authorization or "").encode(), expected):
+            return
+        if x_api_key is not None and hmac.compare_digest(f"Bearer {x_api_key}".encode(), expected):
+            return
+        raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     # ------------------------------------------------------------------ simple routes
     def health(self) -> Reply:
@@ -574,7 +620,7 @@ class OpenAIServing:
             aliases["max_tokens"] = "max_completion_tokens"
         choice = req.tool_choice if isinstance(req.tool_choice, (str, type(None))) else msgspec.to_builtins(req.tool_choice)
         tools = plan_tools(msgspec.to_builtins(req.tools) if req.tools else None, choice, req.parallel_tool_calls,
-                           self.config.tool_call_parser)
+                           self.tool_call_parser)
         params = self._params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, aliases, tools)
         _check_tool_messages(req.messages)
         messages = [msgspec.to_builtins(m) for m in req.messages]
@@ -583,7 +629,8 @@ class OpenAIServing:
                 messages, tools=tools.tools if tools else None, template_kwargs=req.chat_template_kwargs))
         except ValueError as e:
             raise bad_request(e) from None
-        return await self._generate(t0, _ChatFormat, req, [prompt], params, aliases, tools)
+        reasoning = thinking_enabled(self.config.reasoning_parser, req.chat_template_kwargs, params.structured_outputs)
+        return await self._generate(t0, _ChatFormat, req, [prompt], params, aliases, tools, reasoning=reasoning)
 
     async def completions(self, body: bytes, t0: float) -> Reply:
         req = decode_request(body, CompletionRequest)
@@ -635,7 +682,14 @@ class OpenAIServing:
             value = getattr(req, name)
             if value is not None:
                 kw[name] = value
-        for name, value in self.engine.default_sampling.items():  # the model's generation_config.json
+        return self.sampling_params(kw, aliases)
+
+    def sampling_params(self, kw: dict[str, Any], aliases: dict[str, str]) -> SamplingParams:
+        """``SamplingParams(**kw)`` with the model's defaults (generation_config.json) where ``kw``
+        has none (None: absent, except for ``max_tokens``: no limit but the context); a bad value is
+        a 400 naming the field the client sent (``aliases``)."""
+        kw = {k: v for k, v in kw.items() if v is not None or k == "max_tokens"}
+        for name, value in self.engine.default_sampling.items():
             if kw.get(name) is None:
                 kw[name] = value
         try:
@@ -687,17 +741,19 @@ class OpenAIServing:
 
     async def _generate(self, t0: float, fmt_type: type[_Format], req: ChatCompletionRequest | CompletionRequest,
                         prompts: list, params: SamplingParams, aliases: dict[str, str],
-                        tools: ToolPlan | None = None, prompt_only: bool = False) -> Reply:
+                        tools: ToolPlan | None = None, prompt_only: bool = False, reasoning: bool = False) -> Reply:
         fmt = fmt_type(f"{fmt_type.id_prefix}-{uuid.uuid4().hex}", int(time.time()), self.config.model_name,
                        params.logprobs or 0, self.token_text)
         if tools is not None and tools.mode != "none":
             fmt.tools = tools
+        if reasoning:
+            fmt.reasoning = True
         fmt.show_prompt_logprobs = req.prompt_logprobs is not None
         deadline = t0 + self.config.request_timeout
         streams: list[RequestStream] = []
         handed_over = False  # a stream's EventStream aborts its requests when the transport closes it
         try:
-            try:
+            with _admission_errors(aliases):
                 async with _timeout_at(deadline):
                     ids = await self._off_loop(lambda: self._prepare_prompts(prompts, params))
                     self._check_room(ids, params, aliases)
@@ -705,16 +761,9 @@ class OpenAIServing:
                         fmt.echo_texts = await self._off_loop(
                             lambda: [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts])
                     rids = [fmt.id if len(prompts) == 1 else f"{fmt.id}-{i}" for i in range(len(prompts))]
-                    streams.extend(await self.engine.add_requests(list(zip(rids, ids)), params))
+                    streams.extend(await self.add_requests(req, list(zip(rids, ids)), params))
                     if prompt_only:
                         streams[:] = [PromptOnlyStream(s) for s in streams]
-            except OverflowError as e:
-                raise ApiError(503, f"the server is overloaded: {e}; retry later", type="server_error",
-                               code="overloaded", headers={"Retry-After": "1"}) from None
-            except ValueError as e:
-                raise bad_request(e, aliases) from None
-            except (TimeoutError, EngineDeadError) as e:
-                raise _engine_error(e) from None
             if req.stream:
                 handed_over = True
                 return Reply(200, content_type="text/event-stream", headers=dict(SSE_HEADERS), stream=EventStream(
@@ -793,6 +842,56 @@ class OpenAIServing:
         finally:
             await merged.aclose()
         yield _SSE_DONE
+
+    # ------------------------------------------------------------------ the engine, for every API
+    async def add_requests(self, req: ApiRequest, requests: list[tuple[str, list[int]]], params: SamplingParams,
+                           retention: Retention | None = None) -> list[RequestStream]:
+        """The one place where a request of any API (chat, completions, responses, messages) reaches
+        the engine. ``req`` is the decoded request: fields every API shares (``ApiRequest``) are read
+        here. ``retention`` asks that the prompt's prefix stay cached (Anthropic's ``cache_control``,
+        a stored Responses conversation): the engine's prefix cache is LRU alone today, so the
+        request is validated by its API and goes no further; an engine with retention takes it here."""
+        return await self.engine.add_requests(requests, params)
+
+    async def render_chat(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None,
+                          aliases: dict[str, str] | None = None) -> list[int]:
+        """The chat template off the event loop; its ValueErrors are 400s naming the field the
+        client sent (``aliases``: "messages" -> e.g. "input")."""
+        try:
+            return await self._off_loop(lambda: self.tokenizer.apply_chat_template(
+                messages, tools=tools, template_kwargs=template_kwargs))
+        except ValueError as e:
+            raise bad_request(e, aliases) from None
+
+    async def start(self, req: ApiRequest, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    aliases: dict[str, str], deadline: float, retention: Retention | None = None) -> RequestStream:
+        """One prompt into the engine (its grammar compiled off the loop, its room checked): the
+        stream of its outputs, or an ApiError (400, 503 overloaded, 504) with nothing started."""
+        with _admission_errors(aliases):
+            async with _timeout_at(deadline):
+                await self._off_loop(lambda: self._prepare_prompts([], params))
+                self._check_room([prompt_ids], params, aliases)
+                (stream,) = await self.add_requests(req, [(request_id, prompt_ids)], params, retention)
+        return stream
+
+    @staticmethod
+    async def outputs(stream: RequestStream, deadline: float) -> AsyncIterator[RequestOutput]:
+        """A started request's outputs until its last; the deadline bounds each wait (not the
+        consumer's work between them). An engine failure or the deadline raises ApiError."""
+        loop = asyncio.get_running_loop()
+        while not stream.done:
+            try:
+                out = await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - loop.time()))
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise _engine_error(TimeoutError()) from None
+            except Exception as e:
+                raise _engine_error(e) from None
+            yield out
+
+    def observe(self, t0: float, ttft: float | None, finals: list[RequestOutput]) -> Usage:
+        return self._observe(t0, ttft, finals)
 
     def _observe(self, t0: float, ttft: float | None, finals: list[RequestOutput]) -> Usage:
         """Record a finished request in the metrics; returns its usage."""

@@ -31,6 +31,7 @@ from typing import Any
 from prefixkv.server.protocol import FunctionDelta, ProtocolError, ToolCallDelta
 
 PARSERS = ("hermes", "llama3_json")
+AUTO = "auto"  # --tool-call-parser auto: the parser the chat template's tool format calls for
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
@@ -112,6 +113,20 @@ def plan_tools(tools: list[dict] | None, tool_choice: Any, parallel_tool_calls: 
         return ToolPlan("auto", tools, parser=parser, parallel=parallel_tool_calls is not False)
     raise ProtocolError(f"tool_choice: must be 'none', 'auto', 'required' or a named function, got {choice!r:.40}",
                         "tool_choice")
+
+
+def detect_tool_parser(chat_template: str) -> tuple[str | None, str]:
+    """The parser for the tool calls this chat template teaches (``--tool-call-parser auto``), and
+    why: ``<tool_call>`` (Qwen 2.5/3, Hermes) -> hermes; Llama 3.1+'s ``<|python_tag|>`` or its JSON
+    call instructions -> llama3_json; a ChatML template that renders no tools (SmolLM2's) gets the
+    bundled Hermes template for tool requests (tokenizer.py) -> hermes; anything else: none."""
+    if _HERMES_OPEN in chat_template:
+        return "hermes", "the chat template writes <tool_call>"
+    if _PYTHON_TAG in chat_template or ("<|eot_id|>" in chat_template and '"parameters"' in chat_template):
+        return "llama3_json", "the chat template is Llama 3's with JSON tool calls"
+    if "<|im_start|>" in chat_template and "tool" not in chat_template:
+        return "hermes", "a ChatML template without tools: tool requests use the bundled Hermes template"
+    return None, "no tool-call format recognised in the chat template"
 
 
 def _parameters(tool: dict) -> dict:
@@ -210,7 +225,7 @@ class ToolStream:
             if not self._inside:
                 i = self._buf.find(_HERMES_OPEN)
                 if i < 0:
-                    keep = 0 if final else _partial_suffix(self._buf, _HERMES_OPEN)
+                    keep = 0 if final else partial_suffix(self._buf, _HERMES_OPEN)
                     if keep or final or self._buf.strip() or not self.calls:  # (whitespace may precede a call)
                         text_piece(self._buf[:len(self._buf) - keep])
                         self._buf = self._buf[len(self._buf) - keep:]
@@ -263,7 +278,7 @@ def _start_delta(index: int, call: ToolCall, arguments: str) -> ToolCallDelta:
     return ToolCallDelta(index, id=call.id, type="function", function=FunctionDelta(name=call.name, arguments=arguments))
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest suffix of ``text`` that begins ``marker``."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:k]):
