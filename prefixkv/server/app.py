@@ -3,7 +3,8 @@ OpenAI-shaped errors for aiohttp's own 404/405/413, SSE writing and client disco
 itself (parsing, templates, sampling parameters, engine calls, wire formats) is
 ``server/serving.py``, which knows no HTTP library.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}], GET /health,
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET and DELETE
+/v1/responses/{id}, GET /v1/models[/{model}], GET /health,
 GET /metrics, POST /tokenize, POST /detokenize, GET /version, and the browser pages
 (``server/webui.py``: GET /, GET /cache, GET /v1/cache/summary). A client that disconnects cancels
 its handler, which closes its stream, which aborts its requests in the engine (their KV blocks are
@@ -148,6 +149,16 @@ class _AioServer:
         t0 = asyncio.get_running_loop().time()
         return await self._send(request, await self.api.completions(await self._body(request, t0), t0))
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        t0 = asyncio.get_running_loop().time()
+        return await self._send(request, await self.api.responses.create(await self._body(request, t0), t0))
+
+    async def response(self, request: web.Request) -> web.Response:
+        return _response(self.api.responses.get(request.match_info["response_id"]))
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        return _response(self.api.responses.delete(request.match_info["response_id"]))
+
     async def tokenize(self, request: web.Request) -> web.Response:
         t0 = asyncio.get_running_loop().time()
         return _response(await self.api.tokenize(await self._body(request, t0)))
@@ -184,6 +195,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     app[SERVER_KEY] = server
     app.router.add_post("/v1/chat/completions", server.chat_completions)
     app.router.add_post("/v1/completions", server.completions)
+    app.router.add_post("/v1/responses", server.responses)
+    app.router.add_get("/v1/responses/{response_id}", server.response)
+    app.router.add_delete("/v1/responses/{response_id}", server.delete_response)
     app.router.add_get("/v1/models", server.models)
     app.router.add_get("/v1/models/{model}", server.model)
     app.router.add_get("/health", server.health)

@@ -527,6 +527,9 @@ class OpenAIServing:
         if self.tool_call_parser == AUTO:
             self.tool_call_parser, why = detect_tool_parser(getattr(engine.tokenizer, "chat_template", "") or "")
             logger.info("tool-call parser: %s (%s)", self.tool_call_parser or "none, tool_choice 'auto' is refused", why)
+        from prefixkv.server.responses import ResponsesServing
+
+        self.responses = ResponsesServing(self)
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
