@@ -207,6 +207,32 @@ def test_openai_client_streams_through_the_ingress(cluster):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_responses_and_messages_through_the_ingress(cluster):
+    """Both agent APIs are the OpenAI layer's: the ingress serves them as the aiohttp server does."""
+    import anthropic
+
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key="unused", max_retries=0, timeout=60)
+    first = client.responses.create(model=MODEL, input="hello there", max_output_tokens=6, temperature=0)
+    events = list(client.responses.create(model=MODEL, input="hello there", max_output_tokens=6, temperature=0,
+                                          stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == first.output_text
+    second = client.responses.create(model=MODEL, input="and again", previous_response_id=first.id,
+                                     max_output_tokens=2, temperature=0)
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    claude = anthropic.Anthropic(base_url=cluster, api_key="unused", max_retries=0, timeout=60)
+    kw = dict(model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "hello there"}],
+              extra_body={"temperature": 0})
+    m = claude.messages.create(**kw)
+    with claude.messages.stream(**kw) as s:
+        assert s.get_final_message().content[0].text == m.content[0].text
+    assert claude.messages.count_tokens(model=MODEL, messages=kw["messages"]).input_tokens == (
+        m.usage.input_tokens + m.usage.cache_read_input_tokens + m.usage.cache_creation_input_tokens)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(**kw, stop_sequences=[""])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["message"].startswith("stop_sequences:")
+
+
 def test_errors_are_the_single_process_servers(cluster):
     url = cluster
     status, body = _post(url + "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1})

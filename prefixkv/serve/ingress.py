@@ -173,6 +173,9 @@ class RemoteEngine:
 _ROUTES: dict[tuple[str, str], str] = {
     ("POST", "/v1/chat/completions"): "chat_completions",
     ("POST", "/v1/completions"): "completions",
+    ("POST", "/v1/responses"): "responses",
+    ("POST", "/v1/messages"): "messages",
+    ("POST", "/v1/messages/count_tokens"): "count_tokens",
     ("GET", "/v1/models"): "models",
     ("GET", "/health"): "health",
     ("POST", "/tokenize"): "tokenize",
@@ -183,6 +186,7 @@ _ROUTES: dict[tuple[str, str], str] = {
     **{("GET", page): "page" for page in PAGES},
 }
 _MODEL_ROUTE = re.compile(r"/v1/models/(?P<model>[^/]+)")
+_RESPONSE_ROUTE = re.compile(r"/v1/responses/(?P<id>[^/]+)")
 
 
 def _response(reply: Reply) -> Response:
@@ -237,30 +241,35 @@ class OpenAIIngress:
         t0 = asyncio.get_running_loop().time()
         path, method = request.url.path, request.method
         route = path if (method, path) in _ROUTES else ("/v1/models/{model}" if _MODEL_ROUTE.fullmatch(path)
-                                                        else "unmatched")
+                                                        else "/v1/responses/{response_id}"
+                                                        if _RESPONSE_ROUTE.fullmatch(path) else "unmatched")
         try:
             resp = await self._route(api, request, t0)
         except ApiError as e:
-            resp = _response(e.reply())
+            resp = _response(api.error_reply(e, path))
         except ProtocolError as e:
-            resp = _response(bad_request(e).reply())
+            resp = _response(api.error_reply(bad_request(e), path))
         except ClientDisconnect:
             resp = Response(status_code=499)
         except Exception:
             logger.exception("unhandled error in %s %s", method, path)
-            resp = _response(ApiError(500, "internal server error", type="server_error",
-                                      code="internal_error").reply())
+            resp = _response(api.error_reply(ApiError(500, "internal server error", type="server_error",
+                                                      code="internal_error"), path))
         api.metrics.requests.labels(route, str(resp.status_code)).inc()
         return resp
 
     async def _route(self, api: OpenAIServing, request: Request, t0: float) -> Response:
         path, method = request.url.path, request.method
         if api.needs_key(path):
-            api.check_key(request.headers.get("authorization"))
+            api.check_key(request.headers.get("authorization"), request.headers.get("x-api-key"))
         name = _ROUTES.get((method, path))
         model = _MODEL_ROUTE.fullmatch(path)
         if name is None and model is not None and method == "GET":
             return _response(api.model(model.group("model")))
+        stored = _RESPONSE_ROUTE.fullmatch(path)
+        if name is None and stored is not None and method in ("GET", "DELETE"):
+            call = api.responses.get if method == "GET" else api.responses.delete
+            return _response(call(stored.group("id")))
         if name is None and path.startswith("/static/") and method == "GET":
             f = static_file(path[len("/static/"):])
             if f is None:
@@ -271,7 +280,8 @@ class OpenAIIngress:
         if name == "cache_summary":
             return _response(self._cache_summary(api, request.query_params))
         if name is None:
-            allowed = sorted(m for m, p in _ROUTES if p == path) or (["GET"] if model is not None else [])
+            allowed = sorted(m for m, p in _ROUTES if p == path) or (["GET"] if model is not None else
+                                                                     ["DELETE", "GET"] if stored is not None else [])
             if allowed:
                 raise ApiError(405, f"Method Not Allowed: {method} {path} (allowed: {', '.join(allowed)})",
                                code="method_not_allowed", headers={"Allow": ", ".join(allowed)})
@@ -285,6 +295,12 @@ class OpenAIIngress:
         body = await self._body(request, t0)
         if name in ("chat_completions", "completions"):
             return _response(await getattr(api, name)(body, t0))
+        if name == "responses":
+            return _response(await api.responses.create(body, t0))
+        if name == "messages":
+            return _response(await api.messages.create(body, t0))
+        if name == "count_tokens":
+            return _response(await api.messages.count_tokens(body))
         return _response(await getattr(api, name)(body))
 
     async def _body(self, request: Request, t0: float) -> bytes:

@@ -4,7 +4,7 @@ itself (parsing, templates, sampling parameters, engine calls, wire formats) is
 ``server/serving.py``, which knows no HTTP library.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET and DELETE
-/v1/responses/{id}, GET /v1/models[/{model}], GET /health,
+/v1/responses/{id}, POST /v1/messages[/count_tokens] (Anthropic's), GET /v1/models[/{model}], GET /health,
 GET /metrics, POST /tokenize, POST /detokenize, GET /version, and the browser pages
 (``server/webui.py``: GET /, GET /cache, GET /v1/cache/summary). A client that disconnects cancels
 its handler, which closes its stream, which aborts its requests in the engine (their KV blocks are
@@ -87,11 +87,11 @@ class _AioServer:
             try:
                 resp = await handler(request)
             except ApiError as e:
-                resp = _response(e.reply())
+                resp = _response(self.api.error_reply(e, request.path))
             except ProtocolError as e:
-                resp = _response(bad_request(e).reply())
+                resp = _response(self.api.error_reply(bad_request(e), request.path))
             except web.HTTPException as e:
-                resp = _response(_http_error(e, request).reply())
+                resp = _response(self.api.error_reply(_http_error(e, request), request.path))
             except asyncio.CancelledError:  # handler_cancellation: the client disconnected
                 status = _CLIENT_CLOSED
                 raise
@@ -99,8 +99,8 @@ class _AioServer:
                 resp = web.Response(status=_CLIENT_CLOSED)
             except Exception:
                 logger.exception("unhandled error in %s %s", request.method, request.path)
-                resp = _response(ApiError(500, "internal server error", type="server_error",
-                                          code="internal_error").reply())
+                resp = _response(self.api.error_reply(ApiError(500, "internal server error", type="server_error",
+                                                               code="internal_error"), request.path))
             status = request.get(_STATUS_KEY, resp.status)
             return resp
         finally:
@@ -109,7 +109,7 @@ class _AioServer:
     @web.middleware
     async def auth_middleware(self, request: web.Request, handler) -> web.StreamResponse:
         if self.api.needs_key(request.path):
-            self.api.check_key(request.headers.get("Authorization"))
+            self.api.check_key(request.headers.get("Authorization"), request.headers.get("x-api-key"))
         return await handler(request)
 
     # ------------------------------------------------------------------ transport
@@ -159,6 +159,14 @@ class _AioServer:
     async def delete_response(self, request: web.Request) -> web.Response:
         return _response(self.api.responses.delete(request.match_info["response_id"]))
 
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        t0 = asyncio.get_running_loop().time()
+        return await self._send(request, await self.api.messages.create(await self._body(request, t0), t0))
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        t0 = asyncio.get_running_loop().time()
+        return _response(await self.api.messages.count_tokens(await self._body(request, t0)))
+
     async def tokenize(self, request: web.Request) -> web.Response:
         t0 = asyncio.get_running_loop().time()
         return _response(await self.api.tokenize(await self._body(request, t0)))
@@ -198,6 +206,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     app.router.add_post("/v1/responses", server.responses)
     app.router.add_get("/v1/responses/{response_id}", server.response)
     app.router.add_delete("/v1/responses/{response_id}", server.delete_response)
+    app.router.add_post("/v1/messages", server.messages)
+    app.router.add_post("/v1/messages/count_tokens", server.count_tokens)
     app.router.add_get("/v1/models", server.models)
     app.router.add_get("/v1/models/{model}", server.model)
     app.router.add_get("/health", server.health)

@@ -527,9 +527,11 @@ class OpenAIServing:
         if self.tool_call_parser == AUTO:
             self.tool_call_parser, why = detect_tool_parser(getattr(engine.tokenizer, "chat_template", "") or "")
             logger.info("tool-call parser: %s (%s)", self.tool_call_parser or "none, tool_choice 'auto' is refused", why)
+        from prefixkv.server.messages import MessagesServing
         from prefixkv.server.responses import ResponsesServing
 
         self.responses = ResponsesServing(self)
+        self.messages = MessagesServing(self)
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
@@ -549,6 +551,13 @@ class OpenAIServing:
             return
         raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def error_reply(self, e: ApiError, path: str) -> Reply:
+        """An error in the shape of the API ``path`` belongs to: Anthropic's for /v1/messages,
+        OpenAI's for the rest."""
+        from prefixkv.server.messages import is_messages_path, messages_error_reply
+
+        return messages_error_reply(e) if is_messages_path(path) else e.reply()
 
     # ------------------------------------------------------------------ simple routes
     def health(self) -> Reply:
