@@ -1,6 +1,10 @@
 """Tool calling (server/tools.py): the parsers and the plans alone, then through the server with the
 real SmolLM2 and the official openai client (required, a named function, auto, streamed and not,
-the round trip of tool calls and tool results through the chat template), and the 400s."""
+the round trip of tool calls and tool results through the chat template), and the 400s. On the same
+server (one load of the model): the agent and evaluation APIs of issue 41 with the official SDKs --
+Responses and Messages whole and streamed alike under greedy, the model's own tool calls round-tripped
+in each API's shape, previous_response_id from the cache, and completions echo logprobs close to
+transformers' on the same weights, cached or not."""
 
 from __future__ import annotations
 
@@ -145,17 +149,23 @@ def test_bad_tools_name_the_field(tools, choice, parser, param):
 
 # ---------------------------------------------------------------------- the server, SmolLM2
 @pytest.fixture(scope="module")
-def client():
-    import openai
-
+def served():
+    """SmolLM2 served (``--tool-call-parser auto``: hermes for its ChatML template), with its engine."""
     from prefixkv.async_engine import AsyncEngine
     from prefixkv.config import EngineConfig
     from prefixkv.engine import LLMEngine
     from prefixkv.server.app import BackgroundServer, ServerConfig
 
     engine = LLMEngine(EngineConfig(model=None, dtype="float32"))
-    with BackgroundServer(AsyncEngine(engine), ServerConfig("smollm2", tool_call_parser="hermes")) as srv:
-        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    with BackgroundServer(AsyncEngine(engine), ServerConfig("smollm2", tool_call_parser="auto")) as srv:
+        yield srv, engine
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    import openai
+
+    return openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0)
 
 
 ASK = [{"role": "user", "content": "What is the weather in Paris? And what is 2 plus 3?"}]
@@ -283,3 +293,74 @@ def test_bad_tool_requests_are_400_naming_the_field(client, body, param):
     assert e.value.body["message"].startswith(param + ":"), e.value.body
     ok = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=2)  # the server goes on
     assert ok.choices[0].finish_reason == "length"
+
+
+# ---------------------------------------------------------------------- the agent APIs (issue 41)
+FLAT_WEATHER = {"name": "get_weather", "description": "Get the current weather in a city.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+AGENT_ASK = "What is the weather in Paris?"
+
+
+def test_responses_whole_streamed_tools_and_chain(client):
+    kw = dict(model="smollm2", input="Name three colors.", max_output_tokens=24, temperature=0)
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    assert events[-1].response.output_text == whole.output_text and whole.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    nxt = client.responses.create(model="smollm2", input="And two more.", previous_response_id=whole.id,
+                                  max_output_tokens=8, temperature=0)
+    assert nxt.usage.input_tokens_details.cached_tokens >= whole.usage.input_tokens // 16 * 16
+    tools = [{"type": "function", **FLAT_WEATHER}]
+    r = client.responses.create(model="smollm2", input=AGENT_ASK, tools=tools, tool_choice="required",
+                                parallel_tool_calls=False, max_output_tokens=60, temperature=0)
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and "city" in json.loads(call.arguments)
+    answer = client.responses.create(model="smollm2", previous_response_id=r.id, tools=tools, tool_choice="none",
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": "18 degrees and sunny"}], max_output_tokens=20, temperature=0)
+    assert answer.output_text and answer.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens // 16 * 16
+
+
+def test_messages_whole_streamed_and_tools(served):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=served[0].url, api_key="unused", max_retries=0)
+    kw = dict(model="smollm2", max_tokens=24, messages=[{"role": "user", "content": "Name three colors."}],
+              extra_body={"temperature": 0})
+    m = client.messages.create(**kw)
+    with client.messages.stream(**kw) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert text == m.content[0].text == final.content[0].text and final.stop_reason == m.stop_reason
+    tools = [{"name": FLAT_WEATHER["name"], "description": FLAT_WEATHER["description"], "input_schema": FLAT_WEATHER["parameters"]}]
+    ask = [{"role": "user", "content": AGENT_ASK}]
+    r = client.messages.create(model="smollm2", max_tokens=60, messages=ask, tools=tools,
+                               tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                               extra_body={"temperature": 0})
+    (use,) = r.content
+    assert r.stop_reason == "tool_use" and use.name == "get_weather" and "city" in use.input
+    answer = client.messages.create(model="smollm2", max_tokens=20, tools=tools, extra_body={"temperature": 0},
+                                    messages=ask + [{"role": "assistant", "content": [use.model_dump(
+                                        include={"type", "id", "name", "input"})]},
+                                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                                      "content": "18 degrees and sunny"}]}])
+    assert answer.content[0].type == "text" and answer.usage.cache_read_input_tokens >= 16
+
+
+def test_echo_logprobs_close_to_transformers(served, client):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(served[1].model_path), dtype=torch.float32)
+    text = "The capital of France is Paris, and the capital of Italy is Rome."
+    ids = served[1].tokenizer.encode(text)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+    want = [ref[j - 1, ids[j]].item() for j in range(1, len(ids))]
+    for _ in ("uncached", "cached"):  # the second time the prompt's blocks are in the prefix cache
+        r = client.completions.create(model="smollm2", prompt=text, echo=True, logprobs=1, max_tokens=0)
+        got = r.choices[0].logprobs.token_logprobs
+        assert got[0] is None and len(got) == len(ids)
+        assert max(abs(g - w) for g, w in zip(got[1:], want)) < 2e-3
+    warm = client.completions.create(model="smollm2", prompt=text, max_tokens=1)
+    assert warm.usage.prompt_tokens_details.cached_tokens >= len(ids) // 16 * 16
