@@ -114,3 +114,59 @@ def test_auto_tool_choice_without_a_flag(client):
     assert c.function.name == "get_weather"
     assert _stream(client, **kw) == (r.message.model_extra["reasoning_content"], "",
                                      [("get_weather", c.function.arguments)], "tool_calls")
+
+
+def _sse(raw: list[bytes]) -> list[dict]:
+    import json
+
+    out = []
+    for chunk in raw:
+        for event in chunk.decode().split("\n\n"):
+            if event:
+                name, data = event.split("\n", 1)
+                body = json.loads(data[len("data: "):])
+                assert name == "event: " + body["type"]
+                out.append(body)
+    return out
+
+
+REPLY = '<think>Paris is in France.</think>\n\nSunny.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("size", [len(REPLY), 1, 7])
+def test_responses_reasoning_item_then_message_then_call(size):
+    """The Responses reply builder fed the reply in pieces: a reasoning item, a message, a function
+    call, each opened, written and closed in order, whatever the pieces."""
+    from prefixkv.server.responses import _Reply
+
+    reply = _Reply(ReplyParser(plan_tools([WEATHER], "auto", None, "hermes"), reasoning=True))
+    raw = [e for piece in _pieces(REPLY, size) for e in reply.feed(piece, final=False)] + reply.finish("completed")
+    events = _sse(raw)
+    assert [i["type"] for i in reply.items] == ["reasoning", "message", "function_call"]
+    assert reply.items[0]["content"] == [{"type": "reasoning_text", "text": "Paris is in France."}]
+    assert reply.items[1]["content"][0]["text"] == "Sunny."
+    assert (reply.items[2]["name"], reply.items[2]["arguments"]) == ("get_weather", '{"city": "Paris"}')
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Paris is in France."
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Sunny."
+    opened = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+    closed = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
+    assert opened == closed == [0, 1, 2] and [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+@pytest.mark.parametrize("size", [len(REPLY), 1, 7])
+def test_messages_thinking_block_then_text_then_tool_use(size):
+    from prefixkv.server.messages import _Blocks
+
+    blocks = _Blocks(ReplyParser(plan_tools([WEATHER], "auto", None, "hermes"), reasoning=True))
+    raw = [e for piece in _pieces(REPLY, size) for e in blocks.feed(piece, final=False)] + blocks.feed("", True)
+    events = _sse(raw)
+    assert blocks.blocks == [{"type": "thinking", "thinking": "Paris is in France.", "signature": ""},
+                             {"type": "text", "text": "Sunny."},
+                             {"type": "tool_use", "id": blocks.parser.calls[0].id, "name": "get_weather",
+                              "input": {"city": "Paris"}}]
+    starts = [(e["index"], e["content_block"]["type"]) for e in events if e["type"] == "content_block_start"]
+    assert starts == [(0, "thinking"), (1, "text"), (2, "tool_use")]
+    assert [e["index"] for e in events if e["type"] == "content_block_stop"] == [0, 1, 2]
+    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    assert "".join(d.get("thinking", "") for d in deltas) == "Paris is in France."
+    assert "".join(d.get("partial_json", "") for d in deltas) == '{"city": "Paris"}'
