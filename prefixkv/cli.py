@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="parse tool calls out of free replies, for tool_choice 'auto' (server/tools.py); auto "
                             "(the default): the parser for the chat template's tool format, if recognised (logged at "
                             "start-up); none: tool_choice 'auto' is refused")
+    serve.add_argument("--max-stored-responses", type=int, default=1000,
+                       help="POST /v1/responses with store: at most this many responses kept for previous_response_id "
+                            "and GET (least recently used dropped first)")
+    serve.add_argument("--max-stored-response-bytes", type=int, default=64 << 20,
+                       help="... and at most this many bytes of their JSON (response and conversation)")
     serve.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
                        help="split <think> ... </think> out of replies: reasoning_content (chat), reasoning items "
                             "(Responses), thinking blocks (Messages) (server/reasoning.py)")

@@ -267,6 +267,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
                         tool_call_parser=_none_word(getattr(args, "tool_call_parser", None)),
                         reasoning_parser=getattr(args, "reasoning_parser", None),
+                        max_stored_responses=getattr(args, "max_stored_responses", 1000),
+                        max_stored_response_bytes=getattr(args, "max_stored_response_bytes", 64 << 20),
                         cache_view_text=getattr(args, "cache_view_text", False))
 
 
