@@ -400,6 +400,7 @@ class _Plan:
     aliases: dict[str, str]
     tools: ToolPlan | None
     reasoning: bool
+    created_at: int = field(default_factory=lambda: int(time.time()))
 
 
 class ResponsesServing:
@@ -507,7 +508,7 @@ class ResponsesServing:
         fmt = req.text.format if req.text is not None and req.text.format is not None else None
         tool_choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
         out = {
-            "id": plan.id, "object": "response", "created_at": int(time.time()), "status": status, "error": None,
+            "id": plan.id, "object": "response", "created_at": plan.created_at, "status": status, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "model": self.api.config.model_name, "output": [dict(i) for i in items],

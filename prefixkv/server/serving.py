@@ -803,7 +803,7 @@ class OpenAIServing:
         done = [f for f in finals if f is not None]
         assert len(done) == len(finals), "a stream ended without a finished output"
         choices = [(i * params.n + co.index, co) for i, out in enumerate(done) for co in out.outputs]
-        resp = fmt.response(choices, self._observe(t0, ttft, done))
+        resp = fmt.response(choices, self.observe(t0, ttft, done))
         if isinstance(fmt, _CompletionFormat) and fmt.echo_texts is not None:
             for c in resp.choices:
                 fmt.prepend_echo(c, c.index // params.n, done[c.index // params.n])
@@ -848,7 +848,7 @@ class OpenAIServing:
         except Exception as e:  # the engine failed or the deadline passed: the stream ends with the error
             yield _sse(_engine_error(e).body())
         else:
-            usage = self._observe(t0, ttft, [f for f in finals if f is not None])
+            usage = self.observe(t0, ttft, [f for f in finals if f is not None])
             if include_usage:
                 yield _sse(fmt.usage_chunk(usage))
         finally:
@@ -903,9 +903,6 @@ class OpenAIServing:
             yield out
 
     def observe(self, t0: float, ttft: float | None, finals: list[RequestOutput]) -> Usage:
-        return self._observe(t0, ttft, finals)
-
-    def _observe(self, t0: float, ttft: float | None, finals: list[RequestOutput]) -> Usage:
         """Record a finished request in the metrics; returns its usage."""
         usage = _usage(finals)
         e2e = asyncio.get_running_loop().time() - t0
