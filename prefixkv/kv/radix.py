@@ -31,6 +31,7 @@ from array import array
 from typing import NamedTuple, Sequence
 
 from prefixkv.kv.block_pool import BlockPool
+from prefixkv.kv.hashing import block_hash
 
 
 class MatchResult(NamedTuple):
@@ -39,13 +40,6 @@ class MatchResult(NamedTuple):
     # with KV cache groups: the pages of the groups after the anchor, one list per group, each as
     # long as ``block_ids`` (``NULL`` before a windowed group's window)
     extra: tuple[list[int], ...] = ()
-
-
-def block_hash(prev_hash: int, tokens: Sequence[int]) -> int:
-    """The chain hash of a block: of the one before it and its own tokens, so equal hashes mean
-    equal prefixes (up to collisions, which the host tier checks against the block's tokens).
-    Python's hash of a tuple of ints is the same in every process."""
-    return hash((prev_hash, *tokens))
 
 
 SUMMARY_CANDIDATES = 128  # children of a shown node that RadixIndex.summary ranks
