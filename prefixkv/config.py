@@ -173,6 +173,63 @@ class EngineConfig:
                      "max_model_len", f"must be a positive int, got {self.max_model_len!r}")
 
 
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """KV cache events (``--kv-events-config``, vLLM's ``KVEventsConfig``: same fields, defaults and
+    JSON): the cache's stored/removed blocks published on a ZMQ PUB socket (``kv_events.py``)."""
+
+    enable_kv_cache_events: bool = False
+    # "zmq" or "null"; None: "zmq" when events are enabled, else "null" (as vLLM)
+    publisher: str | None = None
+    # PUB socket: bound when it holds "*", "::", ipc:// or inproc://, else connected (as vLLM)
+    endpoint: str = "tcp://*:5557"
+    # ROUTER socket answering a starting sequence number with the batches since (None: no replay)
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000  # published batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark (0: ZMQ's unlimited)
+    max_queue_size: int = 100_000  # batches waiting for the publishing thread; past it a batch is dropped
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.enable_kv_cache_events, bool), "kv_events_config.enable_kv_cache_events",
+                f"must be a bool, got {self.enable_kv_cache_events!r}")
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        require(self.publisher in KV_EVENT_PUBLISHERS, "kv_events_config.publisher",
+                f"must be one of {KV_EVENT_PUBLISHERS}, got {self.publisher!r}")
+        endpoints = {"endpoint": self.endpoint}
+        if self.replay_endpoint is not None:
+            endpoints["replay_endpoint"] = self.replay_endpoint
+        for name, value in endpoints.items():
+            require(isinstance(value, str) and value.startswith(ZMQ_SCHEMES), f"kv_events_config.{name}",
+                    f"must be a ZMQ address starting with one of {ZMQ_SCHEMES}, got {value!r}")
+        for name, low in (("buffer_steps", 0), ("hwm", 0), ("max_queue_size", 1)):
+            value = getattr(self, name)
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= low,
+                    f"kv_events_config.{name}", f"must be an int >= {low}, got {value!r}")
+        require(isinstance(self.topic, str), "kv_events_config.topic", f"must be a string, got {self.topic!r}")
+
+    @classmethod
+    def from_cli(cls, text: str) -> "KVEventsConfig":
+        """``--kv-events-config``'s JSON object, e.g. ``'{"enable_kv_cache_events": true}'``."""
+        import json
+        from dataclasses import fields
+
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"kv_events_config: not valid JSON ({e})") from None
+        require(isinstance(obj, dict), "kv_events_config", f"must be a JSON object, got {text!r}")
+        known = [f.name for f in fields(cls)]
+        for name in obj:
+            require(name in known, f"kv_events_config.{name}", f"unknown field (known: {known})")
+        return cls(**obj)
+
+
 @dataclass
 class RuntimeInfo:
     """Discovered at start-up: not configuration."""
