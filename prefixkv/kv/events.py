@@ -32,7 +32,7 @@ class BlockStored:
     their published form (``BlockHasher.external``)."""
 
     block_hashes: tuple[int | bytes, ...]
-    parent_block_hash: int | bytes | None  # None: the run starts the prompt
+    parent_block_hash: int | bytes | None  # None: the run starts the prompt, or its parent is not told
     token_ids: tuple[int, ...]  # len(block_hashes) * block_size of them
     block_size: int
     medium: str
@@ -70,10 +70,11 @@ class KVEventLog:
     def stored(self, block_hashes: Sequence[BlockHash], parent: BlockHash | None, token_ids: Sequence[int],
                medium: str = MEDIUM_GPU, first_keys: ExtraKeys = None, group_idx: int = 0,
                kv_cache_spec_kind: str = FULL_ATTENTION, sliding_window: int | None = None) -> None:
-        """Blocks ``block_hashes`` (a chain after ``parent``; None when the first of them is the
-        prompt's first block) now hold ``token_ids``. ``first_keys``: the extra keys the prompt's
-        first block was hashed with (``hashing.first_block_keys``), listed when the run starts there;
-        as vLLM, the event carries one entry per block, None for a block without extra keys."""
+        """Blocks ``block_hashes`` (a chain after ``parent``) now hold ``token_ids``. ``parent`` None:
+        the first of them is the prompt's first block, or (a lower tier's copy, as vLLM's offloading
+        events) the parent is not told. ``first_keys``: the extra keys the prompt's first block was
+        hashed with (``hashing.first_block_keys``), given when the run starts there; as vLLM, the
+        event carries one entry per block, None for a block without extra keys."""
         n = len(block_hashes)
         if n == 0:
             return
