@@ -13,7 +13,7 @@ from prefixkv.validation import require
 SUPPORTED_DTYPES = ("auto", "float32", "float64", "float16", "bfloat16")
 SUPPORTED_DEVICES = ("cpu", "cuda")
 # max_admitted_prefill_tokens="auto": the cap it starts from, and returns to once a step's admission
-# got through the queue (bench/RESULTS.md, twenty-third session: 16 and 32 measured)
+# got through the queue (bench/RESULTS.md, 2026-12-05, `0c1184f`: 16 and 32 measured)
 AUTO_ADMITTED_PREFILL_TOKENS = 16
 
 

@@ -28,7 +28,7 @@ class KVMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.num_host_hits = 0
 
-    # -- helpers ----------------------------------------------------------------------------
+    # -- shared steps of the rules -------------------------------------------------------------
     def _tables(self, seq: str) -> tuple[list[int], ...]:
         """The request's block table of every KV cache group (one without groups)."""
         return (self.kv.block_tables[seq], *self.kv.extra_tables.get(seq, ()))

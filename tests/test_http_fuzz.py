@@ -2,7 +2,7 @@
 
 Generated JSON bodies (random structures, wrong types, huge numbers, NaN/inf-like values, unicode,
 nesting, huge strings up to and past the body limit), truncated and non-JSON bodies, wrong content
-types, random methods and paths are sent over one keep-alive aiohttp session to a server on a tiny
+types, random methods and paths are sent over one keep-alive aiohttp ClientSession to a server on a tiny
 model. Every answer must be 2xx, or 4xx with an OpenAI-style error body; never 5xx (also not as an SSE
 error event after a 200), never a hang (a client timeout per request). Every 50 bodies a well-formed
 request must still succeed. Bodies that happen to be valid are rare and cheap: max_tokens is forced
@@ -60,7 +60,7 @@ class Tally:
 
 
 class Http:
-    """One keep-alive aiohttp session on a private event loop, driven synchronously from tests."""
+    """One keep-alive aiohttp ClientSession on a private event loop, driven synchronously from tests."""
 
     def __init__(self, base: str) -> None:
         self.base = base

@@ -291,7 +291,7 @@ static inline __m512 hsum16(const __m512 *v) {
  * and exponentials, per 16 keys and head, ~40 % of the kernel's time with its K and V in cache
  * (the FMAs, hsum16 and P.V removed in turn); a chunk of 128 takes it over 128 keys. On a 2-core
  * Zen 4 VM: attention alone 1.10-1.12x with 12 of a sequence's 15 blocks shared (1.2-1.25x with all
- * in cache), the fused layer stack at batch 16 1.03x (bench/RESULTS.md, "Seventeenth session"). */
+ * in cache), the fused layer stack at batch 16 1.03x (bench/RESULTS.md, 2026-12-04, `a1041a6`). */
 #define DECODE_CHUNK 128
 #define DECODE_GB 3
 
@@ -380,8 +380,8 @@ static inline __attribute__((always_inline)) void decode_group(
      * earlier steps are out of the caches by its next step (the weights stream through them). One
      * chunk ahead (3 x 64 KB for SmolLM2) keeps the two chunks in L2 together. On a 2-core Zen 4
      * VM, SmolLM2's layers at batch 16: -4 % at 230-290 tokens of context, -10 % at 380-440; where
-     * the blocks are in L3 already the extra instructions cost (bench/RESULTS.md, "Twenty-first
-     * session"). Prefetches change which cache holds a line, never a value: the same bits. */
+     * the blocks are in L3 already the extra instructions cost (bench/RESULTS.md, 2026-12-05,
+     * `26f3f5e`). Prefetches change which cache holds a line, never a value: the same bits. */
     const int64_t blk_lines = blk_elems * (int64_t)sizeof(float) / 64;
     for (int c0 = lo_min / DECODE_CHUNK * DECODE_CHUNK; c0 < len_max; c0 += DECODE_CHUNK) {
         int ahead[DECODE_CHUNK], n_ahead = 0;  /* the blocks read ahead during this chunk */
@@ -1172,11 +1172,11 @@ _Static_assert(GEMM_MR == 8 && GEMM_RG % GEMM_MR == 0, "gemm_f32's switch covers
  * with requests in flight under every tile's FMAs. (When each tile prefetched the whole next block,
  * the second tile's requests found their lines already asked for: the memory was busy during the
  * first tile and idle during the others. Spread, on this kernel at 16 rows, 2 threads, weights
- * beyond L3: 13.4 -> 16.1 GB/s; 32 rows +27-35 %: bench/RESULTS.md, "Fifteenth session".)
+ * beyond L3: 13.4 -> 16.1 GB/s; 32 rows +27-35 %: bench/RESULTS.md, 2026-12-03, `244e716`.)
  * The same lines GEMM_PF_L2_BLOCKS blocks further on are asked into L2 too: the one-block lead into
  * L1 alone left a 16-row GEMM waiting on memory (a Zen 4 VM: SmolLM2's layers at 16 rows 143 ->
  * 171-179 GFLOP/s, 18 -> 21-22 GB/s; 8 rows 1.1x; 32 rows and more, where 4+ tiles use each panel
- * block, the same: "Sixteenth session"). Measured on a 2-core Zen 5 VM ("Eleventh session"; the same
+ * block, the same: 2026-12-04, `52799b4`). Measured on a 2-core Zen 5 VM (2026-12-02, `60fcb04`; the same
  * bits): SmolLM2's layers and head at 16 rows 1.3x, 512 rows ~1.08x the earlier kernel (one pass of
  * the first tile over all of K, then the next tiles from L2). */
 static inline __attribute__((always_inline)) void gemm_tile_kblock(const int MR, const float *x, int64_t ld_x,
@@ -1220,8 +1220,8 @@ _Static_assert(GEMM_MR == 6 && GEMM_RG % GEMM_MR == 0, "gemm_f32's switch covers
  * re-loads the panel's vectors for every row: 16 loads per 12 FMAs, load-bound). The row tiles of a
  * group take each block of k in turn while that block's GEMM_KB x GEMM_NR slice of the panel is in
  * L1, and the first tile prefetches the panel ahead, so it streams from memory once, in order,
- * partly under the computation. Measured on a 2-core Zen 3 VM (bench/RESULTS.md, "Seventh
- * session", "Tenth session"): SmolLM2's layers at 16 rows ~1.5x faster than oneDNN; at 512 rows
+ * partly under the computation. Measured on a 2-core Zen 3 VM (bench/RESULTS.md,
+ * 2026-12-01 and 2026-12-02, `9ba041c` and `1ff7546`): SmolLM2's layers at 16 rows ~1.5x faster than oneDNN; at 512 rows
  * ~0.9x oneDNN since the unrolled k loop (~0.75x before). */
 static inline __attribute__((always_inline)) void gemm_tile_kblock(const int MR, const float *x, int64_t ld_x,
                                                                    const float *panel, int k0, int k1,

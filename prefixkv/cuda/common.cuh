@@ -1,4 +1,4 @@
-// Shared device helpers for the prefixkv kernels.
+// Device functions the prefixkv kernels share.
 //
 // Self-contained on purpose: no host headers and no cuda_fp16.h / cuda_bf16.h, so the same text
 // compiles under nvcc (offline check) and under NVRTC through CuPy without depending on which

@@ -5,7 +5,7 @@ RMSNorm, the qkv GEMM, RoPE, the KV write, decode attention, o_proj, RMSNorm, ga
 down — in the order LlamaModel.forward's Python loop calls them, inside one OpenMP parallel
 region. The loop costs ~11 ctypes calls a layer, each with its wrapper's checks, one or two
 allocations and a parallel region of its own; on a 2-core VM that is several milliseconds of a
-decode step (bench/RESULTS.md, "Twelfth session"). Every kernel computes each row (or panel, or
+decode step (bench/RESULTS.md, 2026-12-02, `7122a1b`). Every kernel computes each row (or panel, or
 element) on its own, so the results are bitwise those of the Python loop (tests/test_fused_stack.py).
 
 It takes the steps the C decode kernel serves alone: every row one query token with its own

@@ -5,10 +5,10 @@ CPU float32 backends (``EngineConfig.cpu_linear``; ``resolve_cpu_linear`` picks 
 - "c": the engine's own GEMM (``gemm_f32`` in prefixkv/csrc/cpu_ops.c, AVX-512 or AVX2 + FMA):
   weights packed into panels (48 wide, 8 x 48 register tiles on AVX-512; 16 wide, 6 x 16 on AVX2),
   every output a sum of 64-wide FMA chains over k in order (float32 error below MKL's; the same
-  bits on either build). On SmolLM2's projections (bench/RESULTS.md: "The C GEMM"; for AVX2,
-  "Seventh session") a 16-row decode step's GEMMs take ~1.2x less time than oneDNN's on AVX-512
+  bits on either build). On SmolLM2's projections (bench/RESULTS.md, 2026-12-01: `9f36fec`; for AVX2,
+  `9ba041c`) a 16-row decode step's GEMMs take ~1.2x less time than oneDNN's on AVX-512
   and ~1.5x less on AVX2; prefill-sized GEMMs run about as fast as oneDNN's on AVX-512 (2,048 rows)
-  and at ~0.9x on AVX2 (512 rows; "Tenth session"). Its rows are bitwise independent of the batch they run in,
+  and at ~0.9x on AVX2 (512 rows; 2026-12-02, `1ff7546`). Its rows are bitwise independent of the batch they run in,
   for every M including 1 (tests/test_linear.py).
 - "onednn": see below; where the C kernel is not built (no AVX2 / AVX-512, or no compiler).
 - "torch": ``F.linear`` (MKL), the plain path.

@@ -189,7 +189,7 @@ class ToolStream:
             return self._llama3("", final=True)
         return "", []
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ parsing pieces
     def _content(self, text: str) -> str:
         if text:
             self.content_parts.append(text)

@@ -2,7 +2,7 @@
 transformers and cupy): ``python tests/gpu/minirunner.py [--json OUT.json] [-k SUBSTR] [FILE ...]``.
 
 It installs a small stand-in ``pytest`` module covering what tests/gpu use -- ``mark.parametrize``
-(stacked), other marks as no-ops, ``fixture`` (function / module / session scope, ``params``,
+(stacked), other marks as no-ops, ``fixture`` (``scope`` function, module or pytest's ``scope="session"``, ``params``,
 ``autouse``, generator teardown, the built-ins ``request``, ``tmp_path``, ``tmp_path_factory``),
 ``skip`` (also module level), ``importorskip`` and ``raises(match=)`` -- then collects the
 ``test_*`` functions of each file, runs them in order and prints one line per test as it ends
@@ -128,7 +128,7 @@ class Runner:
     def __init__(self, tmp_root: Path) -> None:
         self.factory = _TmpPathFactory(tmp_root)
         self.cache: dict[tuple, object] = {}  # (scope key, fixture, param index) -> value
-        self.finalizers: dict[str, list] = {"module": [], "session": []}
+        self.finalizers: dict[str, list] = {"module": [], "run": []}
         self.results: list[dict] = []
         self.conftests: list | None = None
 
@@ -179,7 +179,7 @@ class Runner:
             raise LookupError(f"fixture {name!r} not found")
         info = f._fixture
         index = chosen.get(name)
-        key = (module_key if info["scope"] == "module" else "session", name, index)
+        key = (module_key if info["scope"] == "module" else "run", name, index)
         if info["scope"] != "function" and key in self.cache:
             return self.cache[key]
         kwargs = {}
@@ -191,7 +191,7 @@ class Runner:
             gen, value = value, next(value)
             fin = (lambda g=gen: next(g, None))
             (func_finalizers if info["scope"] == "function" else
-             self.finalizers["module" if info["scope"] == "module" else "session"]).append(fin)
+             self.finalizers["module" if info["scope"] == "module" else "run"]).append(fin)
         if info["scope"] != "function":
             self.cache[key] = value
         return value
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         for f in files:
             runner.run_file(f, args.keyword)
     finally:
-        runner._finalize("session")
+        runner._finalize("run")
         shutil.rmtree(tmp_root, ignore_errors=True)
     counts = {k: sum(r["outcome"] == k for r in runner.results) for k in ("passed", "failed", "skipped")}
     print(f"minirunner: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "

@@ -233,8 +233,8 @@ inline To emu_aligned_cast(From p) {
   return reinterpret_cast<To>(p);
 }
 
-// The trailing `site` defaults to the caller's line (a GCC builtin), so a shuffle in a helper such
-// as warp_max is identified by the helper's line: divergence between two calls of one helper is
+// The trailing `site` defaults to the caller's line (a GCC builtin), so a shuffle in a device function
+// such as warp_max is identified by that function's line: divergence between two calls of one function is
 // not caught, divergence between different collectives is.
 template <typename T>
 T __shfl_sync(unsigned int mask, T v, int src_lane, int width = 32, int site = __builtin_LINE()) {
