@@ -18,6 +18,8 @@ Within prefixkv only::
                        (--c-baseline FILE: another version of the C source beside it), by row count
     scale              host time per engine step at 256-1,024 running, 1e5-1e6 cached blocks (fake runner)
     roofline           a decode step at batch B against the machine's read bandwidth and GEMM peak
+    kernel-ab          this checkout's C kernels against another cpu_ops.c, alternating in one process:
+                       decode attention alone, or the engine's fused layer stack (--part)
     sliding-window     long chats on a Gemma-3-shaped model in a fixed KV budget: out-of-window blocks freed or kept
 
 Against ``prefixkv serve`` (spawned on loopback, or ``--url``)::
@@ -172,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds of (read bandwidth, GEMM peak, decode steps): each round's ratio uses the "
                         "figures measured beside its own steps; the median round is reported")
+    add_common(p, systems_default=None)
+    p = sub.add_parser("kernel-ab", help="the C kernels against another cpu_ops.c: attention alone or the layer stack")
+    from bench.kernel_ab import add_arguments as add_kernel_ab
+
+    add_kernel_ab(p)
     add_common(p, systems_default=None)
     p = sub.add_parser("serving", help="prefixkv serve: latency percentiles and throughput against request rate")
     from bench.serving import add_arguments

@@ -159,6 +159,10 @@ def dispatch(args: argparse.Namespace, command: str) -> int:
                   "gemm": micro.cmd_gemm, "scale": micro.cmd_scale, "roofline": micro.cmd_roofline}
     if args.workload in micro_cmds:
         return micro_cmds[args.workload](args, command)
+    if args.workload == "kernel-ab":
+        from bench import kernel_ab
+
+        return kernel_ab.cmd_kernel_ab(args, command)
     if args.workload == "sliding-window":
         from bench import sliding_window
 

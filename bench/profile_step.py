@@ -52,9 +52,10 @@ def shared_prefix_decodes(eng, batch: int = 16, system_tokens: int = 196, questi
     ``question_tokens``, added to ``eng`` and prefilled: its next steps are decode steps."""
     from prefixkv import SamplingParams
 
-    shared = [3 + (i * 7919) % 40000 for i in range(system_tokens)]
+    v = min(40000, eng.info.vocab_size - 5)  # (token ids of SmolLM2's vocabulary; of a tiny one in tests)
+    shared = [3 + (i * 7919) % v for i in range(system_tokens)]
     for i in range(batch):
-        eng.add_request(f"r{i}", shared + [5 + (i * 31 + k) % 40000 for k in range(question_tokens)],
+        eng.add_request(f"r{i}", shared + [5 + (i * 31 + k) % v for k in range(question_tokens)],
                         SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))
     while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
         eng.step()

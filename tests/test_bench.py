@@ -119,3 +119,41 @@ def test_cpu_speed_ablation_and_machine_commands(tiny_llama, tmp_path):
                tmp_path, "scale")
     r = doc["results"][0]
     assert r["num_running"] == 8 and r["evictions"] > 0 and r["host_step_ms_median"] > 0
+
+
+def test_kernel_ab(tiny_llama, tmp_path, tokenizer_dir):
+    """``kernel-ab``: the C kernels of this checkout against another cpu_ops.c in one process. The same
+    source gives the same bits; a source whose attention scales its scores by 1.001 more does not. The layer stack's call alternates between the two libraries step by step; a model the
+    fused stack does not take is refused with the reason."""
+    import shutil
+
+    from prefixkv import cpu_ops
+    from tiny_models import build_model
+
+    if not cpu_ops.gemm_available():
+        pytest.skip("kernel-ab needs an AVX-512 or AVX2 build of the C kernels")
+    source = Path(cpu_ops.SOURCE).read_text()
+    entry = "int max_blocks, int64_t nb1, float scale, int window, float softcap) {\n#if defined(VW)"
+    assert source.count(entry) == 1
+    same, other = tmp_path / "same.c", tmp_path / "other.c"
+    same.write_text(source)
+    other.write_text(source.replace(entry, entry.replace("{", "{\n    scale *= 1.001f;")))
+    attention = ["kernel-ab", "--rows", "2", "--shared-tokens", "32", "--context", "200", "--prefill-rows", "3",
+                 "--num-layers", "2", "--heads", "4", "--kv-heads", "2", "--flush-mb", "1", "--passes", "2"]
+    for path, equal in ((same, True), (other, False)):
+        doc = _run(attention + ["--baseline", str(path)], tmp_path, f"attn-{path.stem}")
+        assert doc["part"] == "attention" and doc["rows"] == 6 and doc["bitwise_equal"] is equal
+        assert doc["ms_per_pass"]["current"] > 0 and doc["ms_per_pass"]["baseline"] > 0
+        assert doc["baseline_over_current"] > 0 and doc["machine"]["git_commit"] is not None
+    model = tmp_path / "llama-d64"
+    shutil.copytree(tokenizer_dir, model)
+    from transformers import AutoTokenizer
+
+    build_model(model, "llama", len(AutoTokenizer.from_pretrained(str(tokenizer_dir))), head_dim=64)
+    layers = ["kernel-ab", "--part", "layers", "--batch", "3", "--system-tokens", "20", "--question-tokens", "5",
+              "--warm", "1", "--passes", "2", "--baseline", str(same)]
+    doc = _run(layers + ["--model", str(model)], tmp_path, "layers")
+    assert doc["calls"] == {"current": 3, "baseline": 3}  # 2 timed steps each, after one untimed
+    assert doc["ms_per_pass"]["current"] > 0 and doc["ms_per_pass"]["baseline"] > 0
+    with pytest.raises(SystemExit, match="fused layer stack does not run here .*head_dim 16"):
+        main(layers + ["--model", str(tiny_llama), "--out", str(tmp_path)])
