@@ -31,6 +31,8 @@ On Ray Serve (a local Ray instance, replicas of ``prefixkv``)::
     ray-routing        multi-tenant shared prefixes over replicas: Serve's, Ray LLM's and prefixkv's routers
 
 Each run writes one JSON (and a PNG) into ``--out`` (default bench/out/, git-ignored).
+
+    report             the plots of bench/RESULTS.md's summary, made again from bench/results/*.json
 """
 
 from __future__ import annotations
@@ -193,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.ray_routing import add_arguments as add_ray_routing
 
     add_ray_routing(p)
+    p = sub.add_parser("report", help="the plots of bench/RESULTS.md's summary, from the JSON in bench/results/")
+    from bench.report import RESULTS_DIR
+
+    p.add_argument("--results", default=str(RESULTS_DIR), help="where the JSON is (default: bench/results/)")
+    p.add_argument("--out", default=None, help="where the PNGs go (default: RESULTS/summary/)")
+    p.set_defaults(threads=1)
     return parser
 
 

@@ -159,6 +159,10 @@ def dispatch(args: argparse.Namespace, command: str) -> int:
                   "gemm": micro.cmd_gemm, "scale": micro.cmd_scale, "roofline": micro.cmd_roofline}
     if args.workload in micro_cmds:
         return micro_cmds[args.workload](args, command)
+    if args.workload == "report":
+        from bench import report
+
+        return report.cmd_report(args, command)
     if args.workload == "kernel-ab":
         from bench import kernel_ab
 

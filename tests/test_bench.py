@@ -157,3 +157,19 @@ def test_kernel_ab(tiny_llama, tmp_path, tokenizer_dir):
     assert doc["ms_per_pass"]["current"] > 0 and doc["ms_per_pass"]["baseline"] > 0
     with pytest.raises(SystemExit, match="fused layer stack does not run here .*head_dim 16"):
         main(layers + ["--model", str(tiny_llama), "--out", str(tmp_path)])
+
+
+def test_report_makes_the_summary_plots_from_the_recorded_json(tmp_path):
+    """``python -m bench report``: the plots bench/RESULTS.md's summary shows, made again from the
+    JSON in bench/results/ (each a PNG; the same names RESULTS.md links)."""
+    from bench.report import RESULTS_DIR, peer_runs
+
+    assert main(["report", "--out", str(tmp_path)]) == 0
+    made = sorted(p.name for p in tmp_path.iterdir())
+    assert made == ["peers-zen4.png", "roofline-zen4.png", "routing-zen3.png", "serving.png", "tiers-zen4.png"]
+    assert all((tmp_path / m).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for m in made)
+    results_md = (RESULTS_DIR.parent / "RESULTS.md").read_text()
+    assert all(f"results/summary/{m}" in results_md for m in made)
+    # the summary's headline row is the recorded run's ratio
+    latest = {r["stem"]: r for r in peer_runs(RESULTS_DIR) if r["commit"] == "0c1184f"}
+    assert round(latest["shared-prefix-16x196-o32"]["over_vllm"], 2) == 1.39
