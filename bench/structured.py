@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     people = ["a baker", "a pilot", "a child", "a teacher"]
     convs = [[{"role": "user", "content": f"Describe {people[i % 4]} as JSON."}] for i in range(16)]
     constrained = [SamplingParams(max_tokens=300, temperature=0.0, structured_outputs={"json": s}) for s in _schemas()]
-    first = llm.chat(convs, constrained)  # warm-up, and the per-request lengths to match
+    first = llm.chat(convs, constrained, use_tqdm=False)  # warm-up, and the per-request lengths to match
     lengths = [len(o.outputs[0].token_ids) for o in first]
     free = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     times: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, params in (order if r % 2 == 0 else order[::-1]):
             llm.engine.scheduler.kv.radix.reset()  # every repeat prefills the same way
             t0 = time.perf_counter()
-            outs = llm.chat(convs, params)
+            outs = llm.chat(convs, params, use_tqdm=False)
             times[name].append(time.perf_counter() - t0)
             assert [len(o.outputs[0].token_ids) for o in outs] == lengths
     total = sum(lengths)

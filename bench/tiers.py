@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         elif name.startswith("disk tier"):
             kw.update(kv_host_cache_gb=a.disk_host_gb, kv_disk_cache_dir=str(disk_dir), kv_disk_cache_gb=a.disk_gb)
         llm = LLM(**kw)
-        llm.generate(["warm up"], None)
+        llm.generate(["warm up"], None, use_tqdm=False)
         return llm
 
     for name in ("recompute (no tier)", "host tier", "disk tier (small host tier above it)"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from prefixkv.engine_args import add_engine_args, engine_config_from_args  # noqa: F401 (re-exported)
@@ -39,6 +40,10 @@ def _bench(argv: list[str]) -> int:
     return bench_main(argv) or 0
 
 
+QUIET_HELP = ("no progress bars or progress lines while the model is converted, the kernels built, the weights "
+              "loaded (sets PREFIXKV_QUIET=1, also for Ray replicas)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefixkv", description="lossless LLM inference engine")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -52,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed-sampling", type=int, default=None)
     gen.add_argument("--stop", action="append")
+    gen.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
     add_engine_args(gen)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -76,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
                        help="split <think> ... </think> out of replies: reasoning_content (chat), reasoning items "
                             "(Responses), thinking blocks (Messages) (server/reasoning.py)")
+    serve.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
     add_engine_args(serve)
     add_ray_args(serve)
 
@@ -97,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # everything after `bench` is the benchmark's own command line
         return _bench(argv[1:])
     args = parser.parse_args(argv)
+    if args.quiet:  # read by prefixkv/progress.py, in this process and the ones it starts
+        os.environ["PREFIXKV_QUIET"] = "1"
     try:
         if args.cmd == "generate":
             return cmd_generate(args)

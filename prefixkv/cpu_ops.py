@@ -27,6 +27,7 @@ import torch
 
 from prefixkv import hugepages
 from prefixkv.cache_dir import cache_root
+from prefixkv.progress import Task
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.c"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=off",
@@ -60,8 +61,9 @@ def _build(cc: str, source: Path = SOURCE) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".cpu_ops-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True,
-                             timeout=300)
+        with Task(f"building the CPU kernels ({source.name}, once per machine)"):
+            res = subprocess.run([cc, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True,
+                                 timeout=300)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed: {res.stderr.strip()[:2000]}")
         os.replace(tmp, out)

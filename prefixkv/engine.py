@@ -19,6 +19,7 @@ from prefixkv.errors import EngineFatalError
 from prefixkv.model.loader import DTYPES, load_hf_config, load_model, resolve_dtype, resolve_model
 from prefixkv.output_processor import OutputProcessor, RequestState
 from prefixkv.outputs import CompletionOutput, RequestOutput
+from prefixkv.progress import Task
 from prefixkv.request import Request, RequestStatus
 from prefixkv.runner.disk_store import DiskKVError
 from prefixkv.runner.memory import kv_cache_bytes_for, profile_activation_peak
@@ -51,7 +52,8 @@ class LLMEngine:
         if config.dtype == "float64" and config.device != "cpu":
             raise ValueError("dtype: float64 is supported on cpu only")
         self.model_path = resolve_model(config.model)
-        self.tokenizer = Tokenizer.from_pretrained(str(self.model_path))
+        with Task("loading the tokenizer", announce=False):
+            self.tokenizer = Tokenizer.from_pretrained(str(self.model_path))
         self.dtype = resolve_dtype(config.dtype, config.device, load_hf_config(self.model_path))
         dtype = DTYPES[self.dtype]
         self.model, self.hf_config = load_model(self.model_path, self.dtype, config.device,
@@ -582,8 +584,11 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        """Every prompt's finished output, in order. ``use_tqdm`` (as vLLM's): a progress bar of the
+        finished requests on a terminal, a line every 10 s off one, from a batch's first second on
+        (prefixkv/progress.py; ``PREFIXKV_QUIET=1`` silences it too)."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -617,11 +622,8 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         pending = collections.deque(prepared)
         added: list[str] = []
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(prepared), desc="generate", unit="req")
+        bar = Task("generate", total=len(prepared), unit="req", announce=False) if use_tqdm else None
+        num_output_tokens, t0 = 0, time.perf_counter()
         try:
             while len(done) < len(prepared):
                 while pending and eng.scheduler.num_waiting < limit:
@@ -632,7 +634,8 @@ class LLM:
                     if out.finished:
                         done[out.request_id] = out
                         if bar is not None:
-                            bar.update(1)
+                            num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                            bar.update(1, f"{num_output_tokens / (time.perf_counter() - t0):.1f} output tok/s")
         except BaseException:
             for rid in added:
                 eng.abort(rid)
@@ -646,7 +649,7 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations."""
         if not isinstance(messages, list) or not messages:

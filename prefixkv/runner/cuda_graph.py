@@ -19,6 +19,7 @@ import torch
 
 from prefixkv.attention import AttentionBackend, AttentionMetadata
 from prefixkv.model.llama import LlamaModel
+from prefixkv.progress import Task
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -83,12 +84,14 @@ class CudaGraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self.kv_cache.device)
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), Task("capturing CUDA graphs of decode steps", total=len(self.buckets) + 1,
+                                             unit="graphs") as task:
             t0 = time.perf_counter()
             self._forward(self.buckets[-1])
             torch.cuda.synchronize()
             t1 = time.perf_counter()
             self.warmup_seconds = t1 - t0
+            task.update()  # (the warm-up pass: the kernels compile)
             for b in reversed(self.buckets):
                 tb = time.perf_counter()
                 self._forward(b)  # one eager pass at this shape before capturing it
@@ -97,6 +100,7 @@ class CudaGraphRunner:
                     self.outputs[b] = self._forward(b)
                 self.graphs[b] = graph
                 self.bucket_seconds[b] = time.perf_counter() - tb
+                task.update(postfix=f"batch {b}")
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t1

@@ -6,6 +6,7 @@ block_tables / seq_lens, run the forward pass (logits only for rows that sample)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ from prefixkv import cpu_ops, hugepages
 from prefixkv.attention import AttentionBackend, AttentionMetadata, kv_cache_shape
 from prefixkv.kv.groups import KVGroupPlan, plan_kv_groups
 from prefixkv.model.llama import LlamaModel
+from prefixkv.progress import Task
 from prefixkv.request import Request
 from prefixkv.runner.block_table import BlockTables
 from prefixkv.runner.sampler import SamplingBatch, SamplerOutput, argmax_only, mix_seed, sample
@@ -68,10 +70,12 @@ class ModelRunner:
         # group (the anchor's is block_tables), layer i at slot kv_plan.layer_slot[i]
         self.kv_plan = kv_plan or plan_kv_groups((None,) * s.num_layers)
         shape = kv_cache_shape(self.kv_plan.layers_per_page, num_blocks, s.num_kv_heads, block_size, s.head_dim)
-        if self.device.type == "cpu":  # huge pages: a block read touches one page, not several
-            self.kv_cache = hugepages.empty(shape, dtype=dtype).zero_()
-        else:
-            self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        gib = math.prod(shape) * dtype.itemsize / (1 << 30)
+        with Task(f"allocating the KV cache ({gib:.2f} GiB)", announce=False):
+            if self.device.type == "cpu":  # huge pages: a block read touches one page, not several
+                self.kv_cache = hugepages.empty(shape, dtype=dtype).zero_()
+            else:
+                self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.graphs: CudaGraphRunner | None = None
         self.block_tables = BlockTables(-(-max_model_len // block_size))
         self.group_tables = [BlockTables(-(-max_model_len // block_size)) for _ in range(self.kv_plan.num_groups - 1)]
