@@ -293,6 +293,27 @@ def copy_blocks(kv_cache: torch.Tensor, src_dst: torch.Tensor) -> None:
 # ---- decode ------------------------------------------------------------------------------------
 
 
+def padded_decode_batch(num_seqs: int) -> int:
+    """``num_seqs`` decodes rounded up to 1, 2, 4, 8 or a multiple of 8. Every CUDA-graph bucket
+    (runner/cuda_graph.decode_buckets) lies within one such class, so a batch and the bucket it is
+    padded to round to the same size."""
+    if num_seqs <= 2:
+        return num_seqs
+    if num_seqs <= 8:
+        return 4 if num_seqs <= 4 else 8
+    return -(-num_seqs // 8) * 8
+
+
+def decode_split_k(num_seqs: int, num_kv_heads: int, queries_per_kv: int, max_seq_len: int, num_sms: int) -> bool:
+    """Whether a decode batch runs split-K: a long context bound (``max_seq_len`` >
+    SPLIT_K_MIN_SEQ_LEN) and a plain grid of fewer than SPLIT_K_MAX_WAVES waves of CTAs. The grid is
+    counted for the batch rounded as ``padded_decode_batch`` rounds it, so the same rows decide
+    alike eagerly and in the CUDA graph of the bucket they are padded to (its padding rows
+    included): a batch's arithmetic does not depend on whether it fits a graph."""
+    num_ctas = padded_decode_batch(num_seqs) * num_kv_heads * -(-queries_per_kv // _decode_group(queries_per_kv))
+    return max_seq_len > SPLIT_K_MIN_SEQ_LEN and num_ctas < SPLIT_K_MAX_WAVES * num_sms
+
+
 def _decode_group(queries_per_kv: int) -> int:
     """Query heads per decode CTA (template GROUP, <= 8): the whole GQA group when it fits, else
     the largest divisor in [4, 8], else 8 (the last chunk then runs partly empty)."""
@@ -326,9 +347,8 @@ def _decode(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, block_table
     if num_seqs > _MAX_GRID_YZ:
         raise ValueError(f"too many decode sequences for one launch ({num_seqs} > {_MAX_GRID_YZ})")
     if split_k is None:
-        num_sms, _ = _device_info(cache.device.index)
-        num_ctas = num_seqs * num_kv_heads * num_chunks
-        split_k = max_seq_len > SPLIT_K_MIN_SEQ_LEN and num_ctas < SPLIT_K_MAX_WAVES * num_sms
+        split_k = decode_split_k(num_seqs, num_kv_heads, queries_per_kv, max_seq_len,
+                                 _device_info(cache.device.index)[0])
     num_parts = max(1, -(-max_seq_len // DECODE_PARTITION_SIZE)) if split_k else 1
     if num_parts > _MAX_GRID_YZ:
         raise ValueError(f"max_seq_len {max_seq_len} too long for split-K")
@@ -476,8 +496,9 @@ class CudaAttentionBackend(AttentionBackend):
     """The CUDA kernels behind the ``AttentionBackend`` contract (see base.py).
 
     Decodes (the first ``meta.num_decode_seqs`` sequences, one token each) go to the decode kernel,
-    split-K when ``meta.max_seq_len`` > SPLIT_K_MIN_SEQ_LEN and the plain grid is small; the rest to
-    the prefill kernel. Rows of ``out`` past ``query_start_loc[num_seqs]`` (padding) are not written.
+    split-K when ``meta.max_seq_len`` > SPLIT_K_MIN_SEQ_LEN and the plain grid is small
+    (``decode_split_k``: the same choice for a batch eagerly and padded to its graph bucket); the
+    rest to the prefill kernel. Rows of ``out`` past ``query_start_loc[num_seqs]`` (padding) are not written.
     """
 
     name = "cuda"

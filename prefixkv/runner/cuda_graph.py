@@ -8,7 +8,9 @@ reserved dummy block and attend to it alone, so they touch no real block. Prefil
 decode batches above the largest bucket, run eagerly.
 
 The attention metadata's ``max_seq_len`` is ``max_model_len`` both here and in eager GPU steps
-(model_runner), so the decode kernel's grid (split-K partitions) is sized alike in both.
+(model_runner), so the decode kernel's grid (split-K partitions) is sized alike in both, and the
+split-K choice counts the batch as ``attention.cuda.padded_decode_batch`` rounds it, the same for
+a batch and its bucket (each bucket lies within one of that rounding's classes).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from prefixkv.model.llama import LlamaModel
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 8 up to ``max_num_seqs`` (rounded up to one; below 8, itself)."""
     buckets = [b for b in (1, 2, 4, 8) if b <= max_num_seqs]
     buckets += list(range(16, max_num_seqs + 1, 8))
     if buckets[-1] != max_num_seqs:

@@ -168,9 +168,10 @@ class ModelRunner:
             seq_lens=on_dev(torch.from_numpy(seq_lens.astype(np.int32))),
             block_tables=on_dev(torch.from_numpy(tables.gather(rows, max_blocks))),
             num_decode_seqs=out.num_decodes,
-            # an upper bound: on the GPU the decode kernel's split-K choice then matches the
-            # captured graphs' (sized for max_model_len), so a batch's arithmetic does not depend
-            # on whether it fits a graph bucket
+            # an upper bound: on the GPU the decode kernel's grid then matches the captured graphs'
+            # (sized for max_model_len), and its split-K choice too (attention/cuda.decode_split_k
+            # rounds the batch as the buckets do), so a batch's arithmetic does not depend on
+            # whether it fits a graph bucket
             max_seq_len=self.max_model_len if self.device.type == "cuda" else max(seq_lens_cpu),
             max_query_len=int(counts_np.max()),
             seq_lens_cpu=seq_lens_cpu,
