@@ -159,3 +159,13 @@ def test_decode_kernels_are_the_same_eagerly_and_in_a_graph_bucket():
         for n in range(1, max_num_seqs + 1):
             b = next(b for b in buckets if b >= n)
             assert padded_decode_batch(n) == padded_decode_batch(b), (max_num_seqs, n, b)
+
+
+def test_replay_refuses_a_sequence_longer_than_max_model_len():
+    """The graphs' split-K grid covers max_model_len tokens: a longer sequence is refused, not cut."""
+    runner = _runner(max_model_len=30)  # 8 blocks of 4 per sequence
+    meta = _meta([[0, 1, 2, 3, 4, 5, 6, 7]], [31])
+    meta.seq_lens_cpu = [31]
+    with pytest.raises(ValueError, match="longer than the graphs' max_model_len 30"):
+        runner.replay(torch.tensor([1]), torch.tensor([30]), meta)
+    assert runner.num_filled == 0  # refused before any static input changed

@@ -156,6 +156,35 @@ def test_decode_split_k_grid_sized_by_an_upper_bound(emulator):
     _assert_close(out, want, BF16)
 
 
+def test_decode_split_k_row_longer_than_its_grid_is_nan_and_refused(emulator):
+    """max_seq_len below a sequence's length (a caller's error): under split-K the grid misses that
+    row's tail, so the row comes out NaN (not the attention of its first partitions) and its
+    neighbours are right; the backend, which has the lengths on the host, refuses the metadata
+    before any kernel runs (the cache untouched), as the batch-invariant path does."""
+    from prefixkv.attention import cuda as kernels
+
+    lens = (5, 1500, 600)
+    b = make_batch(BF16, 128, 32, 2, 8, [(L, 1) for L in lens])
+    with emulated(emulator):
+        out = kernels.paged_decode_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], 0.1, 1024,
+                                             split_k=True)
+    want = reference_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], b["query_start_loc"], 0.1)
+    assert out[1].isnan().all()
+    _assert_close(out[[0, 2]], want[[0, 2]], BF16)
+
+    b, q, k, v, meta, _ = forward_inputs(BF16, 128, 32, 2, 8, [(L, 1) for L in lens])
+    meta.seq_lens_cpu, meta.query_start_loc_cpu, meta.max_seq_len = list(lens), [0, 1, 2, 3], 1024
+    cache = b["cache"].clone()
+    for backend in (kernels.CudaAttentionBackend(split_k=True), kernels.CudaAttentionBackend(batch_invariant=True)):
+        with emulated(emulator), pytest.raises(ValueError, match="^max_seq_len: 1024 is below sequence 1's length 1500"):
+            backend.forward(q, k, v, b["cache"], meta, 0.1)
+        assert torch.equal(b["cache"].view(torch.uint8), cache.view(torch.uint8))
+        meta.scratch.clear()
+    meta.max_seq_len, meta.max_query_len, meta.query_start_loc_cpu = 1500, 1, [0, 1, 3, 3]
+    with emulated(emulator), pytest.raises(ValueError, match="^max_query_len: 1 is below a sequence's 2 query"):
+        kernels.CudaAttentionBackend().forward(q, k, v, b["cache"], meta, 0.1)
+
+
 def test_prefill_first_seq_and_empty_query_chunks(emulator):
     """Only sequences from first_seq on are computed (the rows before are left alone), and a
     sequence with no query token this step launches nothing that writes."""

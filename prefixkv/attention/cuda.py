@@ -379,8 +379,9 @@ def paged_decode_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_
 
     q: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_blocks_per_seq] int32;
     seq_lens: [num_seqs] int32 (context incl. the query token, already in the cache);
-    max_seq_len: an upper bound of seq_lens (sizes the split-K grid). ``split_k`` None picks
-    split-K for long contexts with few CTAs. Returns [num_seqs, num_heads, head_dim].
+    max_seq_len: an upper bound of seq_lens (sizes the split-K grid; a row longer than it comes out
+    NaN under split-K: the bound is not checked here, which would need the lengths on the host).
+    ``split_k`` None picks split-K for long contexts with few CTAs. Returns [num_seqs, num_heads, head_dim].
     """
     _check_cache_layer(kv_cache_layer)
     _check_rows("q", q, None, kv_cache_layer)
@@ -490,6 +491,24 @@ def _check_meta(meta: AttentionMetadata, num_tokens: int, device: torch.device) 
     _check_index("seq_lens", meta.seq_lens, torch.int32, 1, device)
     _check_index("query_start_loc", meta.query_start_loc, torch.int32, 1, device, num_seqs + 1)
     _check_index("block_tables", meta.block_tables, torch.int32, 2, device, num_seqs)
+    check_grid_bounds(meta)
+
+
+def check_grid_bounds(meta: AttentionMetadata) -> None:
+    """``meta.max_seq_len`` / ``max_query_len`` size the kernels' grids (split-K partitions, query
+    tiles): a sequence longer than them would lose its tail without a word. Checked against the
+    host copies of the lengths where the metadata has them (the runner's always does); without
+    them, a split-K row past max_seq_len comes out NaN."""
+    if meta.seq_lens_cpu:
+        longest = max(meta.seq_lens_cpu)
+        if longest > meta.max_seq_len:
+            raise ValueError(f"max_seq_len: {meta.max_seq_len} is below sequence "
+                             f"{meta.seq_lens_cpu.index(longest)}'s length {longest}")
+    qsl = meta.query_start_loc_cpu
+    if qsl:
+        longest = max(b - a for a, b in zip(qsl, qsl[1:])) if len(qsl) > 1 else 0
+        if longest > meta.max_query_len:
+            raise ValueError(f"max_query_len: {meta.max_query_len} is below a sequence's {longest} query tokens")
 
 
 class CudaAttentionBackend(AttentionBackend):
@@ -519,13 +538,13 @@ class CudaAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache_layer, meta: AttentionMetadata, scale: float,
                 window: int | None = None, softcap: float | None = None):
-        write_kv(k, v, kv_cache_layer, meta.slot_mapping)
         _check_rows("q", q, None, kv_cache_layer)
         if q.shape[0] != k.shape[0]:
             raise ValueError(f"q and k: different numbers of tokens ({q.shape[0]} vs {k.shape[0]})")
         if "cuda_meta_checked" not in meta.scratch:  # the same for every layer of the step: check once
             _check_meta(meta, q.shape[0], q.device)
             meta.scratch["cuda_meta_checked"] = True
+        write_kv(k, v, kv_cache_layer, meta.slot_mapping)
         if self.batch_invariant:
             return paged_attention_per_token(q, kv_cache_layer, meta, scale, window=window, softcap=softcap)
         num_seqs = meta.num_seqs
@@ -549,6 +568,7 @@ def paged_attention_per_token(q: torch.Tensor, kv_cache_layer: torch.Tensor, met
     """The batch-invariant attention (CudaAttentionBackend(batch_invariant=True)): every query
     token of ``meta`` (decodes and prefill chunks alike) through the split-K decode kernel with its
     own context length. The K/V of the step must already be in the cache."""
+    check_grid_bounds(meta)
     tables, lens = token_rows(meta)
     out = _out_like(q, out, kv_cache_layer)
     if lens.shape[0]:

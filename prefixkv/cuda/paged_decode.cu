@@ -211,7 +211,9 @@ __global__ void __launch_bounds__(DECODE_NUM_THREADS, 3) paged_decode_kernel(
 }
 
 // Combines the split-K partitions of paged_decode_kernel<..., PARTITIONED = true>.
-// Grid: (num_heads, num_seqs). Block: HEAD_DIM threads, one output element each.
+// Grid: (num_heads, num_seqs). Block: HEAD_DIM threads, one output element each. A sequence longer
+// than the max_parts partitions of the grid (max_seq_len below its length: a caller's error) comes
+// out as NaN, not as the attention of its first max_parts * DECODE_PARTITION_SIZE tokens.
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(HEAD_DIM) paged_decode_reduce_kernel(
     T* __restrict__ out,                   // [num_seqs, num_heads, HEAD_DIM], token stride out_stride
@@ -224,8 +226,11 @@ __global__ void __launch_bounds__(HEAD_DIM) paged_decode_reduce_kernel(
   const int seq = blockIdx.y;
   const int d = threadIdx.x;
   const int seq_len = seq_lens[seq];
-  const int num_parts =
-      seq_len > 0 ? min(max_parts, (seq_len + DECODE_PARTITION_SIZE - 1) / DECODE_PARTITION_SIZE) : 0;
+  const int num_parts = seq_len > 0 ? (seq_len + DECODE_PARTITION_SIZE - 1) / DECODE_PARTITION_SIZE : 0;
+  if (num_parts > max_parts) {
+    out[seq * out_stride + static_cast<long long>(head) * HEAD_DIM + d] = from_float<T>(quiet_nan());
+    return;
+  }
   // partitions wholly before the window were not written
   const int first = window > 0 && seq_len > 0 ? max(0, seq_len - window) / DECODE_PARTITION_SIZE : 0;
   const long long base = (static_cast<long long>(seq) * num_heads + head) * max_parts;

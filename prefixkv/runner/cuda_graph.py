@@ -120,6 +120,9 @@ class CudaGraphRunner:
         if b is None or not 0 < n == meta.num_decode_seqs == input_ids.shape[0] or w > self.max_blocks:
             raise ValueError(f"replay: {n} sequences ({meta.num_decode_seqs} decodes, {input_ids.shape[0]} tokens, "
                              f"{w} blocks each) do not fit buckets {self.buckets} x {self.max_blocks} blocks")
+        if meta.seq_lens_cpu and max(meta.seq_lens_cpu) > self.max_model_len:  # the graphs' split-K grid
+            raise ValueError(f"replay: a sequence of {max(meta.seq_lens_cpu)} tokens is longer than the graphs' "
+                             f"max_model_len {self.max_model_len}")
         self.num_filled = max(self.num_filled, n)  # first: a copy that raises leaves no row untracked
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
