@@ -234,6 +234,37 @@ def test_write_kv_and_copy_blocks_are_exact(emulator, dtype):
     assert torch.equal(kv_cache.view(torch.uint8), want_kv.view(torch.uint8))
 
 
+def test_copy_blocks_refuses_what_would_corrupt_or_race(emulator):
+    """copy_blocks addresses every layer plane from one base: a view whose layer 0 is contiguous but
+    whose layers are not (every other layer of a larger cache) is refused, not written into the
+    wrong layers. Its pairs run in parallel CTAs: a block that is the destination of two pairs, or
+    both a destination and a source, is refused on the host; pairs skipped as out of range do not
+    count."""
+    from prefixkv.attention import cuda as kernels
+
+    big = torch.randn((6, 2, 9, 2, 16, 64)).to(F16)
+    before = big.clone()
+    every_other = big[::2]
+    assert every_other[0].is_contiguous() and not every_other.is_contiguous()
+    with emulated(emulator), pytest.raises(ValueError, match=r"^kv_cache: must be contiguous"):
+        kernels.copy_blocks(every_other, torch.tensor([[1, 5]]))
+    assert torch.equal(big.view(torch.uint8), before.view(torch.uint8))
+
+    kv_cache = torch.randn((3, 2, 9, 2, 16, 64)).to(F16)
+    want = kv_cache.clone()
+    for pairs, error in (([[1, 5], [2, 5]], "block 5 is the destination of two copies"),
+                         ([[1, 5], [5, 7]], "block 5 is both a destination and a source"),
+                         ([[1, 5], [3, 1]], "block 1 is both a destination and a source"),
+                         ([[4, 4]], "block 4 is both a destination and a source")):
+        with emulated(emulator), pytest.raises(ValueError, match=f"^src_dst: {error}"):
+            kernels.copy_blocks(kv_cache, torch.tensor(pairs))
+    assert torch.equal(kv_cache.view(torch.uint8), want.view(torch.uint8))
+    with emulated(emulator):  # the second pair names block 9, past the cache: skipped, no conflict
+        kernels.copy_blocks(kv_cache, torch.tensor([[1, 5], [9, 5], [5, 9]]))
+    want[:, :, 5] = want[:, :, 1]
+    assert torch.equal(kv_cache.view(torch.uint8), want.view(torch.uint8))
+
+
 def _mixed_forward(dtype):
     from prefixkv.attention import cuda as kernels
 

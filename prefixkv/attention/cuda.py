@@ -269,25 +269,45 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slo
 
 
 def copy_blocks(kv_cache: torch.Tensor, src_dst: torch.Tensor) -> None:
-    """Copies whole blocks in every layer (K and V) in one launch. ``kv_cache`` is
-    [num_layers, 2, num_blocks + 1, num_kv_heads, block_size, head_dim]; ``src_dst`` is
-    [num_copies, 2] int64 (src, dst) block ids, on any device. No dst may also be a src."""
+    """Copies whole blocks in every layer (K and V) in one launch, one CTA per (pair, layer plane).
+    ``kv_cache`` is [num_layers, 2, num_blocks + 1, num_kv_heads, block_size, head_dim], contiguous
+    (the kernel addresses every layer plane from one base); ``src_dst`` is [num_copies, 2] int64
+    (src, dst) block ids, checked on the host (a CUDA tensor is copied there first). The copies run
+    at once, so no block may be the dst of two pairs or both a dst and a src (ValueError). Pairs
+    naming a block outside the cache are skipped."""
     if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
         raise ValueError("kv_cache: expected [num_layers, 2, num_blocks + 1, num_kv_heads, block_size, head_dim], "
                          f"got {tuple(kv_cache.shape)}")
     _check_cache_layer(kv_cache[0])
+    if not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache: must be contiguous (every layer is addressed from one base), got strides "
+                         f"{kv_cache.stride()} for shape {tuple(kv_cache.shape)}")
     if src_dst.dim() != 2 or src_dst.shape[1] != 2 or src_dst.dtype != torch.int64:
         raise ValueError(f"src_dst: expected [num_copies, 2] int64, got {tuple(src_dst.shape)} {src_dst.dtype}")
     num_copies = src_dst.shape[0]
     if num_copies == 0:
         return
-    src_dst = src_dst.to(kv_cache.device).contiguous()
     num_layers, _, num_blocks_total, num_kv_heads, block_size, head_dim = kv_cache.shape
+    _check_copy_pairs(src_dst.cpu().tolist(), num_blocks_total)
+    src_dst = src_dst.to(kv_cache.device).contiguous()
     if 2 * num_layers > _MAX_GRID_YZ:
         raise ValueError(f"kv_cache: too many layers ({num_layers})")
     args = (_ptr(kv_cache), _ptr(src_dst), _i64(num_blocks_total), _i64(num_kv_heads * block_size * head_dim))
     name = _cache_op_name("copy_blocks_kernel", kv_cache.dtype)
     _launch("cache_ops.cu", name, (num_copies, 2 * num_layers, 1), _CACHE_OPS_THREADS, args, kv_cache.device)
+
+
+def _check_copy_pairs(pairs: list[list[int]], num_blocks_total: int) -> None:
+    """The pairs copy_blocks_kernel runs at once must not race: each dst once, and no dst a src."""
+    valid = [(s, d) for s, d in pairs if 0 <= s < num_blocks_total and 0 <= d < num_blocks_total]
+    srcs = {s for s, _ in valid}
+    dsts: set[int] = set()
+    for s, d in valid:
+        if d in dsts:
+            raise ValueError(f"src_dst: block {d} is the destination of two copies")
+        if d in srcs:
+            raise ValueError(f"src_dst: block {d} is both a destination and a source")
+        dsts.add(d)
 
 
 # ---- decode ------------------------------------------------------------------------------------

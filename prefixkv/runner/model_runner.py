@@ -310,7 +310,7 @@ class ModelRunner:
         if not out.scheduled:  # a step of copies only (requests put off to the next step)
             return ModelOutput([], [], None)
         if out.copy_ops:
-            pairs = torch.tensor([[op.src, op.dst] for op in out.copy_ops], dtype=torch.int64, device=self.device)
+            pairs = torch.tensor([[op.src, op.dst] for op in out.copy_ops], dtype=torch.int64)  # host: checked there
             self.backend.copy_blocks(self.kv_cache, pairs)
         input_ids, positions, meta, logits_rows = self.prepare(out)
         prompt_rows = self._prompt_logprob_rows(out)
