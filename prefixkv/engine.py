@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-from prefixkv.attention import get_backend
+from prefixkv.attention import backend_for
 from prefixkv.config import CacheConfig, EngineConfig, RuntimeInfo, SchedulerConfig
 from prefixkv.errors import EngineFatalError
 from prefixkv.model.loader import DTYPES, load_hf_config, load_model, resolve_dtype, resolve_model
@@ -76,7 +76,8 @@ class LLMEngine:
             1, self._kv_cache_bytes() // ModelRunner.bytes_per_block(self.model, bs, dtype, lpg)))
         self.info = RuntimeInfo(num_kv_blocks=num_blocks, max_model_len=max_len,
                                 eos_token_ids=list(self.tokenizer.eos_token_ids), vocab_size=shape.vocab_size)
-        backend = get_backend(config.attention_backend or ("cpu" if config.device == "cpu" else "cuda"))
+        backend = backend_for(config.attention_backend, config.device, dtype, shape.num_heads, shape.num_kv_heads,
+                              shape.head_dim)
         self.batch_invariant = False
         if config.batch_invariant is not False:
             why = self._batch_invariance_blocker(backend)

@@ -40,6 +40,11 @@ DECODE_CASES = [
     (F16, 64, 64, 1, 5, False, [65, 130]),
     (BF16, 256, 16, 1, 2, True, [50, 530]),
     (F32, 32, 16, 1, 3, False, [1, 40]),
+    # head_dim 80 / 96 (Phi-3, ...): V dims on 20 / 24 lanes, the rest idle
+    (F16, 80, 16, 2, 4, False, [1, 33, 300]),
+    (BF16, 80, 16, 1, 8, True, [70, 1030]),
+    (BF16, 96, 16, 2, 3, False, [5, 129]),
+    (F32, 96, 32, 1, 4, True, [17, 600]),
 ]
 
 PREFILL_CASES = [
@@ -57,6 +62,13 @@ PREFILL_CASES = [
     (F16, 128, 32, 1, 12, "simt", [(60, 25), (17, 17)]),
     (BF16, 256, 16, 1, 2, "simt", [(40, 40), (70, 33)]),
     (F32, 32, 16, 1, 80, "simt", [(20, 3), (6, 6)]),
+    # head_dim 80 / 96: five / six k16 blocks on tensor cores; SIMT 4-byte columns for fp16 80
+    (F16, 80, 16, 2, 4, "mma", [(37, 37), (150, 45), (70, 1)]),
+    (BF16, 96, 16, 1, 3, "mma", [(100, 70), (9, 9)]),
+    (F16, 80, 16, 2, 2, "simt", [(60, 40), (33, 1)]),
+    (BF16, 96, 16, 1, 4, "simt", [(50, 50), (80, 17)]),
+    (F32, 80, 16, 1, 2, "simt", [(45, 30), (5, 5)]),
+    (F32, 96, 16, 2, 1, "simt", [(40, 40)]),
 ]
 
 
@@ -73,7 +85,10 @@ def emulator() -> KernelEmulator:
             _write_and_copy(dtype)
         _mixed_forward(BF16)
         _mixed_forward(F32)
-        _decode((F32, 64, 16, 2, 2, False, [5]))  # the tiny engine model below
+        _decode((F32, 64, 16, 2, 2, False, [5]))  # the tiny engine models below
+        _decode((F32, 96, 16, 2, 2, False, [5]))
+        _prefill((F32, 96, 16, 2, 2, "simt", [(5, 5)]))
+        _decode((BF16, 128, 32, 2, 8, False, [5]))  # the empty-context test
         for dtype in (BF16, F32):
             _per_token(dtype, *_INVARIANT_LAYOUT, [(0, 1)], [(2, (9, 1))])
         _prefill((F32, 64, 16, 2, 2, "simt", [(5, 5)]))
@@ -285,18 +300,19 @@ def test_backend_forward_mixed_batch(emulator, dtype):
     _assert_close(out, want, dtype)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_engine_with_the_cuda_backend_equals_transformers(emulator, tmp_path, arch):
+@pytest.mark.parametrize("arch,head_dim", [("llama", 64), ("gemma3", 64), ("phi3", 96)])
+def test_engine_with_the_cuda_backend_equals_transformers(emulator, tmp_path, arch, head_dim):
     """The whole engine (chunked prefill, shared prefixes, n=2 forks with copy-on-write) with
     attention_backend="cuda" running the emulated kernels: greedy tokens equal transformers'
     (float32), as tests/gpu/test_engine_gpu.py checks on a device. Gemma 3's shape: KV cache
-    groups, window 4 on two of three layers, its blocks before the window freed (kv/groups.py)."""
+    groups, window 4 on two of three layers, its blocks before the window freed (kv/groups.py).
+    Phi-3's: head_dim 96 (refused at the first step before the kernels took it)."""
     from transformers import AutoModelForCausalLM
 
     from prefixkv import LLM, SamplingParams
     from tiny_models import build_model, build_tokenizer
 
-    build_model(tmp_path, arch, build_tokenizer(tmp_path), head_dim=64)
+    build_model(tmp_path, arch, build_tokenizer(tmp_path), head_dim=head_dim)
     rng = random.Random(0)
     shared = [rng.randrange(3, 384) for _ in range(40)]
     prompts = [(shared if i % 2 else []) + [rng.randrange(3, 384) for _ in range(rng.randrange(1, 70))]

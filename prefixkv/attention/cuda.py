@@ -39,7 +39,8 @@ from prefixkv.attention.base import AttentionBackend, AttentionMetadata, token_r
 CUDA_SOURCE_DIR = Path(__file__).resolve().parents[1] / "cuda"  # package data (prefixkv/cuda)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
+_PREFILL_SIMT_MAX_ROW_BYTES = 512  # PrefillSimtConfig: head_dim * element size
 DECODE_PARTITION_SIZE = 512  # DECODE_PARTITION_SIZE in cuda/paged_decode.cu
 SPLIT_K_MIN_SEQ_LEN = 1024  # split-K only pays off for long contexts ...
 SPLIT_K_MAX_WAVES = 2  # ... and when the plain grid fills fewer than this many waves of CTAs
@@ -170,6 +171,22 @@ def name_expressions(dtype: torch.dtype, head_dim: int, block_size: int, queries
         + [_decode_reduce_name(dtype, head_dim)],
         "paged_prefill.cu": prefill,
     }
+
+
+def unsupported_reason(dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:
+    """Why the kernels cannot serve a model of this shape (None: they can), for the engine to decide
+    at configuration rather than at the first step: the dtype, the head_dim, the GQA ratio, and the
+    SIMT prefill kernel's 512-byte rows (the only prefill kernel for float32 and head_dim > 128)."""
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} (the kernels take {', '.join(map(str, SUPPORTED_DTYPES))})"
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {head_dim} (the kernels take {', '.join(map(str, SUPPORTED_HEAD_DIMS))})"
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        return f"num_heads {num_heads} with num_kv_heads {num_kv_heads} (not a whole GQA group)"
+    row_bytes = head_dim * torch.finfo(dtype).bits // 8
+    if not _mma_supported(dtype, head_dim) and row_bytes > _PREFILL_SIMT_MAX_ROW_BYTES:
+        return f"head_dim {head_dim} in {dtype} (the prefill kernel's rows hold {_PREFILL_SIMT_MAX_ROW_BYTES} bytes)"
+    return None
 
 
 # ---- argument checks ---------------------------------------------------------------------------
@@ -387,7 +404,7 @@ def _decode(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, block_table
         args = (_ptr(out), _ptr(part_max), _ptr(part_sum), _ptr(part_out), _ptr(seq_lens), _i32(num_heads),
                 _i32(num_parts), _i64(out.stride(0)), win)
         name = _decode_reduce_name(q.dtype, head_dim)
-        _launch("paged_decode.cu", name, (num_heads, num_seqs, 1), head_dim, args, cache.device)
+        _launch("paged_decode.cu", name, (num_heads, num_seqs, 1), -(-head_dim // 32) * 32, args, cache.device)
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_tables: torch.Tensor,
@@ -419,8 +436,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_
 
 
 def _mma_supported(dtype: torch.dtype, head_dim: int) -> bool:
-    """The tensor-core prefill kernel's static_asserts: fp16 / bf16, head_dim <= 128."""
-    return dtype in (torch.float16, torch.bfloat16) and head_dim <= 128
+    """The tensor-core prefill kernel's static_asserts: fp16 / bf16, head_dim a multiple of 16 <= 128."""
+    return dtype in (torch.float16, torch.bfloat16) and head_dim <= 128 and head_dim % 16 == 0
 
 
 def _prefill_impl(dtype: torch.dtype, head_dim: int, device: torch.device, impl: str) -> str:
@@ -431,7 +448,7 @@ def _prefill_impl(dtype: torch.dtype, head_dim: int, device: torch.device, impl:
         raise ValueError(f"impl 'mma' needs fp16/bf16 and head_dim <= 128 (got {dtype}, {head_dim})")
     if impl == "auto":
         impl = "mma" if mma_ok and _device_info(device.index)[1] >= (8, 0) else "simt"
-    if impl == "simt" and head_dim * torch.finfo(dtype).bits // 8 > 512:
+    if impl == "simt" and head_dim * torch.finfo(dtype).bits // 8 > _PREFILL_SIMT_MAX_ROW_BYTES:
         raise ValueError(f"prefill: head_dim {head_dim} with {dtype} is not supported (row > 512 bytes)")
     return impl
 

@@ -1,0 +1,58 @@
+"""The CUDA path's configuration-time decisions, on the CPU: which shapes the kernels take (the
+others refused or sent to the torch backend when the engine is built, not at its first step)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import pytest
+import torch
+
+from prefixkv.attention import backend_for
+from prefixkv.attention.cuda import unsupported_reason
+
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+
+
+def test_kernels_take_head_dims_80_and_96_and_name_what_they_do_not():
+    for dtype in (F16, BF16, F32):
+        for head_dim in (32, 64, 80, 96, 128):
+            assert unsupported_reason(dtype, head_dim, 32, 8) is None, (dtype, head_dim)
+    assert unsupported_reason(BF16, 256, 8, 4) is None
+    assert unsupported_reason(F32, 256, 8, 4) == "head_dim 256 in torch.float32 (the prefill kernel's rows hold 512 bytes)"
+    assert unsupported_reason(F16, 48, 8, 4).startswith("head_dim 48 (the kernels take 32, 64, 80, 96, 128, 256)")
+    assert unsupported_reason(torch.float64, 64, 8, 4).startswith("dtype torch.float64")
+    assert unsupported_reason(F16, 64, 6, 4) == "num_heads 6 with num_kv_heads 4 (not a whole GQA group)"
+
+
+def test_an_unsupported_shape_is_refused_or_sent_to_torch_at_configuration(caplog):
+    """Asked for by name, "cuda" refuses a shape its kernels do not take; as the CUDA device's
+    default it gives way to the torch backend and says why."""
+    with pytest.raises(ValueError, match=r"^attention_backend: the 'cuda' kernels do not take this model's head_dim 48"):
+        backend_for("cuda", "cpu", F16, 8, 4, 48)
+    with caplog.at_level(logging.WARNING, logger="prefixkv.attention"):
+        backend = backend_for(None, "cuda", F32, 8, 4, 256)
+    assert backend.name == "torch"
+    assert "do not take this model's head_dim 256 in torch.float32" in caplog.text
+    assert backend_for("cuda", "cpu", BF16, 32, 8, 96).name == "cuda"  # Phi-3's head_dim
+    assert backend_for(None, "cpu", F32, 8, 4, 48).name == "cpu"
+    assert backend_for("torch", "cuda", F32, 8, 4, 48).name == "torch"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is installed here")
+def test_cuda_default_without_cupy_fails_at_configuration():
+    with pytest.raises(ImportError, match="CuPy"):
+        backend_for(None, "cuda", BF16, 32, 8, 128)
+
+
+def test_engine_refuses_a_shape_the_kernels_do_not_take_when_built(tmp_path):
+    """The engine with attention_backend="cuda" and a head_dim of 48: a ValueError from LLM(...),
+    not from the first step's kernel launch."""
+    from prefixkv import LLM
+    from tiny_models import build_model, build_tokenizer
+
+    build_model(tmp_path, "llama", build_tokenizer(tmp_path), head_dim=48)
+    with pytest.raises(ValueError, match="^attention_backend: the 'cuda' kernels do not take this model's head_dim 48"):
+        LLM(model=str(tmp_path), device="cpu", dtype="float32", attention_backend="cuda", num_kv_blocks=16)
+
