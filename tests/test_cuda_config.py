@@ -1,5 +1,6 @@
 """The CUDA path's configuration-time decisions, on the CPU: which shapes the kernels take (the
-others refused or sent to the torch backend when the engine is built, not at its first step)."""
+others refused or sent to the torch backend when the engine is built, not at its first step), and
+the split-K scratch counted in the KV cache's memory budget."""
 
 from __future__ import annotations
 
@@ -56,3 +57,53 @@ def test_engine_refuses_a_shape_the_kernels_do_not_take_when_built(tmp_path):
     with pytest.raises(ValueError, match="^attention_backend: the 'cuda' kernels do not take this model's head_dim 48"):
         LLM(model=str(tmp_path), device="cpu", dtype="float32", attention_backend="cuda", num_kv_blocks=16)
 
+
+def test_split_k_scratch_peak_is_what_the_largest_split_batch_allocates(monkeypatch):
+    """The budget's split-K scratch is the largest decode batch that splits: on 132 SMs with 8 KV
+    heads, batches up to 32 (a bucket of 32 x 8 = 256 CTAs < 2 waves); 32 heads of 128 at 128k
+    tokens: 32 x 32 x 256 partitions x 130 floats = 130 MiB. Checked against what _decode allocates
+    for that batch (and that the next batch size allocates nothing)."""
+    from kernel_emu import emulated
+
+    from prefixkv.attention import cuda as kernels
+    from prefixkv.runner.memory import split_k_scratch_peak
+
+    peak = split_k_scratch_peak(32, 8, 128, max_num_seqs=256, max_model_len=131072, num_sms=132)
+    assert peak == 32 * 32 * 256 * 130 * 4 == 136_314_880
+    allocated = []
+    scratch = kernels._split_k_scratch
+
+    def spy(*args):
+        tensors = scratch(*args)
+        allocated.append(sum(t.nbytes for t in tensors))
+        return tensors
+
+    monkeypatch.setattr(kernels, "_split_k_scratch", spy)
+    cache = torch.empty((2, 4, 8, 16, 128), dtype=BF16)
+    for n in (32, 33):
+        q = torch.empty((n, 32, 128), dtype=BF16)
+        tables = torch.zeros((n, 1), dtype=torch.int32)
+        with emulated(None, num_sms=132):
+            kernels.paged_decode_attention(q, cache, tables, torch.ones(n, dtype=torch.int32), 0.1, 131072)
+    assert allocated == [peak]
+    assert split_k_scratch_peak(32, 8, 128, max_num_seqs=256, max_model_len=1024, num_sms=132) == 0  # no split
+    assert split_k_scratch_peak(32, 8, 128, max_num_seqs=4, max_model_len=8192, num_sms=132) == 4 * 32 * 16 * 130 * 4
+
+
+def test_cuda_kv_budget_leaves_room_for_the_split_k_scratch(monkeypatch):
+    """The KV cache's bytes on CUDA: the device's budget less what is in use, the profiled
+    activation peak and, with the CUDA attention backend, the split-K scratch."""
+    import types
+
+    from prefixkv.runner import memory
+
+    gib = 1 << 30
+    shape = types.SimpleNamespace(num_heads=32, num_kv_heads=8, head_dim=128)
+    model = types.SimpleNamespace(shape=shape)
+    monkeypatch.setattr(memory, "profile_activation_peak", lambda m, t, s: 2 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (60 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(multi_processor_count=132))
+    base = int(0.9 * 80 * gib) - 20 * gib - 2 * gib
+    assert memory.cuda_kv_cache_bytes(model, "torch", 0.9, 8192, 256, 131072) == base
+    assert memory.cuda_kv_cache_bytes(model, "cuda", 0.9, 8192, 256, 131072) == base - 136_314_880

@@ -351,6 +351,21 @@ def decode_split_k(num_seqs: int, num_kv_heads: int, queries_per_kv: int, max_se
     return max_seq_len > SPLIT_K_MIN_SEQ_LEN and num_ctas < SPLIT_K_MAX_WAVES * num_sms
 
 
+def split_k_scratch_bytes(num_seqs: int, num_heads: int, head_dim: int, max_seq_len: int) -> int:
+    """Bytes of one split-K launch's scratch (``_split_k_scratch``): per (sequence, head, 512-token
+    partition of max_seq_len) a max, a sum and a head_dim-float partial output."""
+    return num_seqs * num_heads * max(1, -(-max_seq_len // DECODE_PARTITION_SIZE)) * (head_dim + 2) * 4
+
+
+def _split_k_scratch(num_seqs: int, num_heads: int, num_parts: int, head_dim: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(part_max, part_sum [num_seqs, num_heads, num_parts], part_out [..., head_dim]), float32. Freed
+    after the layer's reduce, so one layer's worth is live at a time (in a graph's pool too)."""
+    part_max = torch.empty((num_seqs, num_heads, num_parts), dtype=torch.float32, device=device)
+    part_out = torch.empty((num_seqs, num_heads, num_parts, head_dim), dtype=torch.float32, device=device)
+    return part_max, torch.empty_like(part_max), part_out
+
+
 def _decode_group(queries_per_kv: int) -> int:
     """Query heads per decode CTA (template GROUP, <= 8): the whole GQA group when it fits, else
     the largest divisor in [4, 8], else 8 (the last chunk then runs partly empty)."""
@@ -392,9 +407,7 @@ def _decode(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, block_table
     name = _decode_name(q.dtype, head_dim, block_size, group, split_k)
     part_max = part_sum = part_out = None
     if split_k:
-        part_max = torch.empty((num_seqs, num_heads, num_parts), dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
-        part_out = torch.empty((num_seqs, num_heads, num_parts, head_dim), dtype=torch.float32, device=q.device)
+        part_max, part_sum, part_out = _split_k_scratch(num_seqs, num_heads, num_parts, head_dim, q.device)
     args = (_ptr(out), _ptr(part_max), _ptr(part_sum), _ptr(part_out), _ptr(q), _ptr(cache), _ptr(cache[1]),
             _ptr(block_tables), _ptr(seq_lens), _i32(num_heads), _i32(num_kv_heads), _i32(block_tables.stride(0)),
             _i32(num_parts), _i64(q.stride(0)), _i64(out.stride(0)), np.float32(scale * _LOG2E), win, cap)
