@@ -30,11 +30,16 @@ inline constexpr int DECODE_NUM_WARPS = 4;
 inline constexpr int DECODE_NUM_THREADS = DECODE_NUM_WARPS * WARP_SIZE;
 inline constexpr int DECODE_PARTITION_SIZE = 512;
 
+// CTAs per SM the register budget is cut for: 3, or 2 where a thread's accumulators alone take 64
+// registers (fp32, GROUP 8, HEAD_DIM 256: 3 spilled 156 bytes on sm_90; tools/kernel_check).
+template <typename T, int HEAD_DIM, int GROUP>
+inline constexpr int DECODE_MIN_BLOCKS = GROUP * HEAD_DIM * static_cast<int>(sizeof(T)) >= 8192 ? 2 : 3;
+
 // Grid: (num_kv_heads * ceil(qpk / GROUP), num_seqs, PARTITIONED ? num_partitions : 1), where
 // qpk = num_heads / num_kv_heads. Block: DECODE_NUM_THREADS. Static shared memory only
-// (at most 44 KiB for GROUP = 8, HEAD_DIM = 256).
+// (at most 45 KiB for GROUP = 8, HEAD_DIM = 256).
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, bool PARTITIONED>
-__global__ void __launch_bounds__(DECODE_NUM_THREADS, 3) paged_decode_kernel(
+__global__ void __launch_bounds__(DECODE_NUM_THREADS, (DECODE_MIN_BLOCKS<T, HEAD_DIM, GROUP>)) paged_decode_kernel(
     T* __restrict__ out,                   // [num_seqs, num_heads, HEAD_DIM], token stride out_stride (!PARTITIONED)
     float* __restrict__ part_max,          // [num_seqs, num_heads, max_parts] max logit (log2 units) (PARTITIONED)
     float* __restrict__ part_sum,          // [num_seqs, num_heads, max_parts] sum of exp2 (PARTITIONED)
@@ -59,8 +64,11 @@ __global__ void __launch_bounds__(DECODE_NUM_THREADS, 3) paged_decode_kernel(
   constexpr int KVEC = 16 / sizeof(T);       // K elements per 16-byte load
   static_assert(HEAD_DIM % KVEC == 0 && KVEC % 4 == 0, "K rows must split into 16-byte loads");
 
+  // p_s rows padded to an odd number of words: lane i's stores hit bank (i * P_STRIDE + g) % 32, all
+  // distinct (a stride of GROUP = 8 put 8 lanes on one bank); the reads are broadcasts
+  constexpr int P_STRIDE = GROUP | 1;
   alignas(16) __shared__ float q_s[GROUP][HEAD_DIM];
-  alignas(16) __shared__ float p_s[NW][WARP_SIZE][GROUP];
+  alignas(16) __shared__ float p_s[NW][WARP_SIZE][P_STRIDE];
   alignas(16) __shared__ float red_acc[NW][GROUP][HEAD_DIM];
   __shared__ float red_m[NW][GROUP];
   __shared__ float red_l[NW][GROUP];
@@ -182,8 +190,16 @@ __global__ void __launch_bounds__(DECODE_NUM_THREADS, 3) paged_decode_kernel(
       red_l[warp][g] = lsum;
     }
     if (DIM_LANES == WARP_SIZE || lane < DIM_LANES) {
+      // 8- / 16-byte stores: a quarter (half) warp writes 128 contiguous bytes, no bank conflict
+      // (scalar stores at a stride of VPL words put VPL lanes on one bank)
+      constexpr int SV = VPL < 4 ? VPL : 4;
 #pragma unroll
-      for (int j = 0; j < VPL; ++j) red_acc[warp][g][lane * VPL + j] = acc[g][j];
+      for (int j = 0; j < VPL; j += SV) {
+        Vec<float, SV> v;
+#pragma unroll
+        for (int e = 0; e < SV; ++e) v.v[e] = acc[g][j + e];
+        *reinterpret_cast<Vec<float, SV>*>(&red_acc[warp][g][lane * VPL + j]) = v;
+      }
     }
   }
   __syncthreads();
