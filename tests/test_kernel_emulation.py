@@ -89,6 +89,7 @@ def emulator() -> KernelEmulator:
         _decode((F32, 96, 16, 2, 2, False, [5]))
         _prefill((F32, 96, 16, 2, 2, "simt", [(5, 5)]))
         _decode((BF16, 128, 32, 2, 8, False, [5]))  # the empty-context test
+        _decode((F32, 64, 16, 2, 2, True, [5]))  # the graph-bucket test
         for dtype in (BF16, F32):
             _per_token(dtype, *_INVARIANT_LAYOUT, [(0, 1)], [(2, (9, 1))])
         _prefill((F32, 64, 16, 2, 2, "simt", [(5, 5)]))
@@ -198,6 +199,57 @@ def test_decode_split_k_row_longer_than_its_grid_is_nan_and_refused(emulator):
     meta.max_seq_len, meta.max_query_len, meta.query_start_loc_cpu = 1500, 1, [0, 1, 3, 3]
     with emulated(emulator), pytest.raises(ValueError, match="^max_query_len: 1 is below a sequence's 2 query"):
         kernels.CudaAttentionBackend().forward(q, k, v, b["cache"], meta, 0.1)
+
+
+def _eager_and_bucket(emulator, n, num_sms=6, kv_heads=2, qpk=2, head_dim=64, block_size=16, max_model_len=2048, seed=0):
+    """Attention of n decode rows eagerly and replayed through CudaGraphRunner's static inputs
+    padded to n's bucket (a stand-in graph runs the backend on them, as the captured one would):
+    (eager output, the bucket's output for those rows, kernels launched eagerly, in the bucket)."""
+    from prefixkv.attention import AttentionMetadata, kv_cache_shape
+    from prefixkv.attention.cuda import CudaAttentionBackend
+    from prefixkv.runner.cuda_graph import CudaGraphRunner
+
+    gen = torch.Generator().manual_seed(seed)
+    width = -(-max_model_len // block_size)
+    kv_cache = torch.randn(kv_cache_shape(1, 8 * width, kv_heads, block_size, head_dim), generator=gen)
+    runner = CudaGraphRunner(model=None, backend=CudaAttentionBackend(), kv_cache=kv_cache, max_num_seqs=8,
+                             max_model_len=max_model_len, block_size=block_size)
+    b = runner.bucket_for(n)
+    qkv = torch.randn((b, kv_heads * (qpk + 2), head_dim), generator=gen)
+    lens = [int(x) for x in torch.randint(1, max_model_len, (n,), generator=gen)]
+    tables = torch.arange(n * width, dtype=torch.int32).view(n, width)
+    slots = torch.tensor([int(tables[i, (L - 1) // block_size]) * block_size + (L - 1) % block_size
+                          for i, L in enumerate(lens)])
+    meta = AttentionMetadata(slot_mapping=slots, query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+                             seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables, num_decode_seqs=n,
+                             max_seq_len=max_model_len, max_query_len=1, seq_lens_cpu=lens,
+                             query_start_loc_cpu=list(range(n + 1)))
+    h = kv_heads * qpk
+
+    def forward(rows, m):
+        return runner.backend.forward(qkv[:rows, :h], qkv[:rows, h:h + kv_heads], qkv[:rows, h + kv_heads:],
+                                      runner.kv_cache[0], m, 0.125)
+
+    class Graph:
+        def replay(self):
+            self.out = forward(b, runner._meta(b))
+
+    runner.graphs[b], runner.outputs[b] = Graph(), torch.zeros(b, 1)
+    launched = {"eager": set(), "bucket": set()}
+    with emulated(emulator, num_sms=num_sms, record=launched["eager"]):
+        eager = forward(n, meta)
+    with emulated(emulator, num_sms=num_sms, record=launched["bucket"]):
+        runner.replay(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), meta)
+    return eager, runner.graphs[b].out[:n], launched["eager"], launched["bucket"]
+
+
+def test_decode_rows_same_bits_eagerly_and_in_a_graph_bucket(emulator):
+    """5 decodes, 2 KV heads, GQA 2 on 6 SMs: eagerly 10 CTAs (< 2 waves: split-K by the old rule),
+    in bucket 8 16 CTAs (no split). Now both run the same kernels, and the rows come out bitwise
+    equal, as tests/gpu/test_decode_paths.py checks against captured graphs on a device."""
+    eager, replayed, launched_eager, launched_bucket = _eager_and_bucket(emulator, 5)
+    assert launched_eager == launched_bucket
+    assert torch.equal(eager.view(torch.uint8), replayed.view(torch.uint8))
 
 
 def test_prefill_first_seq_and_empty_query_chunks(emulator):
