@@ -21,7 +21,8 @@ def test_kernels_take_head_dims_80_and_96_and_name_what_they_do_not():
         for head_dim in (32, 64, 80, 96, 128):
             assert unsupported_reason(dtype, head_dim, 32, 8) is None, (dtype, head_dim)
     assert unsupported_reason(BF16, 256, 8, 4) is None
-    assert unsupported_reason(F32, 256, 8, 4) == "head_dim 256 in torch.float32 (the prefill kernel's rows hold 512 bytes)"
+    assert unsupported_reason(F32, 256, 8, 4) == ("head_dim 256 in torch.float32 (the prefill kernel's rows hold "
+                                                  "512 bytes)")
     assert unsupported_reason(F16, 48, 8, 4).startswith("head_dim 48 (the kernels take 32, 64, 80, 96, 128, 256)")
     assert unsupported_reason(torch.float64, 64, 8, 4).startswith("dtype torch.float64")
     assert unsupported_reason(F16, 64, 6, 4) == "num_heads 6 with num_kv_heads 4 (not a whole GQA group)"
@@ -30,7 +31,8 @@ def test_kernels_take_head_dims_80_and_96_and_name_what_they_do_not():
 def test_an_unsupported_shape_is_refused_or_sent_to_torch_at_configuration(caplog):
     """Asked for by name, "cuda" refuses a shape its kernels do not take; as the CUDA device's
     default it gives way to the torch backend and says why."""
-    with pytest.raises(ValueError, match=r"^attention_backend: the 'cuda' kernels do not take this model's head_dim 48"):
+    refused = r"^attention_backend: the 'cuda' kernels do not take this model's head_dim 48"
+    with pytest.raises(ValueError, match=refused):
         backend_for("cuda", "cpu", F16, 8, 4, 48)
     with caplog.at_level(logging.WARNING, logger="prefixkv.attention"):
         backend = backend_for(None, "cuda", F32, 8, 4, 256)

@@ -124,8 +124,8 @@ MUTANTS = {
                           "q_s"),
     "decode-p_s-written": ("paged_decode.cu", "      p_s[warp][lane][g] = p;\n    }\n    __syncwarp();", 1, "decode",
                            "p_s"),
-    "decode-p_s-read": ("paged_decode.cu", "acc[g][j] = fmaf(p, vf[j], acc[g][j]);\n      }\n    }\n    __syncwarp();", 1,
-                        "decode", "p_s"),
+    "decode-p_s-read": ("paged_decode.cu",
+                        "acc[g][j] = fmaf(p, vf[j], acc[g][j]);\n      }\n    }\n    __syncwarp();", 1, "decode", "p_s"),
     "decode-merge": ("paged_decode.cu", "  __syncthreads();\n\n  for (int i = tid; i < num_active * HEAD_DIM", 1,
                      "decode", "red_m|red_l|red_acc"),
     "simt-q-k-landed": ("paged_prefill.cu", "cp_async_wait<1>();  // Q and K(it) have landed (V(it) may still be in "
@@ -190,8 +190,8 @@ def test_race_check_catches_each_removed_barrier(mutant):
     to a cp.async destination before its wait and barrier)."""
     _, _, _, kind, arrays = MUTANTS[mutant]
     emu = _mutant_build(_round(mutant))
-    with emulated(emu), pytest.raises(EmulatorError, match=rf"shared-memory race: thread \d+ \(warp \d\) (reads|writes) "
-                                                           rf"({arrays})\[byte \d+\]"):
+    race = rf"shared-memory race: thread \d+ \(warp \d\) (reads|writes) ({arrays})\[byte \d+\]"
+    with emulated(emu), pytest.raises(EmulatorError, match=race):
         _mutant_run(kind)()
 
 

@@ -190,8 +190,9 @@ __global__ void __launch_bounds__(DECODE_NUM_THREADS, (DECODE_MIN_BLOCKS<T, HEAD
       red_l[warp][g] = lsum;
     }
     if (DIM_LANES == WARP_SIZE || lane < DIM_LANES) {
-      // 8- / 16-byte stores: a quarter (half) warp writes 128 contiguous bytes, no bank conflict
-      // (scalar stores at a stride of VPL words put VPL lanes on one bank)
+      // 8- / 16-byte stores: a half (quarter) warp writes 128 contiguous bytes, no bank conflict
+      // (scalar stores at a stride of VPL words put VPL lanes on one bank); head_dim 256: two
+      // 16-byte stores 32 bytes apart, 2-way
       constexpr int SV = VPL < 4 ? VPL : 4;
 #pragma unroll
       for (int j = 0; j < VPL; j += SV) {
@@ -235,9 +236,9 @@ __global__ void __launch_bounds__(DECODE_NUM_THREADS, (DECODE_MIN_BLOCKS<T, HEAD
 
 // Combines the split-K partitions of paged_decode_kernel<..., PARTITIONED = true>.
 // Grid: (num_heads, num_seqs). Block: HEAD_DIM threads rounded up to a multiple of 32, one output
-// element each (the rest exit at once). A sequence longer
-// than the max_parts partitions of the grid (max_seq_len below its length: a caller's error) comes
-// out as NaN, not as the attention of its first max_parts * DECODE_PARTITION_SIZE tokens.
+// element each (the rest exit at once). A sequence longer than the max_parts partitions of the
+// grid (max_seq_len below its length: a caller's error) comes out as NaN, not as the attention of
+// its first max_parts * DECODE_PARTITION_SIZE tokens.
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__((HEAD_DIM + WARP_SIZE - 1) / WARP_SIZE * WARP_SIZE) paged_decode_reduce_kernel(
     T* __restrict__ out,                   // [num_seqs, num_heads, HEAD_DIM], token stride out_stride

@@ -24,7 +24,8 @@ from prefixkv.model.llama import LlamaModel
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then multiples of 8 up to ``max_num_seqs`` (rounded up to one; below 8, itself)."""
+    """1, 2, 4, 8, then every multiple of 8 up to ``max_num_seqs`` rounded up to one (up to 8:
+    ``max_num_seqs`` itself last)."""
     buckets = [b for b in (1, 2, 4, 8) if b <= max_num_seqs]
     buckets += list(range(16, max_num_seqs + 1, 8))
     if buckets[-1] != max_num_seqs:

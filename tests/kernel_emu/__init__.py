@@ -195,7 +195,8 @@ class KernelEmulator:
         rc = self.lib.emu_launch(name_expr.encode(), ptrs, *grid, block)
         self.num_launches += 1
         if rc != 0:
-            raise EmulatorError(f"{name_expr} grid={grid} block={block}: {self._where(self.lib.emu_last_error().decode())}")
+            error = self._where(self.lib.emu_last_error().decode())
+            raise EmulatorError(f"{name_expr} grid={grid} block={block}: {error}")
 
     def _where(self, message: str) -> str:
         """A race's code address as file:line (addr2line, where installed)."""
