@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-from prefixkv.attention import get_backend
+from prefixkv.attention import backend_for
 from prefixkv.config import CacheConfig, EngineConfig, RuntimeInfo, SchedulerConfig
 from prefixkv.errors import EngineFatalError
 from prefixkv.model.loader import DTYPES, load_hf_config, load_model, resolve_dtype, resolve_model
@@ -22,7 +22,7 @@ from prefixkv.outputs import CompletionOutput, RequestOutput
 from prefixkv.progress import Task
 from prefixkv.request import Request, RequestStatus
 from prefixkv.runner.disk_store import DiskKVError
-from prefixkv.runner.memory import kv_cache_bytes_for, profile_activation_peak
+from prefixkv.runner.memory import cuda_kv_cache_bytes
 from prefixkv.runner.model_runner import ModelRunner
 from prefixkv.sampling_params import SamplingParams, generation_config_defaults
 from prefixkv.scheduler import Scheduler
@@ -74,11 +74,12 @@ class LLMEngine:
         # a page holds one block of the layers of one group (every layer, without groups);
         # num_kv_blocks counts whole-model blocks: the same memory in pages
         lpg = self.kv_plan.layers_per_page
+        backend = backend_for(config.attention_backend, config.device, dtype, shape.num_heads, shape.num_kv_heads,
+                              shape.head_dim)
         num_blocks = (config.cache.num_kv_blocks * shape.num_layers // lpg if config.cache.num_kv_blocks else max(
-            1, self._kv_cache_bytes() // ModelRunner.bytes_per_block(self.model, bs, dtype, lpg)))
+            1, self._kv_cache_bytes(backend.name, max_len) // ModelRunner.bytes_per_block(self.model, bs, dtype, lpg)))
         self.info = RuntimeInfo(num_kv_blocks=num_blocks, max_model_len=max_len,
                                 eos_token_ids=list(self.tokenizer.eos_token_ids), vocab_size=shape.vocab_size)
-        backend = get_backend(config.attention_backend or ("cpu" if config.device == "cpu" else "cuda"))
         self.batch_invariant = False
         if config.batch_invariant is not False:
             why = self._batch_invariance_blocker(backend)
@@ -228,15 +229,14 @@ class LLMEngine:
         s = self.model.shape
         return backend.batch_invariance_blocker(s.num_heads, cfg.cache.block_size, s.head_dim, DTYPES[self.dtype])
 
-    def _kv_cache_bytes(self) -> int:
+    def _kv_cache_bytes(self, attention_backend: str, max_len: int) -> int:
         cfg = self.config
         if cfg.cache.kv_cache_memory_bytes is not None:
             return cfg.cache.kv_cache_memory_bytes
         if cfg.device != "cuda":
             return 1 << 30
-        peak = profile_activation_peak(self.model, cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs)
-        free, total = torch.cuda.mem_get_info()
-        return kv_cache_bytes_for(total, free, cfg.gpu_memory_utilization, peak)
+        return cuda_kv_cache_bytes(self.model, attention_backend, cfg.gpu_memory_utilization,
+                                   cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs, max_len)
 
     # ------------------------------------------------------------------ requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -48,6 +48,41 @@ def test_gpu_check_phase_is_killed_at_its_limit_and_keeps_its_output(tmp_path, m
     assert mod["run_phase"](status, "ok", [sys.executable, "-c", "print(1)"], cap_s=20, min_s=1) == 0
 
 
+def test_gpu_check_dry_run_plans_the_decode_phase_then_the_rest(tmp_path, monkeypatch):
+    """--dry-run runs nothing and writes the plan: the decode-path checks (issue 44) first, in their
+    own phase, and not again in the tests phase, with pytest or with the built-in runner."""
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    res = subprocess.run([str(ROOT / "tools" / "gpu_check"), "--dry-run"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    plan = json.loads((tmp_path / "gpu_check.json").read_text())["dry_run"]
+    assert [p["phase"] for p in plan] == ["preflight", "decode", "tests", "micro", "model", "e2e", "graphs"]
+    decode, tests = plan[1]["command"], plan[2]["command"]
+    assert "tests/gpu/test_decode_paths.py" in decode and (ROOT / "tests/gpu/test_decode_paths.py").is_file()
+    assert "--ignore=tests/gpu/test_decode_paths.py" in tests and f"--junitxml={tmp_path / 'gpu_tests.xml'}" in tests
+    assert sum(p["cap_seconds"] for p in plan[:3]) < 285  # the checks before the benchmarks fit the budget
+    assert not (tmp_path / "preflight.log").exists()
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    mod = runpy.run_path(str(ROOT / "tools" / "gpu_check"), run_name="gpu_check_under_test")
+    shim = mod["tests_command"]("gpu_tests", ["tests/gpu"], [mod["DECODE_TESTS"]], use_pytest=False)
+    files = [a for a in shim if a.startswith("tests/gpu/test_")]
+    want = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests" / "gpu").glob("test_*.py"))
+    assert files == [f for f in want if f != "tests/gpu/test_decode_paths.py"] and "--json" in shim
+
+
+def test_gpu_check_counts_a_test_phase_that_passed_nothing_as_failed(tmp_path, monkeypatch):
+    """A test phase whose tests were all skipped (no GPU after all) fails, its counts recorded."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    mod = runpy.run_path(str(ROOT / "tools" / "gpu_check"), run_name="gpu_check_under_test")
+    status = mod["Status"]()
+    xml = ('<testsuites><testsuite tests="3" failures="0" errors="0" skipped="3"></testsuite></testsuites>')
+    write = f"open({str(tmp_path / 'gpu_decode.xml')!r}, 'w').write({xml!r})"
+    assert mod["run_tests_phase"](status, "decode", "gpu_decode", [sys.executable, "-c", write], cap_s=20) == 1
+    phase = json.loads((tmp_path / "gpu_check.json").read_text())["phases"]["decode"]
+    assert phase["rc"] == 1 and phase["counts"] == {"passed": 0, "failed": 0, "skipped": 3}
+
+
 MINI_TESTS = '''
 import pytest
 
@@ -113,6 +148,7 @@ def test_minirunner_on_tests_gpu_without_cuda():
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "test_kernels.py SKIPPED" in res.stdout and "0 failed" in res.stdout
+    assert "test_decode_paths.py SKIPPED" in res.stdout  # imports and skips at module level
 
 
 def test_gpu_bench_summary_against_targets():

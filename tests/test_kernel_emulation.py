@@ -40,6 +40,11 @@ DECODE_CASES = [
     (F16, 64, 64, 1, 5, False, [65, 130]),
     (BF16, 256, 16, 1, 2, True, [50, 530]),
     (F32, 32, 16, 1, 3, False, [1, 40]),
+    # head_dim 80 / 96 (Phi-3, ...): V dims on 20 / 24 lanes, the rest idle
+    (F16, 80, 16, 2, 4, False, [1, 33, 300]),
+    (BF16, 80, 16, 1, 8, True, [70, 1030]),
+    (BF16, 96, 16, 2, 3, False, [5, 129]),
+    (F32, 96, 32, 1, 4, True, [17, 600]),
 ]
 
 PREFILL_CASES = [
@@ -57,6 +62,13 @@ PREFILL_CASES = [
     (F16, 128, 32, 1, 12, "simt", [(60, 25), (17, 17)]),
     (BF16, 256, 16, 1, 2, "simt", [(40, 40), (70, 33)]),
     (F32, 32, 16, 1, 80, "simt", [(20, 3), (6, 6)]),
+    # head_dim 80 / 96: five / six k16 blocks on tensor cores; SIMT 4-byte columns for fp16 80
+    (F16, 80, 16, 2, 4, "mma", [(37, 37), (150, 45), (70, 1)]),
+    (BF16, 96, 16, 1, 3, "mma", [(100, 70), (9, 9)]),
+    (F16, 80, 16, 2, 2, "simt", [(60, 40), (33, 1)]),
+    (BF16, 96, 16, 1, 4, "simt", [(50, 50), (80, 17)]),
+    (F32, 80, 16, 1, 2, "simt", [(45, 30), (5, 5)]),
+    (F32, 96, 16, 2, 1, "simt", [(40, 40)]),
 ]
 
 
@@ -73,7 +85,11 @@ def emulator() -> KernelEmulator:
             _write_and_copy(dtype)
         _mixed_forward(BF16)
         _mixed_forward(F32)
-        _decode((F32, 64, 16, 2, 2, False, [5]))  # the tiny engine model below
+        _decode((F32, 64, 16, 2, 2, False, [5]))  # the tiny engine models below
+        _decode((F32, 96, 16, 2, 2, False, [5]))
+        _prefill((F32, 96, 16, 2, 2, "simt", [(5, 5)]))
+        _decode((BF16, 128, 32, 2, 8, False, [5]))  # the empty-context test
+        _decode((F32, 64, 16, 2, 2, True, [5]))  # the graph-bucket test
         for dtype in (BF16, F32):
             _per_token(dtype, *_INVARIANT_LAYOUT, [(0, 1)], [(2, (9, 1))])
         _prefill((F32, 64, 16, 2, 2, "simt", [(5, 5)]))
@@ -156,6 +172,87 @@ def test_decode_split_k_grid_sized_by_an_upper_bound(emulator):
     _assert_close(out, want, BF16)
 
 
+def test_decode_split_k_row_longer_than_its_grid_is_nan_and_refused(emulator):
+    """max_seq_len below a sequence's length (a caller's error): under split-K the grid misses that
+    row's tail, so the row comes out NaN (not the attention of its first partitions) and its
+    neighbours are right; the backend, which has the lengths on the host, refuses the metadata
+    before any kernel runs (the cache untouched), as the batch-invariant path does."""
+    from prefixkv.attention import cuda as kernels
+
+    lens = (5, 1500, 600)
+    b = make_batch(BF16, 128, 32, 2, 8, [(L, 1) for L in lens])
+    with emulated(emulator):
+        out = kernels.paged_decode_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], 0.1, 1024,
+                                             split_k=True)
+    want = reference_attention(b["q"], b["cache"], b["block_tables"], b["seq_lens"], b["query_start_loc"], 0.1)
+    assert out[1].isnan().all()
+    _assert_close(out[[0, 2]], want[[0, 2]], BF16)
+
+    b, q, k, v, meta, _ = forward_inputs(BF16, 128, 32, 2, 8, [(L, 1) for L in lens])
+    meta.seq_lens_cpu, meta.query_start_loc_cpu, meta.max_seq_len = list(lens), [0, 1, 2, 3], 1024
+    cache = b["cache"].clone()
+    for backend in (kernels.CudaAttentionBackend(split_k=True), kernels.CudaAttentionBackend(batch_invariant=True)):
+        with emulated(emulator), pytest.raises(ValueError, match="^max_seq_len: 1024 is below sequence 1's length"):
+            backend.forward(q, k, v, b["cache"], meta, 0.1)
+        assert torch.equal(b["cache"].view(torch.uint8), cache.view(torch.uint8))
+        meta.scratch.clear()
+    meta.max_seq_len, meta.max_query_len, meta.query_start_loc_cpu = 1500, 1, [0, 1, 3, 3]
+    with emulated(emulator), pytest.raises(ValueError, match="^max_query_len: 1 is below a sequence's 2 query"):
+        kernels.CudaAttentionBackend().forward(q, k, v, b["cache"], meta, 0.1)
+
+
+def _eager_and_bucket(emulator, n, num_sms=6, kv_heads=2, qpk=2, head_dim=64, block_size=16, max_model_len=2048,
+                      seed=0):
+    """Attention of n decode rows eagerly and replayed through CudaGraphRunner's static inputs
+    padded to n's bucket (a stand-in graph runs the backend on them, as the captured one would):
+    (eager output, the bucket's output for those rows, kernels launched eagerly, in the bucket)."""
+    from prefixkv.attention import AttentionMetadata, kv_cache_shape
+    from prefixkv.attention.cuda import CudaAttentionBackend
+    from prefixkv.runner.cuda_graph import CudaGraphRunner
+
+    gen = torch.Generator().manual_seed(seed)
+    width = -(-max_model_len // block_size)
+    kv_cache = torch.randn(kv_cache_shape(1, 8 * width, kv_heads, block_size, head_dim), generator=gen)
+    runner = CudaGraphRunner(model=None, backend=CudaAttentionBackend(), kv_cache=kv_cache, max_num_seqs=8,
+                             max_model_len=max_model_len, block_size=block_size)
+    b = runner.bucket_for(n)
+    qkv = torch.randn((b, kv_heads * (qpk + 2), head_dim), generator=gen)
+    lens = [int(x) for x in torch.randint(1, max_model_len, (n,), generator=gen)]
+    tables = torch.arange(n * width, dtype=torch.int32).view(n, width)
+    slots = torch.tensor([int(tables[i, (L - 1) // block_size]) * block_size + (L - 1) % block_size
+                          for i, L in enumerate(lens)])
+    meta = AttentionMetadata(slot_mapping=slots, query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+                             seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables, num_decode_seqs=n,
+                             max_seq_len=max_model_len, max_query_len=1, seq_lens_cpu=lens,
+                             query_start_loc_cpu=list(range(n + 1)))
+    h = kv_heads * qpk
+
+    def forward(rows, m):
+        return runner.backend.forward(qkv[:rows, :h], qkv[:rows, h:h + kv_heads], qkv[:rows, h + kv_heads:],
+                                      runner.kv_cache[0], m, 0.125)
+
+    class Graph:
+        def replay(self):
+            self.out = forward(b, runner._meta(b))
+
+    runner.graphs[b], runner.outputs[b] = Graph(), torch.zeros(b, 1)
+    launched = {"eager": set(), "bucket": set()}
+    with emulated(emulator, num_sms=num_sms, record=launched["eager"]):
+        eager = forward(n, meta)
+    with emulated(emulator, num_sms=num_sms, record=launched["bucket"]):
+        runner.replay(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), meta)
+    return eager, runner.graphs[b].out[:n], launched["eager"], launched["bucket"]
+
+
+def test_decode_rows_same_bits_eagerly_and_in_a_graph_bucket(emulator):
+    """5 decodes, 2 KV heads, GQA 2 on 6 SMs: eagerly 10 CTAs (< 2 waves: split-K by the old rule),
+    in bucket 8 16 CTAs (no split). Now both run the same kernels, and the rows come out bitwise
+    equal, as tests/gpu/test_decode_paths.py checks against captured graphs on a device."""
+    eager, replayed, launched_eager, launched_bucket = _eager_and_bucket(emulator, 5)
+    assert launched_eager == launched_bucket
+    assert torch.equal(eager.view(torch.uint8), replayed.view(torch.uint8))
+
+
 def test_prefill_first_seq_and_empty_query_chunks(emulator):
     """Only sequences from first_seq on are computed (the rows before are left alone), and a
     sequence with no query token this step launches nothing that writes."""
@@ -205,6 +302,37 @@ def test_write_kv_and_copy_blocks_are_exact(emulator, dtype):
     assert torch.equal(kv_cache.view(torch.uint8), want_kv.view(torch.uint8))
 
 
+def test_copy_blocks_refuses_what_would_corrupt_or_race(emulator):
+    """copy_blocks addresses every layer plane from one base: a view whose layer 0 is contiguous but
+    whose layers are not (every other layer of a larger cache) is refused, not written into the
+    wrong layers. Its pairs run in parallel CTAs: a block that is the destination of two pairs, or
+    both a destination and a source, is refused on the host; pairs skipped as out of range do not
+    count."""
+    from prefixkv.attention import cuda as kernels
+
+    big = torch.randn((6, 2, 9, 2, 16, 64)).to(F16)
+    before = big.clone()
+    every_other = big[::2]
+    assert every_other[0].is_contiguous() and not every_other.is_contiguous()
+    with emulated(emulator), pytest.raises(ValueError, match=r"^kv_cache: must be contiguous"):
+        kernels.copy_blocks(every_other, torch.tensor([[1, 5]]))
+    assert torch.equal(big.view(torch.uint8), before.view(torch.uint8))
+
+    kv_cache = torch.randn((3, 2, 9, 2, 16, 64)).to(F16)
+    want = kv_cache.clone()
+    for pairs, error in (([[1, 5], [2, 5]], "block 5 is the destination of two copies"),
+                         ([[1, 5], [5, 7]], "block 5 is both a destination and a source"),
+                         ([[1, 5], [3, 1]], "block 1 is both a destination and a source"),
+                         ([[4, 4]], "block 4 is both a destination and a source")):
+        with emulated(emulator), pytest.raises(ValueError, match=f"^src_dst: {error}"):
+            kernels.copy_blocks(kv_cache, torch.tensor(pairs))
+    assert torch.equal(kv_cache.view(torch.uint8), want.view(torch.uint8))
+    with emulated(emulator):  # the second pair names block 9, past the cache: skipped, no conflict
+        kernels.copy_blocks(kv_cache, torch.tensor([[1, 5], [9, 5], [5, 9]]))
+    want[:, :, 5] = want[:, :, 1]
+    assert torch.equal(kv_cache.view(torch.uint8), want.view(torch.uint8))
+
+
 def _mixed_forward(dtype):
     from prefixkv.attention import cuda as kernels
 
@@ -225,18 +353,19 @@ def test_backend_forward_mixed_batch(emulator, dtype):
     _assert_close(out, want, dtype)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_engine_with_the_cuda_backend_equals_transformers(emulator, tmp_path, arch):
+@pytest.mark.parametrize("arch,head_dim", [("llama", 64), ("gemma3", 64), ("phi3", 96)])
+def test_engine_with_the_cuda_backend_equals_transformers(emulator, tmp_path, arch, head_dim):
     """The whole engine (chunked prefill, shared prefixes, n=2 forks with copy-on-write) with
     attention_backend="cuda" running the emulated kernels: greedy tokens equal transformers'
     (float32), as tests/gpu/test_engine_gpu.py checks on a device. Gemma 3's shape: KV cache
-    groups, window 4 on two of three layers, its blocks before the window freed (kv/groups.py)."""
+    groups, window 4 on two of three layers, its blocks before the window freed (kv/groups.py).
+    Phi-3's: head_dim 96 (refused at the first step before the kernels took it)."""
     from transformers import AutoModelForCausalLM
 
     from prefixkv import LLM, SamplingParams
     from tiny_models import build_model, build_tokenizer
 
-    build_model(tmp_path, arch, build_tokenizer(tmp_path), head_dim=64)
+    build_model(tmp_path, arch, build_tokenizer(tmp_path), head_dim=head_dim)
     rng = random.Random(0)
     shared = [rng.randrange(3, 384) for _ in range(40)]
     prompts = [(shared if i % 2 else []) + [rng.randrange(3, 384) for _ in range(rng.randrange(1, 70))]

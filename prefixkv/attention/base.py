@@ -5,7 +5,8 @@ KV layout (read by the torch reference and by the CUDA kernels alike)::
     kv_cache: [num_layers, 2, num_blocks + 1, num_kv_heads, block_size, head_dim]
               axis 1: 0 = keys, 1 = values
               block `num_blocks` (the last one) is a reserved dummy block: padding rows
-              (CUDA-graph buckets) write there and nothing ever reads it.
+              (CUDA-graph buckets) write their K/V there and attend to it alone (their
+              outputs are discarded); no real sequence's block table names it.
 
     kv_cache[layer] -> [2, num_blocks + 1, num_kv_heads, block_size, head_dim]
 

@@ -39,7 +39,8 @@ from prefixkv.attention.base import AttentionBackend, AttentionMetadata, token_r
 CUDA_SOURCE_DIR = Path(__file__).resolve().parents[1] / "cuda"  # package data (prefixkv/cuda)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
+_PREFILL_SIMT_MAX_ROW_BYTES = 512  # PrefillSimtConfig: head_dim * element size
 DECODE_PARTITION_SIZE = 512  # DECODE_PARTITION_SIZE in cuda/paged_decode.cu
 SPLIT_K_MIN_SEQ_LEN = 1024  # split-K only pays off for long contexts ...
 SPLIT_K_MAX_WAVES = 2  # ... and when the plain grid fills fewer than this many waves of CTAs
@@ -172,6 +173,22 @@ def name_expressions(dtype: torch.dtype, head_dim: int, block_size: int, queries
     }
 
 
+def unsupported_reason(dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:
+    """Why the kernels cannot serve a model of this shape (None: they can), for the engine to decide
+    at configuration rather than at the first step: the dtype, the head_dim, the GQA ratio, and the
+    SIMT prefill kernel's 512-byte rows (the only prefill kernel for float32 and head_dim > 128)."""
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} (the kernels take {', '.join(map(str, SUPPORTED_DTYPES))})"
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {head_dim} (the kernels take {', '.join(map(str, SUPPORTED_HEAD_DIMS))})"
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        return f"num_heads {num_heads} with num_kv_heads {num_kv_heads} (not a whole GQA group)"
+    row_bytes = head_dim * torch.finfo(dtype).bits // 8
+    if not _mma_supported(dtype, head_dim) and row_bytes > _PREFILL_SIMT_MAX_ROW_BYTES:
+        return f"head_dim {head_dim} in {dtype} (the prefill kernel's rows hold {_PREFILL_SIMT_MAX_ROW_BYTES} bytes)"
+    return None
+
+
 # ---- argument checks ---------------------------------------------------------------------------
 
 
@@ -269,20 +286,27 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slo
 
 
 def copy_blocks(kv_cache: torch.Tensor, src_dst: torch.Tensor) -> None:
-    """Copies whole blocks in every layer (K and V) in one launch. ``kv_cache`` is
-    [num_layers, 2, num_blocks + 1, num_kv_heads, block_size, head_dim]; ``src_dst`` is
-    [num_copies, 2] int64 (src, dst) block ids, on any device. No dst may also be a src."""
+    """Copies whole blocks in every layer (K and V) in one launch, one CTA per (pair, layer plane).
+    ``kv_cache`` is [num_layers, 2, num_blocks + 1, num_kv_heads, block_size, head_dim], contiguous
+    (the kernel addresses every layer plane from one base); ``src_dst`` is [num_copies, 2] int64
+    (src, dst) block ids, checked on the host (a CUDA tensor is copied there first). The copies run
+    at once, so no block may be the dst of two pairs or both a dst and a src (ValueError). Pairs
+    naming a block outside the cache are skipped."""
     if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
         raise ValueError("kv_cache: expected [num_layers, 2, num_blocks + 1, num_kv_heads, block_size, head_dim], "
                          f"got {tuple(kv_cache.shape)}")
     _check_cache_layer(kv_cache[0])
+    if not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache: must be contiguous (every layer is addressed from one base), got strides "
+                         f"{kv_cache.stride()} for shape {tuple(kv_cache.shape)}")
     if src_dst.dim() != 2 or src_dst.shape[1] != 2 or src_dst.dtype != torch.int64:
         raise ValueError(f"src_dst: expected [num_copies, 2] int64, got {tuple(src_dst.shape)} {src_dst.dtype}")
     num_copies = src_dst.shape[0]
     if num_copies == 0:
         return
-    src_dst = src_dst.to(kv_cache.device).contiguous()
     num_layers, _, num_blocks_total, num_kv_heads, block_size, head_dim = kv_cache.shape
+    _check_copy_pairs(src_dst.cpu().tolist(), num_blocks_total)
+    src_dst = src_dst.to(kv_cache.device).contiguous()
     if 2 * num_layers > _MAX_GRID_YZ:
         raise ValueError(f"kv_cache: too many layers ({num_layers})")
     args = (_ptr(kv_cache), _ptr(src_dst), _i64(num_blocks_total), _i64(num_kv_heads * block_size * head_dim))
@@ -290,7 +314,56 @@ def copy_blocks(kv_cache: torch.Tensor, src_dst: torch.Tensor) -> None:
     _launch("cache_ops.cu", name, (num_copies, 2 * num_layers, 1), _CACHE_OPS_THREADS, args, kv_cache.device)
 
 
+def _check_copy_pairs(pairs: list[list[int]], num_blocks_total: int) -> None:
+    """The pairs copy_blocks_kernel runs at once must not race: each dst once, and no dst a src."""
+    valid = [(s, d) for s, d in pairs if 0 <= s < num_blocks_total and 0 <= d < num_blocks_total]
+    srcs = {s for s, _ in valid}
+    dsts: set[int] = set()
+    for s, d in valid:
+        if d in dsts:
+            raise ValueError(f"src_dst: block {d} is the destination of two copies")
+        if d in srcs:
+            raise ValueError(f"src_dst: block {d} is both a destination and a source")
+        dsts.add(d)
+
+
 # ---- decode ------------------------------------------------------------------------------------
+
+
+def padded_decode_batch(num_seqs: int) -> int:
+    """``num_seqs`` decodes rounded up to 1, 2, 4, 8 or a multiple of 8. Every CUDA-graph bucket
+    (runner/cuda_graph.decode_buckets) lies within one such class, so a batch and the bucket it is
+    padded to round to the same size."""
+    if num_seqs <= 2:
+        return num_seqs
+    if num_seqs <= 8:
+        return 4 if num_seqs <= 4 else 8
+    return -(-num_seqs // 8) * 8
+
+
+def decode_split_k(num_seqs: int, num_kv_heads: int, queries_per_kv: int, max_seq_len: int, num_sms: int) -> bool:
+    """Whether a decode batch runs split-K: a long context bound (``max_seq_len`` >
+    SPLIT_K_MIN_SEQ_LEN) and a plain grid of fewer than SPLIT_K_MAX_WAVES waves of CTAs. The grid is
+    counted for the batch rounded as ``padded_decode_batch`` rounds it, so the same rows decide
+    alike eagerly and in the CUDA graph of the bucket they are padded to (its padding rows
+    included): a batch's arithmetic does not depend on whether it fits a graph."""
+    num_ctas = padded_decode_batch(num_seqs) * num_kv_heads * -(-queries_per_kv // _decode_group(queries_per_kv))
+    return max_seq_len > SPLIT_K_MIN_SEQ_LEN and num_ctas < SPLIT_K_MAX_WAVES * num_sms
+
+
+def split_k_scratch_bytes(num_seqs: int, num_heads: int, head_dim: int, max_seq_len: int) -> int:
+    """Bytes of one split-K launch's scratch (``_split_k_scratch``): per (sequence, head, 512-token
+    partition of max_seq_len) a max, a sum and a head_dim-float partial output."""
+    return num_seqs * num_heads * max(1, -(-max_seq_len // DECODE_PARTITION_SIZE)) * (head_dim + 2) * 4
+
+
+def _split_k_scratch(num_seqs: int, num_heads: int, num_parts: int, head_dim: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(part_max, part_sum [num_seqs, num_heads, num_parts], part_out [..., head_dim]), float32. Freed
+    after the layer's reduce, so one layer's worth is live at a time (in a graph's pool too)."""
+    part_max = torch.empty((num_seqs, num_heads, num_parts), dtype=torch.float32, device=device)
+    part_out = torch.empty((num_seqs, num_heads, num_parts, head_dim), dtype=torch.float32, device=device)
+    return part_max, torch.empty_like(part_max), part_out
 
 
 def _decode_group(queries_per_kv: int) -> int:
@@ -326,18 +399,15 @@ def _decode(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, block_table
     if num_seqs > _MAX_GRID_YZ:
         raise ValueError(f"too many decode sequences for one launch ({num_seqs} > {_MAX_GRID_YZ})")
     if split_k is None:
-        num_sms, _ = _device_info(cache.device.index)
-        num_ctas = num_seqs * num_kv_heads * num_chunks
-        split_k = max_seq_len > SPLIT_K_MIN_SEQ_LEN and num_ctas < SPLIT_K_MAX_WAVES * num_sms
+        split_k = decode_split_k(num_seqs, num_kv_heads, queries_per_kv, max_seq_len,
+                                 _device_info(cache.device.index)[0])
     num_parts = max(1, -(-max_seq_len // DECODE_PARTITION_SIZE)) if split_k else 1
     if num_parts > _MAX_GRID_YZ:
         raise ValueError(f"max_seq_len {max_seq_len} too long for split-K")
     name = _decode_name(q.dtype, head_dim, block_size, group, split_k)
     part_max = part_sum = part_out = None
     if split_k:
-        part_max = torch.empty((num_seqs, num_heads, num_parts), dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
-        part_out = torch.empty((num_seqs, num_heads, num_parts, head_dim), dtype=torch.float32, device=q.device)
+        part_max, part_sum, part_out = _split_k_scratch(num_seqs, num_heads, num_parts, head_dim, q.device)
     args = (_ptr(out), _ptr(part_max), _ptr(part_sum), _ptr(part_out), _ptr(q), _ptr(cache), _ptr(cache[1]),
             _ptr(block_tables), _ptr(seq_lens), _i32(num_heads), _i32(num_kv_heads), _i32(block_tables.stride(0)),
             _i32(num_parts), _i64(q.stride(0)), _i64(out.stride(0)), np.float32(scale * _LOG2E), win, cap)
@@ -347,7 +417,7 @@ def _decode(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, block_table
         args = (_ptr(out), _ptr(part_max), _ptr(part_sum), _ptr(part_out), _ptr(seq_lens), _i32(num_heads),
                 _i32(num_parts), _i64(out.stride(0)), win)
         name = _decode_reduce_name(q.dtype, head_dim)
-        _launch("paged_decode.cu", name, (num_heads, num_seqs, 1), head_dim, args, cache.device)
+        _launch("paged_decode.cu", name, (num_heads, num_seqs, 1), -(-head_dim // 32) * 32, args, cache.device)
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_tables: torch.Tensor,
@@ -359,8 +429,9 @@ def paged_decode_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_
 
     q: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_blocks_per_seq] int32;
     seq_lens: [num_seqs] int32 (context incl. the query token, already in the cache);
-    max_seq_len: an upper bound of seq_lens (sizes the split-K grid). ``split_k`` None picks
-    split-K for long contexts with few CTAs. Returns [num_seqs, num_heads, head_dim].
+    max_seq_len: an upper bound of seq_lens (sizes the split-K grid; a row longer than it comes out
+    NaN under split-K: the bound is not checked here, which would need the lengths on the host).
+    ``split_k`` None picks split-K for long contexts with few CTAs. Returns [num_seqs, num_heads, head_dim].
     """
     _check_cache_layer(kv_cache_layer)
     _check_rows("q", q, None, kv_cache_layer)
@@ -378,8 +449,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_
 
 
 def _mma_supported(dtype: torch.dtype, head_dim: int) -> bool:
-    """The tensor-core prefill kernel's static_asserts: fp16 / bf16, head_dim <= 128."""
-    return dtype in (torch.float16, torch.bfloat16) and head_dim <= 128
+    """The tensor-core prefill kernel's static_asserts: fp16 / bf16, head_dim a multiple of 16 <= 128."""
+    return dtype in (torch.float16, torch.bfloat16) and head_dim <= 128 and head_dim % 16 == 0
 
 
 def _prefill_impl(dtype: torch.dtype, head_dim: int, device: torch.device, impl: str) -> str:
@@ -390,7 +461,7 @@ def _prefill_impl(dtype: torch.dtype, head_dim: int, device: torch.device, impl:
         raise ValueError(f"impl 'mma' needs fp16/bf16 and head_dim <= 128 (got {dtype}, {head_dim})")
     if impl == "auto":
         impl = "mma" if mma_ok and _device_info(device.index)[1] >= (8, 0) else "simt"
-    if impl == "simt" and head_dim * torch.finfo(dtype).bits // 8 > 512:
+    if impl == "simt" and head_dim * torch.finfo(dtype).bits // 8 > _PREFILL_SIMT_MAX_ROW_BYTES:
         raise ValueError(f"prefill: head_dim {head_dim} with {dtype} is not supported (row > 512 bytes)")
     return impl
 
@@ -470,14 +541,33 @@ def _check_meta(meta: AttentionMetadata, num_tokens: int, device: torch.device) 
     _check_index("seq_lens", meta.seq_lens, torch.int32, 1, device)
     _check_index("query_start_loc", meta.query_start_loc, torch.int32, 1, device, num_seqs + 1)
     _check_index("block_tables", meta.block_tables, torch.int32, 2, device, num_seqs)
+    check_grid_bounds(meta)
+
+
+def check_grid_bounds(meta: AttentionMetadata) -> None:
+    """``meta.max_seq_len`` / ``max_query_len`` size the kernels' grids (split-K partitions, query
+    tiles): a sequence longer than them would lose its tail without a word. Checked against the
+    host copies of the lengths where the metadata has them (the runner's always does); without
+    them, a split-K row past max_seq_len comes out NaN."""
+    if meta.seq_lens_cpu:
+        longest = max(meta.seq_lens_cpu)
+        if longest > meta.max_seq_len:
+            raise ValueError(f"max_seq_len: {meta.max_seq_len} is below sequence "
+                             f"{meta.seq_lens_cpu.index(longest)}'s length {longest}")
+    qsl = meta.query_start_loc_cpu
+    if qsl:
+        longest = max(b - a for a, b in zip(qsl, qsl[1:])) if len(qsl) > 1 else 0
+        if longest > meta.max_query_len:
+            raise ValueError(f"max_query_len: {meta.max_query_len} is below a sequence's {longest} query tokens")
 
 
 class CudaAttentionBackend(AttentionBackend):
     """The CUDA kernels behind the ``AttentionBackend`` contract (see base.py).
 
     Decodes (the first ``meta.num_decode_seqs`` sequences, one token each) go to the decode kernel,
-    split-K when ``meta.max_seq_len`` > SPLIT_K_MIN_SEQ_LEN and the plain grid is small; the rest to
-    the prefill kernel. Rows of ``out`` past ``query_start_loc[num_seqs]`` (padding) are not written.
+    split-K when ``meta.max_seq_len`` > SPLIT_K_MIN_SEQ_LEN and the plain grid is small
+    (``decode_split_k``: the same choice for a batch eagerly and padded to its graph bucket); the
+    rest to the prefill kernel. Rows of ``out`` past ``query_start_loc[num_seqs]`` (padding) are not written.
     """
 
     name = "cuda"
@@ -498,13 +588,13 @@ class CudaAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache_layer, meta: AttentionMetadata, scale: float,
                 window: int | None = None, softcap: float | None = None):
-        write_kv(k, v, kv_cache_layer, meta.slot_mapping)
         _check_rows("q", q, None, kv_cache_layer)
         if q.shape[0] != k.shape[0]:
             raise ValueError(f"q and k: different numbers of tokens ({q.shape[0]} vs {k.shape[0]})")
         if "cuda_meta_checked" not in meta.scratch:  # the same for every layer of the step: check once
             _check_meta(meta, q.shape[0], q.device)
             meta.scratch["cuda_meta_checked"] = True
+        write_kv(k, v, kv_cache_layer, meta.slot_mapping)
         if self.batch_invariant:
             return paged_attention_per_token(q, kv_cache_layer, meta, scale, window=window, softcap=softcap)
         num_seqs = meta.num_seqs
@@ -528,6 +618,7 @@ def paged_attention_per_token(q: torch.Tensor, kv_cache_layer: torch.Tensor, met
     """The batch-invariant attention (CudaAttentionBackend(batch_invariant=True)): every query
     token of ``meta`` (decodes and prefill chunks alike) through the split-K decode kernel with its
     own context length. The K/V of the step must already be in the cache."""
+    check_grid_bounds(meta)
     tables, lens = token_rows(meta)
     out = _out_like(q, out, kv_cache_layer)
     if lens.shape[0]:

@@ -43,8 +43,9 @@ __global__ void __launch_bounds__(CACHE_OPS_THREADS) write_kv_kernel(
 
 // Copies whole blocks (every layer, K and V) for copy-on-write, in one launch.
 // Grid: (num_copies, num_layers * 2). Block: CACHE_OPS_THREADS. Pairs naming a block outside
-// [0, num_blocks_total) are skipped. A dst must not also be a src in the same call (copy-on-write
-// dsts are fresh blocks). kv_cache is both read and written, so it is not __restrict__.
+// [0, num_blocks_total) are skipped. A dst must not also be a src, nor the dst of two pairs, in the
+// same call (CTAs run in any order; the Python wrapper checks). kv_cache is both read and written,
+// so it is not __restrict__, and contiguous: every (layer, k/v) plane is addressed from its base.
 template <typename T>
 __global__ void __launch_bounds__(CACHE_OPS_THREADS) copy_blocks_kernel(
     T* kv_cache,                            // [num_layers, 2, num_blocks + 1, num_kv_heads, block_size, head_dim]

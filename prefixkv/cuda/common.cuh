@@ -44,6 +44,7 @@ struct alignas(sizeof(T) * N) Vec {
 };
 
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+__device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
 
 // ---- scalar conversions -------------------------------------------------------------------------
 

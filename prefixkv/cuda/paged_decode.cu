@@ -7,7 +7,9 @@
 //   QK:  lane i scores token (chunk + i) against all GROUP query heads (q in shared memory, fp32,
 //        pre-scaled by scale * log2(e)); no shuffles per dot product.
 //   softmax: per-warp online softmax in fp32 (running max per head is warp-uniform).
-//   PV:  the warp walks the chunk's tokens; lane i owns head_dim/32 output dims of every head.
+//   PV:  the warp walks the chunk's tokens; lane i owns VPL consecutive output dims of every head
+//        (VPL = head_dim/32 rounded up to a power of two: head_dim 80 and 96 leave lanes 20.. / 24..
+//        without dims).
 //
 // At the end the NUM_WARPS partial (max, sum, acc) triples are merged through shared memory.
 //
@@ -28,11 +30,16 @@ inline constexpr int DECODE_NUM_WARPS = 4;
 inline constexpr int DECODE_NUM_THREADS = DECODE_NUM_WARPS * WARP_SIZE;
 inline constexpr int DECODE_PARTITION_SIZE = 512;
 
+// CTAs per SM the register budget is cut for: 3, or 2 where a thread's accumulators alone take 64
+// registers (fp32, GROUP 8, HEAD_DIM 256: 3 spilled 156 bytes on sm_90; tools/kernel_check).
+template <typename T, int HEAD_DIM, int GROUP>
+inline constexpr int DECODE_MIN_BLOCKS = GROUP * HEAD_DIM * static_cast<int>(sizeof(T)) >= 8192 ? 2 : 3;
+
 // Grid: (num_kv_heads * ceil(qpk / GROUP), num_seqs, PARTITIONED ? num_partitions : 1), where
 // qpk = num_heads / num_kv_heads. Block: DECODE_NUM_THREADS. Static shared memory only
-// (at most 44 KiB for GROUP = 8, HEAD_DIM = 256).
+// (at most 45 KiB for GROUP = 8, HEAD_DIM = 256).
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, bool PARTITIONED>
-__global__ void __launch_bounds__(DECODE_NUM_THREADS, 3) paged_decode_kernel(
+__global__ void __launch_bounds__(DECODE_NUM_THREADS, (DECODE_MIN_BLOCKS<T, HEAD_DIM, GROUP>)) paged_decode_kernel(
     T* __restrict__ out,                   // [num_seqs, num_heads, HEAD_DIM], token stride out_stride (!PARTITIONED)
     float* __restrict__ part_max,          // [num_seqs, num_heads, max_parts] max logit (log2 units) (PARTITIONED)
     float* __restrict__ part_sum,          // [num_seqs, num_heads, max_parts] sum of exp2 (PARTITIONED)
@@ -45,17 +52,23 @@ __global__ void __launch_bounds__(DECODE_NUM_THREADS, 3) paged_decode_kernel(
     const int num_heads, const int num_kv_heads, const int max_blocks_per_seq, const int max_parts,
     const long long q_stride, const long long out_stride, const float scale_log2, const int window,
     const float softcap_log2) {
-  static_assert(HEAD_DIM == 32 || HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256,
-                "HEAD_DIM must be 32, 64, 128 or 256");
+  static_assert(HEAD_DIM == 32 || HEAD_DIM == 64 || HEAD_DIM == 80 || HEAD_DIM == 96 || HEAD_DIM == 128 ||
+                    HEAD_DIM == 256,
+                "HEAD_DIM must be 32, 64, 80, 96, 128 or 256");
   static_assert(GROUP >= 1 && GROUP <= 8, "GROUP must be in [1, 8]");
   constexpr int NW = DECODE_NUM_WARPS;
   constexpr int NT = DECODE_NUM_THREADS;
-  constexpr int VPL = HEAD_DIM / WARP_SIZE;  // V elements per lane
+  constexpr int VPL = HEAD_DIM <= 32 ? 1 : HEAD_DIM <= 64 ? 2 : HEAD_DIM <= 128 ? 4 : 8;  // V dims per lane
+  constexpr int DIM_LANES = HEAD_DIM / VPL;  // lanes that own output dims
+  static_assert(HEAD_DIM % VPL == 0 && DIM_LANES <= WARP_SIZE, "V rows must split into VPL-element loads");
   constexpr int KVEC = 16 / sizeof(T);       // K elements per 16-byte load
   static_assert(HEAD_DIM % KVEC == 0 && KVEC % 4 == 0, "K rows must split into 16-byte loads");
 
+  // p_s rows padded to an odd number of words: lane i's stores hit bank (i * P_STRIDE + g) % 32, all
+  // distinct (a stride of GROUP = 8 put 8 lanes on one bank); the reads are broadcasts
+  constexpr int P_STRIDE = GROUP | 1;
   alignas(16) __shared__ float q_s[GROUP][HEAD_DIM];
-  alignas(16) __shared__ float p_s[NW][WARP_SIZE][GROUP];
+  alignas(16) __shared__ float p_s[NW][WARP_SIZE][P_STRIDE];
   alignas(16) __shared__ float red_acc[NW][GROUP][HEAD_DIM];
   __shared__ float red_m[NW][GROUP];
   __shared__ float red_l[NW][GROUP];
@@ -156,8 +169,8 @@ __global__ void __launch_bounds__(DECODE_NUM_THREADS, 3) paged_decode_kernel(
 #pragma unroll 4
     for (int t = 0; t < num_valid; ++t) {
       const long long v_row = __shfl_sync(FULL_MASK, row, t);
-      float vf[VPL];
-      load_float<T, VPL>(v_cache + v_row + lane * VPL, vf);
+      float vf[VPL] = {};
+      if (DIM_LANES == WARP_SIZE || lane < DIM_LANES) load_float<T, VPL>(v_cache + v_row + lane * VPL, vf);
 #pragma unroll
       for (int g = 0; g < GROUP; ++g) {
         const float p = p_s[warp][t][g];
@@ -176,8 +189,19 @@ __global__ void __launch_bounds__(DECODE_NUM_THREADS, 3) paged_decode_kernel(
       red_m[warp][g] = m[g];
       red_l[warp][g] = lsum;
     }
+    if (DIM_LANES == WARP_SIZE || lane < DIM_LANES) {
+      // 8- / 16-byte stores: a half (quarter) warp writes 128 contiguous bytes, no bank conflict
+      // (scalar stores at a stride of VPL words put VPL lanes on one bank); head_dim 256: two
+      // 16-byte stores 32 bytes apart, 2-way
+      constexpr int SV = VPL < 4 ? VPL : 4;
 #pragma unroll
-    for (int j = 0; j < VPL; ++j) red_acc[warp][g][lane * VPL + j] = acc[g][j];
+      for (int j = 0; j < VPL; j += SV) {
+        Vec<float, SV> v;
+#pragma unroll
+        for (int e = 0; e < SV; ++e) v.v[e] = acc[g][j + e];
+        *reinterpret_cast<Vec<float, SV>*>(&red_acc[warp][g][lane * VPL + j]) = v;
+      }
+    }
   }
   __syncthreads();
 
@@ -211,9 +235,12 @@ __global__ void __launch_bounds__(DECODE_NUM_THREADS, 3) paged_decode_kernel(
 }
 
 // Combines the split-K partitions of paged_decode_kernel<..., PARTITIONED = true>.
-// Grid: (num_heads, num_seqs). Block: HEAD_DIM threads, one output element each.
+// Grid: (num_heads, num_seqs). Block: HEAD_DIM threads rounded up to a multiple of 32, one output
+// element each (the rest exit at once). A sequence longer than the max_parts partitions of the
+// grid (max_seq_len below its length: a caller's error) comes out as NaN, not as the attention of
+// its first max_parts * DECODE_PARTITION_SIZE tokens.
 template <typename T, int HEAD_DIM>
-__global__ void __launch_bounds__(HEAD_DIM) paged_decode_reduce_kernel(
+__global__ void __launch_bounds__((HEAD_DIM + WARP_SIZE - 1) / WARP_SIZE * WARP_SIZE) paged_decode_reduce_kernel(
     T* __restrict__ out,                   // [num_seqs, num_heads, HEAD_DIM], token stride out_stride
     const float* __restrict__ part_max,    // [num_seqs, num_heads, max_parts]
     const float* __restrict__ part_sum,    // [num_seqs, num_heads, max_parts]
@@ -223,9 +250,13 @@ __global__ void __launch_bounds__(HEAD_DIM) paged_decode_reduce_kernel(
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
   const int d = threadIdx.x;
+  if (d >= HEAD_DIM) return;
   const int seq_len = seq_lens[seq];
-  const int num_parts =
-      seq_len > 0 ? min(max_parts, (seq_len + DECODE_PARTITION_SIZE - 1) / DECODE_PARTITION_SIZE) : 0;
+  const int num_parts = seq_len > 0 ? (seq_len + DECODE_PARTITION_SIZE - 1) / DECODE_PARTITION_SIZE : 0;
+  if (num_parts > max_parts) {
+    out[seq * out_stride + static_cast<long long>(head) * HEAD_DIM + d] = from_float<T>(quiet_nan());
+    return;
+  }
   // partitions wholly before the window were not written
   const int first = window > 0 && seq_len > 0 ? max(0, seq_len - window) / DECODE_PARTITION_SIZE : 0;
   const long long base = (static_cast<long long>(seq) * num_heads + head) * max_parts;
@@ -253,17 +284,24 @@ __global__ void __launch_bounds__(HEAD_DIM) paged_decode_reduce_kernel(
   template __global__ void prefixkv::paged_decode_reduce_kernel<T, D>(                         \
       T*, const float*, const float*, const float*, const int*, int, int, long long, int);
 // The offline compile check (tools/kernel_check) builds these: every dtype x head_dim {64, 128} x
-// block size {16, 32}, the plain kernel for a GQA group of 4 and split-K for 8, plus the extremes
-// (head_dim 256, GROUP 1). At run time CuPy instantiates exactly what a model needs.
+// block size {16, 32}, the plain kernel for a GQA group of 4 and split-K for 8, head_dim 80 and 96
+// (lanes without V dims) at block size 16, plus the extremes (head_dim 256, GROUP 1). At run time
+// CuPy instantiates exactly what a model needs.
 #define PREFIXKV_INST_DECODE_DIMS(T, D)      \
   PREFIXKV_INST_DECODE(T, D, 16, 4, false)   \
   PREFIXKV_INST_DECODE(T, D, 32, 4, false)   \
   PREFIXKV_INST_DECODE(T, D, 16, 8, true)    \
   PREFIXKV_INST_DECODE(T, D, 32, 8, true)    \
   PREFIXKV_INST_DECODE_REDUCE(T, D)
+#define PREFIXKV_INST_DECODE_PARTIAL_LANES(T, D) \
+  PREFIXKV_INST_DECODE(T, D, 16, 4, false)        \
+  PREFIXKV_INST_DECODE(T, D, 16, 8, true)         \
+  PREFIXKV_INST_DECODE_REDUCE(T, D)
 #define PREFIXKV_INST_DECODE_TYPE(T)   \
   PREFIXKV_INST_DECODE_DIMS(T, 64)     \
   PREFIXKV_INST_DECODE_DIMS(T, 128)    \
+  PREFIXKV_INST_DECODE_PARTIAL_LANES(T, 80) \
+  PREFIXKV_INST_DECODE_PARTIAL_LANES(T, 96) \
   PREFIXKV_INST_DECODE(T, 256, 16, 8, true) \
   PREFIXKV_INST_DECODE(T, 128, 16, 1, false) \
   PREFIXKV_INST_DECODE_REDUCE(T, 256)

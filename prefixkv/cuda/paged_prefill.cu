@@ -138,7 +138,9 @@ struct PrefillSimtConfig {
   static constexpr int TC = 8;
   static constexpr int RM = BLOCK_M / TR;
   static constexpr int RN = BLOCK_N / TC;
-  static constexpr int CH = 8 / sizeof(T);  // elements per 8-byte shared-memory read
+  // elements per shared-memory read: 8 bytes, or 4 where TC 8-byte columns do not tile the row
+  // (head_dim 80 in fp16 / bf16)
+  static constexpr int CH = HEAD_DIM % (TC * (8 / static_cast<int>(sizeof(T)))) == 0 ? 8 / sizeof(T) : 4 / sizeof(T);
   static constexpr int NCH = HEAD_DIM / (TC * CH);
   static constexpr int SROW = HEAD_DIM + 16 / sizeof(T);
   static_assert(TR * TC == PREFILL_NUM_THREADS, "thread grid");
@@ -479,8 +481,8 @@ __global__ void __launch_bounds__(PREFILL_NUM_THREADS) paged_prefill_mma_kernel(
 #define PREFIXKV_INST_PREFILL_MMA(T, D, BS) \
   template __global__ void prefixkv::paged_prefill_mma_kernel<T, D, BS> PREFIXKV_PREFILL_PARAMS(T);
 // The offline compile check (tools/kernel_check) builds these: every dtype x head_dim {64, 128} x
-// block size {16, 32} (tensor-core kernel: fp16 / bf16), plus head_dim 256 (32-row SIMT tiles). At
-// run time CuPy instantiates exactly what a model needs.
+// block size {16, 32} (tensor-core kernel: fp16 / bf16), head_dim 80 and 96 at block size 16, plus
+// head_dim 256 (32-row SIMT tiles). At run time CuPy instantiates exactly what a model needs.
 #define PREFIXKV_INST_PREFILL_BS(T, D) PREFIXKV_INST_PREFILL(T, D, 16) PREFIXKV_INST_PREFILL(T, D, 32)
 #define PREFIXKV_INST_PREFILL_MMA_BS(T, D) PREFIXKV_INST_PREFILL_MMA(T, D, 16) PREFIXKV_INST_PREFILL_MMA(T, D, 32)
 PREFIXKV_INST_PREFILL_BS(prefixkv::half_t, 64)
@@ -489,7 +491,13 @@ PREFIXKV_INST_PREFILL_BS(prefixkv::bf16_t, 64)
 PREFIXKV_INST_PREFILL_BS(prefixkv::bf16_t, 128)
 PREFIXKV_INST_PREFILL_BS(float, 64)
 PREFIXKV_INST_PREFILL_BS(float, 128)
+PREFIXKV_INST_PREFILL(prefixkv::half_t, 80, 16)
+PREFIXKV_INST_PREFILL(prefixkv::bf16_t, 96, 16)
+PREFIXKV_INST_PREFILL(float, 80, 16)
+PREFIXKV_INST_PREFILL(float, 96, 16)
 PREFIXKV_INST_PREFILL(prefixkv::bf16_t, 256, 16)
+PREFIXKV_INST_PREFILL_MMA(prefixkv::bf16_t, 80, 16)
+PREFIXKV_INST_PREFILL_MMA(prefixkv::half_t, 96, 16)
 PREFIXKV_INST_PREFILL_MMA_BS(prefixkv::half_t, 64)
 PREFIXKV_INST_PREFILL_MMA_BS(prefixkv::half_t, 128)
 PREFIXKV_INST_PREFILL_MMA_BS(prefixkv::bf16_t, 64)

@@ -8,7 +8,9 @@ reserved dummy block and attend to it alone, so they touch no real block. Prefil
 decode batches above the largest bucket, run eagerly.
 
 The attention metadata's ``max_seq_len`` is ``max_model_len`` both here and in eager GPU steps
-(model_runner), so the decode kernel's grid (split-K partitions) is sized alike in both.
+(model_runner), so the decode kernel's grid (split-K partitions) is sized alike in both, and the
+split-K choice counts the batch as ``attention.cuda.padded_decode_batch`` rounds it, the same for
+a batch and its bucket (each bucket lies within one of that rounding's classes).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from prefixkv.progress import Task
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to ``max_num_seqs`` rounded up to one (up to 8:
+    ``max_num_seqs`` itself last)."""
     buckets = [b for b in (1, 2, 4, 8) if b <= max_num_seqs]
     buckets += list(range(16, max_num_seqs + 1, 8))
     if buckets[-1] != max_num_seqs:
@@ -121,6 +125,9 @@ class CudaGraphRunner:
         if b is None or not 0 < n == meta.num_decode_seqs == input_ids.shape[0] or w > self.max_blocks:
             raise ValueError(f"replay: {n} sequences ({meta.num_decode_seqs} decodes, {input_ids.shape[0]} tokens, "
                              f"{w} blocks each) do not fit buckets {self.buckets} x {self.max_blocks} blocks")
+        if meta.seq_lens_cpu and max(meta.seq_lens_cpu) > self.max_model_len:  # the graphs' split-K grid
+            raise ValueError(f"replay: a sequence of {max(meta.seq_lens_cpu)} tokens is longer than the graphs' "
+                             f"max_model_len {self.max_model_len}")
         self.num_filled = max(self.num_filled, n)  # first: a copy that raises leaves no row untracked
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)

@@ -1,5 +1,7 @@
 """How much device memory the KV cache may take (CUDA): the device's budget minus what is in use
-(the weights, other processes) minus the activation peak of the largest step, profiled once."""
+(the weights, other processes) minus the activation peak of the largest step, profiled once, and
+minus the CUDA decode kernel's split-K scratch (not in that profile: it runs the torch backend on
+prefill chunks)."""
 
 from __future__ import annotations
 
@@ -50,3 +52,31 @@ def profile_activation_peak(model, num_tokens: int, num_seqs: int) -> int:
     del kv
     torch.cuda.empty_cache()
     return peak
+
+
+def split_k_scratch_peak(num_heads: int, num_kv_heads: int, head_dim: int, max_num_seqs: int, max_model_len: int,
+                         num_sms: int) -> int:
+    """The most split-K scratch the CUDA backend's decode attention holds at once (one layer's: it is
+    freed after the layer's reduce): that of the largest decode batch, up to ``max_num_seqs``
+    rounded up to its CUDA-graph bucket, that ``decode_split_k`` splits; 0 if none does. E.g.
+    ~130 MiB for 32 heads of 128 (8 KV heads) at 128k tokens on 132 SMs (batches up to 32). (The
+    batch-invariant attention, every token a split-K row, is not offered on CUDA.)"""
+    from prefixkv.attention.cuda import decode_split_k, padded_decode_batch, split_k_scratch_bytes
+
+    qpk = num_heads // num_kv_heads
+    largest = max((n for n in range(1, padded_decode_batch(max_num_seqs) + 1)
+                   if decode_split_k(n, num_kv_heads, qpk, max_model_len, num_sms)), default=0)
+    return split_k_scratch_bytes(largest, num_heads, head_dim, max_model_len)
+
+
+def cuda_kv_cache_bytes(model, attention_backend: str, utilization: float, max_num_batched_tokens: int,
+                        max_num_seqs: int, max_model_len: int) -> int:
+    """``kv_cache_bytes_for`` on this process's CUDA device: the activation peak profiled, plus the
+    split-K scratch when the attention backend is "cuda"."""
+    peak = profile_activation_peak(model, max_num_batched_tokens, max_num_seqs)
+    if attention_backend == "cuda":
+        s = model.shape
+        num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        peak += split_k_scratch_peak(s.num_heads, s.num_kv_heads, s.head_dim, max_num_seqs, max_model_len, num_sms)
+    free, total = torch.cuda.mem_get_info()
+    return kv_cache_bytes_for(total, free, utilization, peak)

@@ -172,9 +172,10 @@ class ModelRunner:
             seq_lens=on_dev(torch.from_numpy(seq_lens.astype(np.int32))),
             block_tables=on_dev(torch.from_numpy(tables.gather(rows, max_blocks))),
             num_decode_seqs=out.num_decodes,
-            # an upper bound: on the GPU the decode kernel's split-K choice then matches the
-            # captured graphs' (sized for max_model_len), so a batch's arithmetic does not depend
-            # on whether it fits a graph bucket
+            # an upper bound: on the GPU the decode kernel's grid then matches the captured graphs'
+            # (sized for max_model_len), and its split-K choice too (attention/cuda.decode_split_k
+            # rounds the batch as the buckets do), so a batch's arithmetic does not depend on
+            # whether it fits a graph bucket
             max_seq_len=self.max_model_len if self.device.type == "cuda" else max(seq_lens_cpu),
             max_query_len=int(counts_np.max()),
             seq_lens_cpu=seq_lens_cpu,
@@ -313,7 +314,7 @@ class ModelRunner:
         if not out.scheduled:  # a step of copies only (requests put off to the next step)
             return ModelOutput([], [], None)
         if out.copy_ops:
-            pairs = torch.tensor([[op.src, op.dst] for op in out.copy_ops], dtype=torch.int64, device=self.device)
+            pairs = torch.tensor([[op.src, op.dst] for op in out.copy_ops], dtype=torch.int64)  # host: checked there
             self.backend.copy_blocks(self.kv_cache, pairs)
         input_ids, positions, meta, logits_rows = self.prepare(out)
         prompt_rows = self._prompt_logprob_rows(out)

@@ -66,6 +66,10 @@ DECODE_CASES = [
     (F16, 64, 64, 1, 5, False),
     (BF16, 256, 16, 1, 2, True),
     (F32, 32, 16, 1, 3, False),
+    (F16, 80, 16, 2, 4, False),  # head_dim 80 / 96: V dims on 20 / 24 lanes
+    (BF16, 80, 16, 1, 8, True),
+    (BF16, 96, 16, 2, 3, None),
+    (F32, 96, 32, 1, 4, True),
 ]
 
 
@@ -120,6 +124,12 @@ PREFILL_CASES = [
     (BF16, 256, 16, 1, 2, "auto"),  # SIMT with 32-row tiles
     (F16, 64, 8, 1, 80, "mma"),  # 80 query heads per kv head: 2 head chunks
     (F32, 32, 16, 1, 2, "simt"),
+    (F16, 80, 16, 2, 4, "mma"),  # head_dim 80 / 96 (Phi-3 and others)
+    (BF16, 96, 16, 1, 3, "mma"),
+    (F16, 80, 16, 2, 2, "simt"),  # 4-byte shared columns
+    (BF16, 96, 16, 1, 4, "auto"),
+    (F32, 80, 16, 1, 2, "simt"),
+    (F32, 96, 32, 2, 1, "auto"),
 ]
 
 
@@ -179,6 +189,21 @@ def test_copy_blocks_all_layers_one_launch(dtype):
     assert same_bits(kv_cache, want)
     kernels.CudaAttentionBackend().copy_blocks(kv_cache, torch.empty((0, 2), dtype=torch.int64))
     assert same_bits(kv_cache, want)
+
+
+def test_copy_blocks_refuses_strided_caches_and_racing_pairs():
+    """Host-side checks (issue 44): every layer plane is addressed from one base, and the pairs'
+    CTAs run in any order."""
+    big = torch.randn((6, 2, 9, 2, 16, 64)).to(F16).to(DEVICE)
+    before = big.clone()
+    with pytest.raises(ValueError, match="must be contiguous"):
+        kernels.copy_blocks(big[::2], torch.tensor([[1, 5]]))
+    with pytest.raises(ValueError, match="block 5 is the destination of two copies"):
+        kernels.copy_blocks(big, torch.tensor([[1, 5], [2, 5]]))
+    with pytest.raises(ValueError, match="block 5 is both a destination and a source"):
+        kernels.copy_blocks(big, torch.tensor([[1, 5], [5, 7]], device=DEVICE))
+    torch.cuda.synchronize()
+    assert same_bits(big, before)
 
 
 # ---- the backend ---------------------------------------------------------------------------------------

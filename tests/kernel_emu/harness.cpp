@@ -4,6 +4,7 @@
 #include <map>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "simt_emu.h"
 
@@ -53,6 +54,23 @@ extern "C" int emu_has_kernel(const char* name) {
   return registry().count(normalize(name)) ? 1 : 0;
 }
 
+// The schedule of the launches that follow (see simt_emu.h): order 0 index, 1 reverse, 2 random
+// (seeded); interleave: the thread completing a collective yields too.
+extern "C" void emu_set_schedule(int order, unsigned long long seed, int interleave) {
+  emu::schedule = emu::Schedule{order, seed, interleave != 0};
+  emu::rng = seed;
+}
+
+// Whether launches check shared memory for races (only in a PREFIXKV_EMU_RACE build).
+extern "C" int emu_set_race_check(int on) {
+#if defined(PREFIXKV_EMU_RACE)
+  emu::race.on = on != 0;
+  return 1;
+#else
+  return on ? 0 : 1;
+#endif
+}
+
 extern "C" int emu_launch(const char* name, void** args, int grid_x, int grid_y, int grid_z, int block_x) {
   if (registry().empty()) register_all();
   emu::last_error.clear();
@@ -61,17 +79,22 @@ extern "C" int emu_launch(const char* name, void** args, int grid_x, int grid_y,
     emu::last_error = std::string("no emulated instance of ") + name;
     return -1;
   }
-  if (_setjmp(emu::fail_jb)) return -1;
+  if (_setjmp(emu::fail_jb)) {
+    emu::cta.current = -1;
+    return -1;
+  }
   gridDim = EmuDim3{static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y), static_cast<unsigned>(grid_z)};
   blockDim = EmuDim3{static_cast<unsigned>(block_x), 1, 1};
   emu::cta.body = it->second;
   emu::cta.args = args;
-  for (int z = 0; z < grid_z; ++z)
-    for (int y = 0; y < grid_y; ++y)
-      for (int x = 0; x < grid_x; ++x) {
-        blockIdx = EmuDim3{static_cast<unsigned>(x), static_cast<unsigned>(y), static_cast<unsigned>(z)};
-        ++emu::cta_epoch;
-        emu::run_cta(static_cast<unsigned>(block_x));
-      }
+  // the CTAs in the schedule's order (index order: x fastest, then y, then z)
+  static std::vector<unsigned> order;
+  const unsigned num_ctas = static_cast<unsigned>(grid_x) * grid_y * grid_z;
+  emu::ordered(order, num_ctas);
+  for (const unsigned c : order) {
+    blockIdx = EmuDim3{c % grid_x, c / grid_x % grid_y, c / grid_x / grid_y};
+    ++emu::cta_epoch;
+    emu::run_cta(static_cast<unsigned>(block_x));
+  }
   return 0;
 }
