@@ -221,14 +221,15 @@ def test_a_long_shared_prefix_draws_its_requests_until_the_queue_makes_another_f
     b = replica("b", load=load(now - 0.5))
     r = cost_router(a, b)
     where = []
-    for k in range(7):  # ttft on a: (8k + 8) / 1000 + 0.05 k, on b: 408 / 1000
+    for k in range(7):  # cost on a: (8k + 8) / 1000 + 0.05 k + 8k / 1000, on b: 408 / 1000
         p, ranks = route(r, [a, b], request(prefix + [k] * 8), f"i{k}")
         where.append(ranks[0][0].replica_id.unique_id)
     assert where == ["a"] * 7 and r.decisions == {"prefix": 7}
     d = r.choose([a, b], request(prefix + [7] * 8))
+    ttft = 64 / 1000 + 7 * 0.05  # 7 requests, 56 tokens ahead, 8 of its own
     assert [tuple(e) for e in d.estimates] == [
-        pytest.approx((64 / 1000 + 7 * 0.05, 400, 7, 56, 1000.0, 0.05)),  # 7 requests, 56 tokens ahead
-        pytest.approx((408 / 1000, 0, 0, 0, 1000.0, 0.05))]
+        pytest.approx((ttft + 7 * 8 / 1000, ttft, 400, 7, 56, 1000.0, 0.05)),
+        pytest.approx((408 / 1000, 408 / 1000, 0, 0, 0, 1000.0, 0.05))]
     assert (d.replica, d.reason) == (b, "queue")  # a's queue now costs more than the prefix saves
     # a's requests end: the prefix draws again
     for k in range(7):
@@ -266,13 +267,13 @@ def test_a_template_prefix_does_not_win_over_an_idle_replica():
     busy = replica("a", digest, load=load(now - 0.5, running=1), block_size=16)  # one request decoding
     idle = replica("b", load=load(now - 0.5), block_size=16)
     d = cost_router(busy, idle).choose([busy, idle], q)
-    assert (d.replica, d.reason) == (idle, "queue")  # 40 / 1000 + 0.05 > 72 / 1000
-    # the measured step time decides, not a threshold: with 10 ms steps the cached template wins
-    fast = replica("a", digest, load=load(now - 0.5, running=1, step=0.01), block_size=16)
-    idle_fast = replica("b", load=load(now - 0.5, step=0.01), block_size=16)
-    d = cost_router(fast, idle_fast).choose([fast, idle_fast], q)
-    assert (d.replica, d.reason) == (fast, "prefix")
-    assert d.estimates[0].ttft_s == pytest.approx(40 / 1000 + 0.01)
+    assert (d.replica, d.reason) == (idle, "queue")  # 40 / 1000 + 0.05 + 40 / 1000 > 72 / 1000
+    assert d.estimates[0].ttft_s == pytest.approx(40 / 1000 + 0.05)
+    # no threshold: holding 64 of its 72 tokens, the busy replica wins (8 / 1000 + 0.05 + 8 / 1000)
+    longer = dict.fromkeys(prompt_block_hashes(list(range(500, 564)) + [0], 16), TIER_DEVICE)
+    busy = replica("a", longer, load=load(now - 0.5, running=1), block_size=16)
+    d = cost_router(busy, idle).choose([busy, idle], request(list(range(500, 564)) + list(range(2000, 2008))))
+    assert (d.replica, d.reason) == (busy, "prefix") and d.estimates[0].cost_s == pytest.approx(0.066)
 
 
 def test_a_report_replaces_the_reservations_it_counts():

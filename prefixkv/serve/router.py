@@ -10,23 +10,34 @@ prompt will leave there), until that replica has published two digests after the
 so a burst sharing a new prefix sees where its first request went, and what the replica then
 evicts is what the digest says. A request is matched by its ``routing_keys``.
 
-``CacheAwareRouter`` (the default, ``--router cache_aware``) estimates each candidate's time to
-first token and picks the smallest::
+``CacheAwareRouter`` (the default, ``--router cache_aware``) weighs, for each candidate replica
+r, the request's expected time to first token there and the time its prefill takes from the
+requests it shares r with, and picks the smallest::
 
-    ttft(r) = (P_r + L - H_r) / rate_r + N_r * step_r
+    cost(r) = ttft(r) + N_r * U_r / rate
+    ttft(r) = (P_r + U_r) / rate + N_r * step          U_r = L - H_r
 
     L       the prompt's tokens;  H_r  the tokens of its prefix that r holds (whole blocks)
+    U_r     the prompt tokens r would compute
     N_r     requests on r ahead of it: running + waiting as r last reported them, plus those this
             router sent r since that report, minus those of the report that ended since
     P_r     prompt tokens still to compute on r: r's report, plus the uncached tokens of what
             this router sent r since it
-    rate_r  the measured prefill rate (tokens/s); step_r  the measured decode step time (s)
+    rate    the measured prefill rate (tokens/s); step  the measured decode step time (s)
 
-The first term is the prefill ahead and its own; the second, the steps of the requests ahead
-that the request shares or waits for. A long cached prefix wins over a short queue (it saves its
-own prefill); a two-block template prefix does not win over an idle replica (it saves less than
-a step per request there). Ties go to the replica holding more of the prompt, then fewer
-requests, then caching less (a cold prefix goes where it displaces the least). A request counts
+``ttft``: the prefill queued ahead, then its own, and a step for each request ahead (the steps it
+shares or waits for). The second term of ``cost``: every step of its prefill delays the requests
+running beside it, and as many will queue behind it while the queue stays as long as it is: a
+request that leaves its cached prefix for a shorter queue makes everyone there wait for the
+prefill it brings. Without that term (TTFT alone) a loaded service moves requests off their
+prefixes whenever the queues differ by one prompt's prefill, and computes prefixes twice: on the
+shared-prefix traffic of bench/ray_routing.py at 2 requests/s, TTFT alone moved 11 of 72 requests
+and hit 0.49 of the prompt tokens against 0.63 for the threshold rule (2026-12-05, bench/RESULTS.md).
+A long cached prefix wins over a short queue (it saves its own prefill and everyone's wait); a
+two-block template prefix does not win over an idle replica (it saves less than a step per
+request there), and a burst spreads (every request it reserves makes a replica dearer). Ties go
+to the replica holding more of the prompt, then fewer requests, then caching less (a cold prefix
+goes where it displaces the least). A request counts
 against its replica from the decision on (``choose_replicas`` reserves it there; routing to a
 fallback moves it; completion, failure, a cancelled request and the replica's death release it),
 so requests routed together see each other: a burst of unrelated requests lands evenly.
@@ -40,7 +51,7 @@ the least. ``speeds="replica"`` weighs each at its own (replicas on unlike nodes
 replica has measured, ``DEFAULT_PREFILL_TOKENS_PER_S`` / ``DEFAULT_DECODE_STEP_S``.
 
 Decisions are counted by reason: ``prefix`` (the chosen replica holds part of the prompt),
-``queue`` (another held more, but its queue made it slower), ``no_match`` (none held any).
+``queue`` (another held more, but its queue made it dearer), ``no_match`` (none held any).
 
 ``CacheThresholdRouter`` (``--router cache_threshold``, the rule before the cost model, kept for
 comparison; SGLang's router and Ray LLM's prefix router work so) sends a request to the replica
@@ -310,6 +321,7 @@ class _Reservation:
 class Estimate(NamedTuple):
     """One candidate replica for one request, as ``CacheAwareRouter`` weighs it."""
 
+    cost_s: float  # what the decision minimises
     ttft_s: float
     num_held_tokens: int  # H: of the prompt, in whole blocks
     num_requests: int  # N: ahead of it
@@ -383,7 +395,9 @@ class CacheAwareRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin, Re
         n, p = self._queue(r)
         held = self._match(r, keys).num_blocks * block_size  # (never the block of the last token)
         rate, step = speed
-        return Estimate((p + num_prompt_tokens - held) / rate + n * step, held, n, p, rate, step)
+        uncached = num_prompt_tokens - held
+        ttft = (p + uncached) / rate + n * step
+        return Estimate(ttft + n * uncached / rate, ttft, held, n, p, rate, step)
 
     def choose(self, candidates: list[RunningReplica], req: ReplicaRequest) -> Decision:
         """The routing decision for one request (no reservation, no I/O)."""
@@ -393,7 +407,7 @@ class CacheAwareRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin, Re
             self._expire(r)
         num_tokens = len(req.prompt_token_ids)
         est = [self.estimate(r, keys, num_tokens, block_size, s) for r, s in zip(candidates, self._speeds(candidates))]
-        i = min(range(len(candidates)), key=lambda i: (est[i].ttft_s, -est[i].num_held_tokens, est[i].num_requests,
+        i = min(range(len(candidates)), key=lambda i: (est[i].cost_s, -est[i].num_held_tokens, est[i].num_requests,
                                                        len(candidates[i].routing_stats.get("digest") or ()), i))
         reason = ("prefix" if est[i].num_held_tokens else
                   "queue" if any(e.num_held_tokens for e in est) else "no_match")
@@ -411,7 +425,7 @@ class CacheAwareRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin, Re
         num_tokens = len(req.prompt_token_ids)
         self._reserve(pending_request.metadata.internal_request_id, d.replica.replica_id,
                       num_tokens - d.estimates[chosen].num_held_tokens, d.keys, pending_request)
-        order = sorted((i for i in range(len(candidate_replicas)) if i != chosen), key=lambda i: d.estimates[i].ttft_s)
+        order = sorted((i for i in range(len(candidate_replicas)) if i != chosen), key=lambda i: d.estimates[i].cost_s)
         rest = [candidate_replicas[i] for i in order]
         return [[d.replica]] + ([rest] if rest else [])
 
