@@ -37,10 +37,13 @@ A long cached prefix wins over a short queue (it saves its own prefill and every
 two-block template prefix does not win over an idle replica (it saves less than a step per
 request there), and a burst spreads (every request it reserves makes a replica dearer). Ties go
 to the replica holding more of the prompt, then fewer requests, then caching less (a cold prefix
-goes where it displaces the least). A request counts
-against its replica from the decision on (``choose_replicas`` reserves it there; routing to a
-fallback moves it; completion, failure, a cancelled request and the replica's death release it),
-so requests routed together see each other: a burst of unrelated requests lands evenly.
+goes where it displaces the least).
+
+A request counts against its replica from the decision on (``choose_replicas`` reserves it there;
+routing to a fallback moves it; completion, failure, refusal, a cancelled request and the
+replica's death release it), so requests routed together see each other: a burst of unrelated
+requests lands evenly. A replica's report replaces the reservations it covers: those made before
+its time are in its counts (the replicas' clocks and the ingress's: one host, or NTP).
 
 The speeds are the replicas' own measurements (serve/load.py). By default (``speeds=
 "deployment"``) every replica is weighed at their median: the replicas of a deployment run one
@@ -236,7 +239,7 @@ class CacheThresholdRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin
         self._where: dict[str, ReplicaID] = {}  # internal request id -> replica, while in flight
 
     def in_flight(self) -> dict[str, int]:
-        return {rid.unique_id: n for rid, n in self._in_flight.items()}
+        return {rid.unique_id: n for rid, n in list(self._in_flight.items())}  # (read from the ingress's thread)
 
     # ------------------------------------------------------------------ decisions
     def _load(self, r: RunningReplica) -> int:
@@ -358,7 +361,7 @@ class CacheAwareRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin, Re
         self._ended_at: dict[ReplicaID, list[tuple[float, float]]] = collections.defaultdict(list)
 
     def in_flight(self) -> dict[str, int]:
-        return {rid.unique_id: len(res) for rid, res in self._by_replica.items() if res}
+        return {rid.unique_id: len(res) for rid, res in list(self._by_replica.items()) if res}  # (another thread)
 
     # ------------------------------------------------------------------ the model
     def _speeds(self, candidates: list[RunningReplica]) -> list[tuple[float, float]]:
