@@ -10,8 +10,6 @@ import json
 import random
 import socket
 import threading
-import time
-import urllib.error
 import urllib.request
 
 import pytest
@@ -21,8 +19,8 @@ serve = pytest.importorskip("ray.serve")
 
 from prefixkv.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from prefixkv.server.serving import ServerConfig  # noqa: E402
+from test_ray_serve import MODEL, _health, _metrics, _per_replica, _wait  # noqa: E402
 
-MODEL = "tiny-llama"
 PERIOD = 0.1  # the replicas publish their load this often
 OUTPUT = 400  # tokens per request: long enough that all run at once for a while
 
@@ -41,36 +39,14 @@ def app(one_ray_instance, tiny_llama):
     serve.run(build_app(cfg, ServerConfig(MODEL), num_replicas=2, routing_stats_period_s=PERIOD),
               name="prefixkv", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
-    _until(lambda: len(json.loads(_get(url + "/health"))["replicas"]) == 2, 60, "two replicas publishing")
+    _wait(lambda: len(_health(url)["replicas"]) == 2, 60, "two replicas publishing")
     yield url
     serve.shutdown()
     ray.shutdown()
 
 
-def _get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return r.read()
-
-
-def _until(cond, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            if cond():
-                return
-        except (urllib.error.URLError, KeyError, ConnectionError):
-            pass
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _per_replica(url: str, metric: str) -> dict[str, float]:
-    out = {}
-    for line in _get(url + "/metrics").decode().splitlines():
-        if line.startswith(metric + "{replica="):
-            name, value = line.rsplit(" ", 1)
-            out[name.split('"')[1]] = float(value)
-    return out
+def _now(url: str, metric: str) -> dict[str, float]:
+    return _per_replica(_metrics(url), metric)
 
 
 def _burst(url: str, path: str, bodies: list[dict]) -> tuple[dict[str, float], list[bytes]]:
@@ -96,10 +72,10 @@ def _burst(url: str, path: str, bodies: list[dict]) -> tuple[dict[str, float], l
     seen: list[dict[str, float]] = []
 
     def all_running() -> bool:
-        seen.append(_per_replica(url, "prefixkv_replica_num_requests_running"))
+        seen.append(_now(url, "prefixkv_replica_num_requests_running"))
         return sum(seen[-1].values()) == len(bodies)
 
-    _until(all_running, 60, "every request of the burst running")
+    _wait(all_running, 60, "every request of the burst running")
     for t in threads:
         t.join(120)
     assert not errors, errors
@@ -109,14 +85,14 @@ def _burst(url: str, path: str, bodies: list[dict]) -> tuple[dict[str, float], l
 def test_a_burst_runs_half_on_each_replica(app):
     url = app
     rng = random.Random(43)
-    routed0 = _per_replica(url, "prefixkv_replica_routed_requests_total")
+    routed0 = _now(url, "prefixkv_replica_routed_requests_total")
     # 8 completions with distinct random token prompts: nothing shared
     unrelated = [{"model": MODEL, "prompt": [rng.randrange(3, 300) for _ in range(24)], "max_tokens": OUTPUT,
                   "temperature": 0, "ignore_eos": True} for _ in range(8)]
     running, streams = _burst(url, "/v1/completions", unrelated)
     assert sorted(running.values()) == [4.0, 4.0], running
     assert all(s.rstrip().endswith(b"data: [DONE]") and b'"error"' not in s for s in streams)
-    routed = _per_replica(url, "prefixkv_replica_routed_requests_total")
+    routed = _now(url, "prefixkv_replica_routed_requests_total")
     assert {rid: routed[rid] - routed0.get(rid, 0) for rid in routed} == dict.fromkeys(running, 4.0)
     # 8 chats sharing only a short system prompt (the chat template's few blocks), distinct questions
     system = {"role": "system", "content": "You are a helpful assistant."}
@@ -126,4 +102,4 @@ def test_a_burst_runs_half_on_each_replica(app):
     assert sorted(running.values()) == [4.0, 4.0], running
     assert all(s.rstrip().endswith(b"data: [DONE]") and b'"error"' not in s for s in streams)
     # every request ended: the router counts none against the replicas any more
-    assert set(_per_replica(url, "prefixkv_replica_router_in_flight").values()) == {0.0}
+    assert set(_now(url, "prefixkv_replica_router_in_flight").values()) == {0.0}

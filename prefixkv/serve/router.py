@@ -144,8 +144,13 @@ class _Observed:
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
         super().on_request_routed(pending_request, replica_id, result)  # Ray LLM's router records its tree here
-        if _request_of(pending_request) is not None:
+        req = _request_of(pending_request)
+        if req is not None:
             self.routed[replica_id.unique_id] += 1
+            self._routed(pending_request.metadata.internal_request_id, req, replica_id)
+
+    def _routed(self, rid: str, req: ReplicaRequest, replica_id: ReplicaID) -> None:
+        """The router's own bookkeeping of a request the replica accepted."""
 
 
 class _Counted(_Observed):
@@ -276,13 +281,7 @@ class CacheThresholdRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin
         return [[chosen]] + ([rest] if rest else [])
 
     # ------------------------------------------------------------------ bookkeeping
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
-                          result: ReplicaResult) -> None:
-        super().on_request_routed(pending_request, replica_id, result)
-        req = _request_of(pending_request)
-        if req is None:
-            return
-        rid = pending_request.metadata.internal_request_id
+    def _routed(self, rid: str, req: ReplicaRequest, replica_id: ReplicaID) -> None:
         self._in_flight[replica_id] += 1
         self._where[rid] = replica_id
         self._remember(replica_id, rid, routing_keys(req, _block_size(list(self.curr_replicas.values()))))
@@ -459,13 +458,7 @@ class CacheAwareRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin, Re
                     if res.pending is not None and res.pending.future.cancelled()]:
             self._release(rid, ended=False)
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
-                          result: ReplicaResult) -> None:
-        super().on_request_routed(pending_request, replica_id, result)
-        req = _request_of(pending_request)
-        if req is None:
-            return
-        rid = pending_request.metadata.internal_request_id
+    def _routed(self, rid: str, req: ReplicaRequest, replica_id: ReplicaID) -> None:
         res = self._reserved.get(rid)
         if res is None or res.replica_id != replica_id:  # a fallback took it: it moves there
             r = self.curr_replicas.get(replica_id)
