@@ -235,16 +235,35 @@ def cmd_ray_routing(args: argparse.Namespace, command: str) -> int:
     num_blocks = args.num_kv_blocks or (args.groups // 2) * -(-args.system_tokens // bs) + per_prompt
     cfg = EngineConfig(model=args.model, dtype=args.dtype, cache=CacheConfig(block_size=bs, num_kv_blocks=num_blocks),
                        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"ray-routing-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    params = {k: v for k, v in vars(args).items() if k not in ("out",)}
+    params["num_kv_blocks"] = num_blocks
+    rounds: list[dict[str, dict[str, dict]]] = []
+    startups: dict[str, list[float]] = {}
+    t_start = time.time()
+
+    def save() -> dict:  # after every router: a run cut off keeps what it measured
+        ratios = _ratios(rounds)
+        strip = lambda d: {k: v for k, v in d.items() if k != "requests"}  # noqa: E731
+        path.write_text(json.dumps({
+            "command": command, "machine": machine, "loadavg_start": load0, "loadavg_end": _loadavg(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_start)), "params": params,
+            "startup_s": startups, "ratios_vs_power_of_two": ratios,
+            "rounds": [{r: {label: strip(d) for label, d in docs.items()} for r, docs in rnd.items()} for rnd in rounds],
+            "requests": [{r: {label: d["requests"] for label, d in docs.items()} for r, docs in rnd.items()}
+                         for rnd in rounds]}, indent=1))
+        return ratios
+
     ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
     port = _port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     base = f"http://127.0.0.1:{port}"
-    rounds: list[dict[str, dict[str, dict]]] = []
-    startups: dict[str, list[float]] = {}
-    t_start = time.time()
     try:
         for k in range(args.repeat):
             rnd: dict[str, dict[str, dict]] = {}
+            rounds.append(rnd)
             for router in routers[k % len(routers):] + routers[:k % len(routers)]:
                 t0 = time.perf_counter()
                 kwargs = ({"imbalanced_threshold": args.router_imbalanced_threshold}
@@ -258,27 +277,17 @@ def cmd_ray_routing(args: argparse.Namespace, command: str) -> int:
                 rnd[router] = asyncio.run(_drive(base, traffic, args))
                 for label, doc in rnd[router].items():
                     print(f"round {k + 1} " + _line(router, label, doc), file=sys.stderr, flush=True)
+                save()
                 serve.delete("prefixkv")
-            rounds.append(rnd)
     finally:
         serve.shutdown()
         ray.shutdown()
-    ratios = _ratios(rounds)
+    ratios = save()
     for label, by_router in ratios.items():
         for router, d in by_router.items():
             print(f"{label:>14} {router:>16} vs power_of_two (median of {len(rounds)}): {d}", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"ray-routing-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    params = {k: v for k, v in vars(args).items() if k not in ("out",)}
-    params["num_kv_blocks"] = num_blocks
-    strip = lambda d: {k: v for k, v in d.items() if k != "requests"}  # noqa: E731
-    path.write_text(json.dumps({
-        "command": command, "machine": machine, "loadavg_start": load0, "loadavg_end": _loadavg(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_start)), "params": params,
-        "startup_s": startups, "ratios_vs_power_of_two": ratios,
-        "rounds": [{r: {label: strip(d) for label, d in docs.items()} for r, docs in rnd.items()} for rnd in rounds],
-        "requests": [{r: {label: d["requests"] for label, d in docs.items()} for r, docs in rnd.items()}
-                     for rnd in rounds]}, indent=1))
     print(f"wrote {path}")
-    return 0
+    errors = sum(d["errors"] for rnd in rounds for docs in rnd.values() for d in docs.values())
+    if errors:
+        print(f"{PROG}: {errors} requests failed (see error_reasons in {path})", file=sys.stderr)
+    return 0 if not errors else 1
