@@ -28,7 +28,7 @@ Against ``prefixkv serve`` (spawned on loopback, or ``--url``)::
 
 On Ray Serve (a local Ray instance, replicas of ``prefixkv``)::
 
-    ray-routing        multi-tenant shared prefixes over replicas: Serve's, Ray LLM's and prefixkv's routers
+    ray-routing        shared prefixes, bursts and a chat template over replicas: Serve's, Ray LLM's and prefixkv's routers
 
 Each run writes one JSON (and a PNG) into ``--out`` (default bench/out/, git-ignored).
 
@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.sliding_window import add_arguments as add_sliding_window
 
     add_sliding_window(p)
-    p = sub.add_parser("ray-routing", help="Ray Serve replicas: power-of-two vs prefix-affinity vs cache-aware routing")
+    p = sub.add_parser("ray-routing", help="Ray Serve replicas: power-of-two, prefix-affinity, "
+                                            "cache-threshold and cache-aware routing")
     from bench.ray_routing import add_arguments as add_ray_routing
 
     add_ray_routing(p)

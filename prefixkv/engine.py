@@ -141,6 +141,12 @@ class LLMEngine:
         self.disk_wait_s = 0.0  # waited so, in all
         self.num_disk_waits_won = 0  # requests whose reads ended within such a wait (then admitted, blocks allowing)
         self.num_steps = 0
+        # what the steps took, for the replicas' routing (serve/load.py): prompt tokens computed and
+        # the seconds of the steps that computed some; steps of decodes only and their seconds
+        self.num_prefill_tokens = 0
+        self.prefill_s = 0.0
+        self.num_decode_steps = 0
+        self.decode_s = 0.0
         self.num_aborted = 0  # requests aborted before they finished (client gone, timeout, shutdown)
         self.dead: BaseException | None = None  # set by a fatal step error (EngineFatalError)
 
@@ -365,6 +371,7 @@ class LLMEngine:
             model_out = self.runner.execute(out)
             if out.scheduled:  # (not a step of copies only)
                 self._last_forward_s = time.perf_counter() - t0
+                self._count_step(out, self._last_forward_s)
         except Exception as e:
             return self._failed_forward(out, e) + self._emit(touched)
         except BaseException:  # KeyboardInterrupt and the like: nothing of this step can be trusted
@@ -406,6 +413,15 @@ class LLMEngine:
         if self.check_integrity_each_step:
             self.scheduler.check_integrity()
         return errors + self._emit(touched)
+
+    def _count_step(self, out, seconds: float) -> None:
+        num_prefill = sum(s.num_scheduled_tokens for s in out.scheduled[out.num_decodes:])
+        if num_prefill:
+            self.num_prefill_tokens += num_prefill
+            self.prefill_s += seconds
+        else:
+            self.num_decode_steps += 1
+            self.decode_s += seconds
 
     def _failed_forward(self, out, error: Exception) -> list[RequestOutput]:
         """The forward pass (or sampling, or a copy) raised. The step's scheduled requests (and those
@@ -489,6 +505,10 @@ class LLMEngine:
             "num_requests_aborted": self.num_aborted,
             "spec_draft_tokens": self.scheduler.num_draft_tokens,
             "spec_accepted_tokens": self.scheduler.num_accepted_tokens,
+            "num_prefill_tokens": self.num_prefill_tokens,
+            "prefill_s": round(self.prefill_s, 6),
+            "num_decode_steps": self.num_decode_steps,
+            "decode_s": round(self.decode_s, 6),
         }
 
     def cache_summary(self, max_nodes: int = 64, text_tokens: int = 0) -> dict[str, Any]:

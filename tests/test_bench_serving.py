@@ -85,3 +85,32 @@ def test_arrivals_and_loopback_only(tmp_path):
         main(["serving", "--url", "http://192.0.2.1:8000", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="rates"):
         main(["serving", "--rates", "1,-2", "--out", str(tmp_path)])
+
+
+def test_ray_routing_traffic_is_the_same_for_every_router_and_shares_what_it_says(tiny_llama):
+    """``bench ray-routing``'s traffics (no Ray here): the shared prompts share their system prompt
+    per group, the burst prompts share nothing, the template prompts share exactly the template."""
+    import argparse
+
+    from bench import workloads as wl
+    from bench.corpus import TokenStream
+    from bench.ray_routing import add_arguments, build_traffic
+    from prefixkv.tokenizer import Tokenizer
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--groups", "3", "--users", "2", "--system-tokens", "40", "--burst-requests", "5",
+                         "--burst-prompt-tokens", "48", "--burst-rates", "inf,2", "--template-tokens", "8"])
+    tok = Tokenizer.from_pretrained(str(tiny_llama))
+    traffic = build_traffic(wl.PromptBuilder(tok, TokenStream.build(tok)), args, ["shared", "burst", "template"])
+    assert [(t.label, t.rate, len(t.bodies)) for t in traffic] == [
+        ("shared@1.5", 1.5, 6), ("burst@inf", math.inf, 5), ("burst@2", 2.0, 5), ("template@inf", math.inf, 5)]
+    ids = {t.label: [body["prompt"] for _, body in t.bodies] for t in traffic}
+    assert len({tuple(x[:40]) for x in ids["shared@1.5"]}) == 3 and len(set(map(tuple, ids["shared@1.5"]))) == 6
+    bursts = ids["burst@inf"] + ids["burst@2"]
+    assert all(len(x) == 48 for x in bursts + ids["template@inf"])
+    head = len(wl.PromptBuilder(tok, TokenStream.build(tok)).enc(wl.USER_HEAD))
+    assert len({tuple(x[head:head + 8]) for x in bursts}) == 10  # nothing shared past the role marker
+    assert len({tuple(x[:8]) for x in ids["template@inf"]}) == 1
+    assert len({tuple(x[8:]) for x in ids["template@inf"]}) == 5
+    assert all(body["max_tokens"] == 32 and body["stream"] for t in traffic[1:] for _, body in t.bodies)

@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 REPLICA_DEPLOYMENT = "EngineReplica"
 INGRESS_DEPLOYMENT = "PrefixKVIngress"
 # --router name -> class in serve/router.py (named, so that only the replicas' callers import it)
-ROUTERS = {"cache_aware": "CacheAwareRouter", "power_of_two": "PowerOfTwoRouter",
-           "prefix_affinity": "PrefixAffinityRouter"}
+ROUTERS = {"cache_aware": "CacheAwareRouter", "cache_threshold": "CacheThresholdRouter",
+           "power_of_two": "PowerOfTwoRouter", "prefix_affinity": "PrefixAffinityRouter"}
 
 
 def build_app(engine_config: EngineConfig | None = None, server_config: ServerConfig | None = None, *,
@@ -117,6 +117,21 @@ def autoscaling_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
     return conf
 
 
+# --router-* flag -> the router it belongs to
+_ROUTER_FLAGS = {"imbalanced_threshold": "cache_threshold", "min_match_tokens": "cache_threshold",
+                 "speeds": "cache_aware"}
+
+
+def router_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--router-*`` flags given, as the chosen router's kwargs (another router's are refused)."""
+    given = {k: getattr(args, "router_" + k) for k in _ROUTER_FLAGS if getattr(args, "router_" + k) is not None}
+    for k in given:
+        if _ROUTER_FLAGS[k] != args.router:
+            raise ValueError(f"--router-{k.replace('_', '-')}: applies to --router {_ROUTER_FLAGS[k]} only "
+                             f"(the router is {args.router})")
+    return given
+
+
 def run_ray_server(args: argparse.Namespace, engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """``prefixkv serve --replicas N``: start (or join, ``--ray-address``) Ray, run the app, serve
     until SIGTERM/SIGINT, then shut the application down."""
@@ -129,9 +144,7 @@ def run_ray_server(args: argparse.Namespace, engine_config: EngineConfig, server
     app = build_app(engine_config, server_config, num_replicas=args.replicas,
                     autoscaling_config=autoscaling_from_args(args), num_cpus_per_replica=args.num_cpus_per_replica,
                     num_gpus_per_replica=args.num_gpus_per_replica, router=args.router,
-                    router_kwargs={"imbalanced_threshold": args.router_imbalanced_threshold,
-                                   "min_match_tokens": args.router_min_match_tokens}
-                    if args.router == "cache_aware" else None,
+                    router_kwargs=router_kwargs_from_args(args),
                     routing_stats_period_s=args.routing_stats_period)
     # "local": a new instance of our own unless --ray-address names one (a bare init would join
     # whatever cluster this machine last started, even a dead one)
@@ -161,13 +174,21 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-cpus-per-replica", type=float, default=1.0)
     g.add_argument("--num-gpus-per-replica", type=float, default=0.0)
     g.add_argument("--router", choices=tuple(ROUTERS), default="cache_aware",
-                   help="cache_aware: the replicas' real cache digests (default); power_of_two: Serve's default; "
+                   help="cache_aware (default): the replica with the least expected time to first token, "
+                        "(P + L - H) / rate + N * step, from the replicas' cache digests and loads (L: the "
+                        "prompt's tokens, H: those the replica holds, N and P: requests and prompt tokens to "
+                        "compute ahead, rate and step: its measured prefill rate and decode step time; a request "
+                        "counts from the decision); cache_threshold: the longest cached prefix within "
+                        "--router-imbalanced-threshold, the rule before it; power_of_two: Serve's default; "
                         "prefix_affinity: Ray Serve LLM's PrefixCacheAffinityRouter")
-    g.add_argument("--router-imbalanced-threshold", type=int, default=16,
-                   help="cache_aware: follow a cached prefix only while its replica has at most this many more "
-                        "requests in flight than the least loaded one")
-    g.add_argument("--router-min-match-tokens", type=int, default=1,
-                   help="cache_aware: shorter cached prefixes do not steer the request")
+    g.add_argument("--router-speeds", choices=("deployment", "replica"), default=None,
+                   help="cache_aware: weigh every replica at the median of the replicas' measured speeds "
+                        "(deployment, the default) or each at its own (replica: replicas on unlike nodes)")
+    g.add_argument("--router-imbalanced-threshold", type=int, default=None,
+                   help="cache_threshold: follow a cached prefix only while its replica has at most this many more "
+                        "requests in flight than the least loaded one (default 16)")
+    g.add_argument("--router-min-match-tokens", type=int, default=None,
+                   help="cache_threshold: shorter cached prefixes do not steer the request (default 1)")
     g.add_argument("--routing-stats-period", type=float, default=1.0,
                    help="seconds between the replicas' cache digests")
     g.add_argument("--min-replicas", type=int, default=None, help="autoscaling: the fewest replicas")

@@ -92,6 +92,11 @@ class RemoteStream:
             self._gen.cancel()
 
 
+def _load_stats(routing_stats: dict[str, Any]) -> dict[str, float]:
+    load = routing_stats.get("load") or {}
+    return {k: load.get(k) or 0 for k in ("num_prefill_tokens", "prefill_tokens_per_s", "decode_step_s")}
+
+
 class RemoteEngine:
     """The engine client surface ``OpenAIServing`` needs, over the replicas' deployment handle."""
 
@@ -116,16 +121,19 @@ class RemoteEngine:
         published to this process's router."""
         out: dict[str, dict[str, Any]] = {}
         for router in routers_for(self.deployment):
+            in_flight = router.in_flight()
             for rid, rs in router.routing_stats().items():
                 if "stats" in rs:
-                    out[rid] = {**rs, "num_routed": router.routed[rid]}
+                    out[rid] = {**rs, "num_routed": router.routed[rid], "num_in_flight": in_flight.get(rid, 0)}
         return out
 
     def replica_stats(self) -> dict[str, dict[str, Any]]:
         """replica id -> engine statistics, with the size of its cache digest, the digest's sequence
-        number and how many requests the router sent it."""
+        number, how many requests the router sent it and counts against it now, and its published
+        load (serve/load.py; speeds 0 until measured)."""
         return {rid: {**rs["stats"], "num_cached_blocks": len(rs.get("digest") or ()), "digest_seq": rs.get("seq", 0),
-                      "num_routed": rs["num_routed"]} for rid, rs in self.published().items()}
+                      "num_routed": rs["num_routed"], "num_in_flight": rs["num_in_flight"], **_load_stats(rs)}
+                for rid, rs in self.published().items()}
 
     def router_decisions(self) -> dict[str, int]:
         total: dict[str, int] = {}

@@ -12,7 +12,9 @@ Cancelling the stream (the client went away) aborts the request here, which free
 Every ``request_routing_stats_period_s`` Serve's controller calls ``record_routing_stats``: the
 replica answers with its cache digest (``KVCacheManager.cache_digest``: block hash -> tier of every
 cached block), its engine statistics and a bounded summary of its radix tree, which reach the router
-in the ingress's process (serve/router.py), its ``/metrics`` and its ``/v1/cache/summary``.
+in the ingress's process (serve/router.py), its ``/metrics`` and its ``/v1/cache/summary``; with
+them its load (running and waiting requests, prompt tokens still to compute, measured prefill rate
+and decode step time: serve/load.py), which the cost-model router weighs against the cache.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from prefixkv.async_engine import AsyncEngine, RequestAbortedError, RequestFaile
 from prefixkv.config import EngineConfig
 from prefixkv.errors import EngineDeadError, EngineFatalError
 from prefixkv.sampling_params import SamplingParams
+from prefixkv.serve.load import SpeedMeter, queue_state
 from prefixkv.server.cache_view import TEXT_TOKENS
 
 logger = logging.getLogger(__name__)
@@ -91,6 +94,7 @@ class EngineReplica:
         self.summary_text_tokens = TEXT_TOKENS if cache_view_text else 0
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefixkv-grammar")
         self._digest_seq = itertools.count(1)
+        self._speed = SpeedMeter()
         logger.info("engine replica %s ready (%d KV blocks of %d tokens)", self.replica_id,
                     self.engine.info.num_kv_blocks, self.block_size)
 
@@ -123,20 +127,24 @@ class EngineReplica:
         """The digest of the prefix cache and the engine's statistics, for the router."""
         running = self.engine.is_running
         digest: dict[int, int] = {}
-        summary = None
+        summary = load = None
         text_tokens = self.summary_text_tokens
         if running:
             try:
-                digest, summary = await self.engine.run(lambda e: (
-                    e.scheduler.kv.cache_digest(), e.cache_summary(SUMMARY_NODES, text_tokens)))
+                digest, summary, load = await self.engine.run(lambda e: (
+                    e.scheduler.kv.cache_digest(), e.cache_summary(SUMMARY_NODES, text_tokens),
+                    {"time": time.time(), **queue_state(e)}))
             except EngineDeadError:
                 running = False
         if len(digest) > self.digest_max_blocks:  # bounded: keep the device tier first
             digest = dict(sorted(digest.items(), key=lambda kv: kv[1])[:self.digest_max_blocks])
         stats = self.engine.stats()
+        if load is not None:  # what the replica reports of its queue and speed, for the router
+            load["prefill_tokens_per_s"], load["decode_step_s"] = self._speed.update(stats)
         stats["running"] = running
         return {"replica_id": self.replica_id, "seq": next(self._digest_seq), "time": time.time(),
-                "block_size": self.block_size, "digest": digest, "stats": stats, "cache_summary": summary}
+                "block_size": self.block_size, "digest": digest, "stats": stats, "cache_summary": summary,
+                "load": load}
 
     def check_health(self) -> None:
         """Serve's health check: a dead engine makes Serve replace this replica."""

@@ -1,34 +1,84 @@
 """Request routers for the engine replicas (Ray Serve ``RequestRouter`` subclasses; they run in the
 process of the caller, the ingress).
 
-``CacheAwareRouter`` routes on what each replica's prefix cache really holds: every replica
-publishes its cache digest (block hash -> tier, serve/replica.py) through Serve's routing stats,
-which replace the router's view of it every ``request_routing_stats_period_s``; an eviction on a
-replica leaves its digest by the next period. A request goes to
+Both prefixkv routers route on what each replica's prefix cache really holds: every replica
+publishes its cache digest (block hash -> tier, serve/replica.py) and its load (serve/load.py)
+through Serve's routing stats, which replace the router's view of it every
+``request_routing_stats_period_s``; an eviction on a replica leaves its digest by the next period.
+Between two digests a router counts a request it routed as cached where it went (the blocks its
+prompt will leave there), until that replica has published two digests after the request ended:
+so a burst sharing a new prefix sees where its first request went, and what the replica then
+evicts is what the digest says. A request is matched by its ``routing_keys``.
 
-1. the replica holding the longest cached prefix of its prompt (whole blocks; device-tier blocks
-   break ties, then load), if that prefix is at least ``min_match_tokens`` long and that replica's
-   load (requests this router has in flight on it) exceeds the least loaded one's by at most
-   ``imbalanced_threshold``;
-2. otherwise the least loaded replica, ties broken by fewer cached blocks (a cold prefix goes where
-   it displaces the least).
+``CacheAwareRouter`` (the default, ``--router cache_aware``) weighs, for each candidate replica
+r, the request's expected time to first token there and the time its prefill takes from the
+requests it shares r with, and picks the smallest::
 
-Between two digests the router counts a request it routed as cached where it went (the blocks its
-prompt will leave there), until that replica has published two digests after the request ended: so
-a burst sharing a new prefix follows its first request without waiting a period, and what the
-replica then evicts is what the digest says. The other replicas, in ``choose_replicas``' returned
-order, are the fallbacks if the chosen one refuses (its ``max_ongoing_requests``).
+    cost(r) = ttft(r) + N_r * U_r / rate
+    ttft(r) = (P_r + U_r) / rate + N_r * step          U_r = L - H_r
 
-``PowerOfTwoRouter`` (Serve's default) and ``PrefixAffinityRouter`` (Ray Serve LLM's
-``PrefixCacheAffinityRouter``, an approximate tree of routed prompts per replica, here fed the
-prompt's token ids as characters) are the same routers with the bookkeeping the ingress's
-``/metrics`` and ``/health`` read, for comparison (bench/ray_routing.py).
+    L       the prompt's tokens;  H_r  the tokens of its prefix that r holds (whole blocks)
+    U_r     the prompt tokens r would compute
+    N_r     requests on r ahead of it: running + waiting as r last reported them, plus those this
+            router sent r since that report, minus those of the report that ended since
+    P_r     prompt tokens still to compute on r: r's report, plus the uncached tokens of what
+            this router sent r since it
+    rate    the measured prefill rate (tokens/s); step  the measured decode step time (s)
+
+``ttft``: the prefill queued ahead, then its own, and a step for each request ahead (the steps it
+shares or waits for). The second term of ``cost``: every step of its prefill delays the requests
+running beside it, and as many will queue behind it while the queue stays as long as it is: a
+request that leaves its cached prefix for a shorter queue makes everyone there wait for the
+prefill it brings. Without that term (TTFT alone) a loaded service moves requests off their
+prefixes whenever the queues differ by one prompt's prefill, and computes prefixes twice: on the
+shared-prefix traffic of bench/ray_routing.py at 2 requests/s, TTFT alone moved 11 of 72 requests
+and hit 0.49 of the prompt tokens against 0.63 for the threshold rule (2026-12-05, bench/RESULTS.md).
+A long cached prefix wins over a short queue (it saves its own prefill and everyone's wait); a
+two-block template prefix does not win over an idle replica (it saves less than a step per
+request there), and a burst spreads (every request it reserves makes a replica dearer). Ties go
+to the replica holding more of the prompt, then fewer requests, then caching less (a cold prefix
+goes where it displaces the least).
+
+A request counts against its replica from the decision on (``choose_replicas`` reserves it there;
+routing to a fallback moves it; completion, failure, refusal, a cancelled request and the
+replica's death release it), so requests routed together see each other: a burst of unrelated
+requests lands evenly. A replica's report replaces the reservations it covers: those made before
+its time are in its counts (the replicas' clocks and the ingress's: one host, or NTP).
+
+The speeds are the replicas' own measurements (serve/load.py). By default (``speeds=
+"deployment"``) every replica is weighed at their median: the replicas of a deployment run one
+engine config on one kind of node, and what their measurements differ by is mostly noise (a few
+steps' timings, the sizes of the prompts each happened to get), which would skew the spread of a
+burst and send a cold prefix to whichever replica measured faster rather than where it displaces
+the least. ``speeds="replica"`` weighs each at its own (replicas on unlike nodes). Until some
+replica has measured, ``DEFAULT_PREFILL_TOKENS_PER_S`` / ``DEFAULT_DECODE_STEP_S``.
+
+Decisions are counted by reason: ``prefix`` (the chosen replica holds part of the prompt),
+``queue`` (another held more, but its queue made it dearer), ``no_match`` (none held any).
+
+``CacheThresholdRouter`` (``--router cache_threshold``, the rule before the cost model, kept for
+comparison; SGLang's router and Ray LLM's prefix router work so) sends a request to the replica
+holding the longest cached prefix (device-tier blocks break ties, then load), if that prefix is
+at least ``min_match_tokens`` long and that replica's load (requests this router has in flight on
+it, counted when routed) exceeds the least loaded one's by at most ``imbalanced_threshold``;
+otherwise to the least loaded, ties to fewer cached blocks.
+
+In both, the other replicas, in ``choose_replicas``' returned order, are the fallbacks if the
+chosen one refuses (its ``max_ongoing_requests``). ``PowerOfTwoRouter`` (Serve's default) and
+``PrefixAffinityRouter`` (Ray Serve LLM's ``PrefixCacheAffinityRouter``, an approximate tree of
+routed prompts per replica, here fed the prompt's token ids as characters) are the same routers
+with the bookkeeping the ingress's ``/metrics`` and ``/health`` read, for comparison
+(bench/ray_routing.py).
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Any
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import (
@@ -43,10 +93,23 @@ from ray.serve.request_router import (
 
 from prefixkv.serve import registry
 from prefixkv.serve.digest import PrefixMatch, match_digest, prompt_block_hashes
+from prefixkv.serve.load import ReplicaLoad
 from prefixkv.serve.replica import ReplicaRequest
 
 DEFAULT_IMBALANCED_THRESHOLD = 16  # requests in flight (SGLang's router: 32; Ray LLM's prefix router: inf)
 DEFAULT_MIN_MATCH_TOKENS = 1  # one whole cached block is worth following
+# until some replica has measured its own (serve/load.py): the order of a small model on one CPU core
+DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
+DEFAULT_DECODE_STEP_S = 0.05
+SPEEDS = ("deployment", "replica")  # whose measured speeds weigh a replica: the median of all, or its own
+
+
+def routing_keys(req: ReplicaRequest, block_size: int) -> list[int]:
+    """The keys a request is matched by against the replicas' digests and the prompts routed
+    before it: the chain hashes of its prompt's full blocks (``digest.prompt_block_hashes``, the
+    radix index's). The one place where a cache partition or salt joins them (the replicas'
+    digests must then be keyed the same way)."""
+    return prompt_block_hashes(req.prompt_token_ids, block_size)
 
 
 def _block_size(replicas: list[RunningReplica]) -> int:
@@ -71,14 +134,23 @@ class _Observed:
         registry.register(self._deployment_id.name, self)
 
     def routing_stats(self) -> dict[str, dict[str, Any]]:
-        """replica id -> its last published routing stats (digest, engine statistics)."""
+        """replica id -> its last published routing stats (digest, load, engine statistics)."""
         return {rid.unique_id: dict(r.routing_stats) for rid, r in list(self.curr_replicas.items())}
+
+    def in_flight(self) -> dict[str, int]:
+        """replica id -> requests this router counts against it (none for Ray's own routers)."""
+        return {}
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
         super().on_request_routed(pending_request, replica_id, result)  # Ray LLM's router records its tree here
-        if _request_of(pending_request) is not None:
+        req = _request_of(pending_request)
+        if req is not None:
             self.routed[replica_id.unique_id] += 1
+            self._routed(pending_request.metadata.internal_request_id, req, replica_id)
+
+    def _routed(self, rid: str, req: ReplicaRequest, replica_id: ReplicaID) -> None:
+        """The router's own bookkeeping of a request the replica accepted."""
 
 
 class _Counted(_Observed):
@@ -101,8 +173,8 @@ class PowerOfTwoRouter(_Counted, PowerOfTwoChoicesRequestRouter):
 
 
 def _prefix_affinity_base() -> type:
-    # Ray Serve LLM's public import path insists on vLLM or SGLang being installed; the router
-    # itself needs neither
+    # Ray Serve LLM's public import path (ray.serve.llm.request_router, a subclass adding
+    # nothing) insists on pyarrow and vLLM or SGLang being installed; the router itself needs neither
     from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
         PrefixCacheAffinityRouter,
     )
@@ -114,24 +186,25 @@ class PrefixAffinityRouter(_Counted, _prefix_affinity_base()):
     decision = "prefix_affinity"
 
 
-class CacheAwareRouter(_Observed, LocalityMixin, MultiplexMixin, RequestRouter):
-    def initialize_state(self, imbalanced_threshold: int = DEFAULT_IMBALANCED_THRESHOLD,
-                         min_match_tokens: int = DEFAULT_MIN_MATCH_TOKENS, **kwargs: Any) -> None:
-        if imbalanced_threshold < 0:
-            raise ValueError(f"imbalanced_threshold: must be >= 0, got {imbalanced_threshold}")
-        if min_match_tokens < 1:
-            raise ValueError(f"min_match_tokens: must be >= 1, got {min_match_tokens}")
-        self._register()
-        self.imbalanced_threshold = imbalanced_threshold
-        self.min_match_tokens = min_match_tokens
-        self._in_flight: collections.Counter[ReplicaID] = collections.Counter()
-        # replica -> {internal request id: [prompt block hashes, digest seq at its end or None]}
-        self._recent: dict[ReplicaID, dict[str, list]] = collections.defaultdict(dict)
-        self._where: dict[str, ReplicaID] = {}  # internal request id -> replica, while in flight
+class _PrefixView:
+    """What each replica holds of a prompt: its last digest, and the prompts routed there that no
+    digest may show yet (in flight, or ended less than two of its digests ago)."""
 
-    # ------------------------------------------------------------------ decisions
-    def _load(self, r: RunningReplica) -> int:
-        return self._in_flight[r.replica_id]
+    def _init_view(self) -> None:
+        # replica -> {internal request id: [routing keys, digest seq at its end or None]}
+        self._recent: dict[ReplicaID, dict[str, list]] = collections.defaultdict(dict)
+
+    def _remember(self, replica_id: ReplicaID, rid: str, keys: list[int]) -> None:
+        self._recent[replica_id][rid] = [keys, None]
+
+    def _forget(self, replica_id: ReplicaID, rid: str) -> None:
+        self._recent.get(replica_id, {}).pop(rid, None)
+
+    def _ended(self, replica_id: ReplicaID, rid: str) -> None:
+        entry = self._recent.get(replica_id, {}).get(rid)
+        if entry is not None:
+            r = self.curr_replicas.get(replica_id)
+            entry[1] = r.routing_stats.get("seq", 0) if r is not None else 0
 
     def _expire(self, r: RunningReplica) -> None:
         """Drop the routed requests whose blocks ``r``'s digests now tell (or no longer hold): those
@@ -142,24 +215,49 @@ class CacheAwareRouter(_Observed, LocalityMixin, MultiplexMixin, RequestRouter):
             for rid in [rid for rid, (_, end_seq) in recent.items() if end_seq is not None and seq >= end_seq + 2]:
                 del recent[rid]
 
-    def _match(self, r: RunningReplica, hashes: list[int]) -> PrefixMatch:
-        best = match_digest(hashes, r.routing_stats.get("digest") or {})
+    def _match(self, r: RunningReplica, keys: list[int]) -> PrefixMatch:
+        best = match_digest(keys, r.routing_stats.get("digest") or {})
         for h, _ in self._recent.get(r.replica_id, {}).values():  # routed here, not yet in a digest
             n = 0
-            while n < len(h) and n < len(hashes) and h[n] == hashes[n]:
+            while n < len(h) and n < len(keys) and h[n] == keys[n]:
                 n += 1
             if n > best.num_blocks:
                 best = PrefixMatch(n, n)
         return best
 
+    def _drop_view(self, replica_id: ReplicaID) -> None:
+        self._recent.pop(replica_id, None)
+
+
+class CacheThresholdRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin, RequestRouter):
+    def initialize_state(self, imbalanced_threshold: int = DEFAULT_IMBALANCED_THRESHOLD,
+                         min_match_tokens: int = DEFAULT_MIN_MATCH_TOKENS, **kwargs: Any) -> None:
+        if imbalanced_threshold < 0:
+            raise ValueError(f"imbalanced_threshold: must be >= 0, got {imbalanced_threshold}")
+        if min_match_tokens < 1:
+            raise ValueError(f"min_match_tokens: must be >= 1, got {min_match_tokens}")
+        self._register()
+        self._init_view()
+        self.imbalanced_threshold = imbalanced_threshold
+        self.min_match_tokens = min_match_tokens
+        self._in_flight: collections.Counter[ReplicaID] = collections.Counter()
+        self._where: dict[str, ReplicaID] = {}  # internal request id -> replica, while in flight
+
+    def in_flight(self) -> dict[str, int]:
+        return {rid.unique_id: n for rid, n in list(self._in_flight.items())}  # (read from the ingress's thread)
+
+    # ------------------------------------------------------------------ decisions
+    def _load(self, r: RunningReplica) -> int:
+        return self._in_flight[r.replica_id]
+
     def choose(self, candidates: list[RunningReplica], req: ReplicaRequest) -> tuple[RunningReplica, str, int]:
         """(replica, reason, matched tokens) for one request: the routing decision, no I/O."""
         block_size = _block_size(candidates)
-        hashes = prompt_block_hashes(req.prompt_token_ids, block_size)
+        keys = routing_keys(req, block_size)
         least = min(self._load(r) for r in candidates)
         for r in candidates:
             self._expire(r)
-        matches = [self._match(r, hashes) for r in candidates]
+        matches = [self._match(r, keys) for r in candidates]
         i = max(range(len(candidates)), key=lambda i: (matches[i].num_blocks, matches[i].num_device_blocks,
                                                          -self._load(candidates[i])))
         if matches[i].num_blocks and matches[i].num_blocks * block_size >= self.min_match_tokens:
@@ -183,17 +281,10 @@ class CacheAwareRouter(_Observed, LocalityMixin, MultiplexMixin, RequestRouter):
         return [[chosen]] + ([rest] if rest else [])
 
     # ------------------------------------------------------------------ bookkeeping
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
-                          result: ReplicaResult) -> None:
-        super().on_request_routed(pending_request, replica_id, result)
-        req = _request_of(pending_request)
-        if req is None:
-            return
-        rid = pending_request.metadata.internal_request_id
+    def _routed(self, rid: str, req: ReplicaRequest, replica_id: ReplicaID) -> None:
         self._in_flight[replica_id] += 1
         self._where[rid] = replica_id
-        block_size = _block_size(list(self.curr_replicas.values()))
-        self._recent[replica_id][rid] = [prompt_block_hashes(req.prompt_token_ids, block_size), None]
+        self._remember(replica_id, rid, routing_keys(req, _block_size(list(self.curr_replicas.values()))))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         if self._where.pop(internal_request_id, None) is None:
@@ -201,16 +292,13 @@ class CacheAwareRouter(_Observed, LocalityMixin, MultiplexMixin, RequestRouter):
         self._in_flight[replica_id] -= 1
         if self._in_flight[replica_id] <= 0:
             del self._in_flight[replica_id]
-        entry = self._recent.get(replica_id, {}).get(internal_request_id)
-        if entry is not None:
-            r = self.curr_replicas.get(replica_id)
-            entry[1] = r.routing_stats.get("seq", 0) if r is not None else 0
+        self._ended(replica_id, internal_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         alive = {r.replica_id for r in replicas}
         for gone in [rid for rid in self._recent if rid not in alive]:  # a dead replica's state goes
-            del self._recent[gone]
+            self._drop_view(gone)
             self._in_flight.pop(gone, None)
         for rid, where in list(self._where.items()):
             if where not in alive:
@@ -218,6 +306,198 @@ class CacheAwareRouter(_Observed, LocalityMixin, MultiplexMixin, RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._recent.pop(replica_id, None)
+        self._drop_view(replica_id)
         self._in_flight.pop(replica_id, None)
 
+
+@dataclass(slots=True)
+class _Reservation:
+    """A request counted against a replica, from the routing decision until it ends there."""
+
+    replica_id: ReplicaID
+    time: float  # time.time() of the decision (or of the routing, when it moved)
+    num_prefill_tokens: int  # the prompt's tokens the replica did not hold at the decision
+    pending: PendingRequest | None  # until routed: a cancelled one is released
+
+
+class Estimate(NamedTuple):
+    """One candidate replica for one request, as ``CacheAwareRouter`` weighs it."""
+
+    cost_s: float  # what the decision minimises
+    ttft_s: float
+    num_held_tokens: int  # H: of the prompt, in whole blocks
+    num_requests: int  # N: ahead of it
+    num_prefill_tokens: int  # P: prompt tokens still to compute ahead of it
+    prefill_tokens_per_s: float
+    decode_step_s: float
+
+
+class Decision(NamedTuple):
+    replica: RunningReplica
+    reason: str
+    estimates: list[Estimate]  # one per candidate, in their order
+    keys: list[int]  # the request's routing_keys
+
+
+class CacheAwareRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin, RequestRouter):
+    def initialize_state(self, speeds: str = "deployment",
+                         default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
+                         default_decode_step_s: float = DEFAULT_DECODE_STEP_S, **kwargs: Any) -> None:
+        if speeds not in SPEEDS:
+            raise ValueError(f"speeds: must be one of {', '.join(SPEEDS)}, got {speeds!r}")
+        if not default_prefill_tokens_per_s > 0:
+            raise ValueError(f"default_prefill_tokens_per_s: must be positive, got {default_prefill_tokens_per_s}")
+        if not default_decode_step_s > 0:
+            raise ValueError(f"default_decode_step_s: must be positive, got {default_decode_step_s}")
+        self._register()
+        self._init_view()
+        self.speeds = speeds
+        self.default_prefill_tokens_per_s = default_prefill_tokens_per_s
+        self.default_decode_step_s = default_decode_step_s
+        self._reserved: dict[str, _Reservation] = {}  # internal request id -> its reservation
+        self._by_replica: dict[ReplicaID, dict[str, _Reservation]] = collections.defaultdict(dict)
+        # replica -> (reserved at, ended at) of requests that ended: those its last report still counts
+        self._ended_at: dict[ReplicaID, list[tuple[float, float]]] = collections.defaultdict(list)
+
+    def in_flight(self) -> dict[str, int]:
+        return {rid.unique_id: len(res) for rid, res in list(self._by_replica.items()) if res}  # (another thread)
+
+    # ------------------------------------------------------------------ the model
+    def _speeds(self, candidates: list[RunningReplica]) -> list[tuple[float, float]]:
+        """(prefill tokens/s, decode step s) per candidate: the median of the candidates'
+        measurements (``speeds="deployment"``), or each one's own, unmeasured ones the median."""
+        loads = [ReplicaLoad.of(r.routing_stats) for r in candidates]
+        rates = [x.prefill_tokens_per_s for x in loads if x is not None and x.prefill_tokens_per_s]
+        steps = [x.decode_step_s for x in loads if x is not None and x.decode_step_s]
+        rate0 = statistics.median(rates) if rates else self.default_prefill_tokens_per_s
+        step0 = statistics.median(steps) if steps else self.default_decode_step_s
+        if self.speeds == "deployment":
+            return [(rate0, step0)] * len(candidates)
+        return [((x.prefill_tokens_per_s or rate0) if x else rate0, (x.decode_step_s or step0) if x else step0)
+                for x in loads]
+
+    def _queue(self, r: RunningReplica) -> tuple[int, int]:
+        """(N, P): requests and prompt tokens ahead on ``r`` now, from its last report and what this
+        router sent it since."""
+        load = ReplicaLoad.of(r.routing_stats)
+        seen = load.time if load is not None else -math.inf
+        n, p = (load.num_requests, load.num_prefill_tokens) if load is not None else (0, 0)
+        for res in self._by_replica.get(r.replica_id, {}).values():
+            if res.time > seen:  # routed after the report: not in it
+                n += 1
+                p += res.num_prefill_tokens
+        ended = self._ended_at.get(r.replica_id)
+        if ended:
+            ended[:] = [(t0, t1) for t0, t1 in ended if t1 > seen]  # (reports only move forward)
+            n -= sum(1 for t0, _ in ended if t0 <= seen)  # in the report, ended since
+        return max(n, 0), p
+
+    def estimate(self, r: RunningReplica, keys: list[int], num_prompt_tokens: int, block_size: int,
+                 speed: tuple[float, float]) -> Estimate:
+        n, p = self._queue(r)
+        held = self._match(r, keys).num_blocks * block_size  # (never the block of the last token)
+        rate, step = speed
+        uncached = num_prompt_tokens - held
+        ttft = (p + uncached) / rate + n * step
+        return Estimate(ttft + n * uncached / rate, ttft, held, n, p, rate, step)
+
+    def choose(self, candidates: list[RunningReplica], req: ReplicaRequest) -> Decision:
+        """The routing decision for one request (no reservation, no I/O)."""
+        block_size = _block_size(candidates)
+        keys = routing_keys(req, block_size)
+        for r in candidates:
+            self._expire(r)
+        num_tokens = len(req.prompt_token_ids)
+        est = [self.estimate(r, keys, num_tokens, block_size, s) for r, s in zip(candidates, self._speeds(candidates))]
+        i = min(range(len(candidates)), key=lambda i: (est[i].cost_s, -est[i].num_held_tokens, est[i].num_requests,
+                                                       len(candidates[i].routing_stats.get("digest") or ()), i))
+        reason = ("prefix" if est[i].num_held_tokens else
+                  "queue" if any(e.num_held_tokens for e in est) else "no_match")
+        return Decision(candidates[i], reason, est, keys)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        req = _request_of(pending_request)
+        if req is None or not candidate_replicas:  # describe() and the like: any replica
+            return [candidate_replicas]
+        self._release_cancelled()
+        d = self.choose(candidate_replicas, req)
+        self.decisions[d.reason] += 1
+        chosen = candidate_replicas.index(d.replica)
+        num_tokens = len(req.prompt_token_ids)
+        self._reserve(pending_request.metadata.internal_request_id, d.replica.replica_id,
+                      num_tokens - d.estimates[chosen].num_held_tokens, d.keys, pending_request)
+        order = sorted((i for i in range(len(candidate_replicas)) if i != chosen), key=lambda i: d.estimates[i].cost_s)
+        rest = [candidate_replicas[i] for i in order]
+        return [[d.replica]] + ([rest] if rest else [])
+
+    # ------------------------------------------------------------------ reservations
+    def _reserve(self, rid: str, replica_id: ReplicaID, num_prefill_tokens: int, keys: list[int],
+                 pending: PendingRequest | None) -> _Reservation:
+        self._release(rid, ended=False)  # a retry: its last decision's place goes
+        res = _Reservation(replica_id, time.time(), num_prefill_tokens, pending)
+        self._reserved[rid] = self._by_replica[replica_id][rid] = res
+        self._remember(replica_id, rid, keys)
+        return res
+
+    def _release(self, rid: str, ended: bool) -> None:
+        """``ended``: it ran on its replica (its prompt's blocks may be cached there)."""
+        res = self._reserved.pop(rid, None)
+        if res is None:
+            return
+        self._by_replica[res.replica_id].pop(rid, None)
+        if ended:
+            self._ended_at[res.replica_id].append((res.time, time.time()))
+            self._ended(res.replica_id, rid)
+        else:
+            self._forget(res.replica_id, rid)
+
+    def _release_cancelled(self) -> None:
+        """Requests whose caller gave up before they were routed."""
+        for rid in [rid for rid, res in self._reserved.items()
+                    if res.pending is not None and res.pending.future.cancelled()]:
+            self._release(rid, ended=False)
+
+    def _routed(self, rid: str, req: ReplicaRequest, replica_id: ReplicaID) -> None:
+        res = self._reserved.get(rid)
+        if res is None or res.replica_id != replica_id:  # a fallback took it: it moves there
+            r = self.curr_replicas.get(replica_id)
+            block_size = _block_size([r] if r is not None else [])
+            keys = routing_keys(req, block_size)
+            num_tokens = len(req.prompt_token_ids)
+            held = self._match(r, keys).num_blocks * block_size if r is not None else 0
+            res = self._reserve(rid, replica_id, num_tokens - held, keys, None)
+        res.pending = None
+        self._cap(replica_id)
+
+    def _cap(self, replica_id: ReplicaID) -> None:
+        """A replica runs at most ``max_ongoing_requests`` of this router's requests: more
+        reservations there would be ones whose end never came; the oldest go."""
+        r = self.curr_replicas.get(replica_id)
+        held = self._by_replica.get(replica_id, {})
+        if r is not None and len(held) > r.max_ongoing_requests:
+            routed = sorted((res.time, rid) for rid, res in held.items() if res.pending is None)
+            for _, rid in routed[:len(held) - r.max_ongoing_requests]:
+                self._release(rid, ended=False)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """Completed, failed, or refused by the replica (Serve then routes it again)."""
+        res = self._reserved.get(internal_request_id)
+        if res is not None and res.replica_id == replica_id:
+            self._release(internal_request_id, ended=res.pending is None)
+
+    def _drop_replica(self, replica_id: ReplicaID) -> None:
+        for rid in list(self._by_replica.pop(replica_id, {})):
+            self._reserved.pop(rid, None)
+        self._ended_at.pop(replica_id, None)
+        self._drop_view(replica_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        alive = {r.replica_id for r in replicas}
+        for gone in {*self._by_replica, *self._recent, *self._ended_at} - alive:  # a dead replica's state goes
+            self._drop_replica(gone)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._drop_replica(replica_id)

@@ -126,7 +126,16 @@ class ReplicaCollector(Collector):
                ("num_cached_blocks", "prefixkv_replica_cached_blocks",
                 "Blocks in the replica's last published cache digest (every tier).", "gauge"),
                ("num_routed", "prefixkv_replica_routed_requests", "Requests the router sent to the replica.",
-                "counter"))
+                "counter"),
+               ("num_in_flight", "prefixkv_replica_router_in_flight",
+                "Requests the router counts against the replica now (from its routing decision until they end).",
+                "gauge"),
+               ("num_prefill_tokens", "prefixkv_replica_prefill_tokens_pending",
+                "Prompt tokens still to compute on the replica (its last published load).", "gauge"),
+               ("prefill_tokens_per_s", "prefixkv_replica_prefill_tokens_per_second",
+                "The replica's measured prefill rate (0 until measured).", "gauge"),
+               ("decode_step_s", "prefixkv_replica_decode_step_seconds",
+                "The replica's measured time of a step of decodes only (0 until measured).", "gauge"))
         engine = tuple((key, name.replace("prefixkv_", "prefixkv_replica_", 1), doc, kind)
                        for key, name, doc, kind in _ENGINE_METRICS)
         for key, name, doc, kind in own + engine:
