@@ -27,7 +27,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from prefixkv.errors import EngineDeadError, EngineFatalError
+from prefixkv.errors import EngineDeadError, EngineFatalError, RequestAbortedError, RequestFailedError
 from prefixkv.outputs import RequestOutput, merge_outputs
 from prefixkv.sampling_params import SamplingParams
 
@@ -41,14 +41,6 @@ T = TypeVar("T")
 # When the engine has unfinished requests but a step schedules nothing, wait this long for commands
 # before stepping again (no busy spin).
 _IDLE_POLL_S = 0.005
-
-
-class RequestAbortedError(RuntimeError):
-    """The request was aborted by ``AsyncEngine.abort`` while a consumer was reading it."""
-
-
-class RequestFailedError(RuntimeError):
-    """A step failed for this request (its blocks are freed; other requests went on)."""
 
 
 class _Sink:
@@ -133,7 +125,8 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Owns an ``LLMEngine`` and runs its step loop on a background thread.
+    """Owns an ``LLMEngine`` and runs its step loop on a background thread; an ``EngineClient``
+    (prefixkv/engine_client.py).
 
     Use from coroutines on any event loop::
 
@@ -169,8 +162,7 @@ class AsyncEngine:
         # its request fail with engine_dead never finds /health ok afterwards
         return not self._closing and self.fatal_error is None and self._thread.is_alive()
 
-    # what the OpenAI layer (server/serving.py) reads of an engine; a Ray Serve ingress's
-    # ``RemoteEngine`` (serve/ingress.py) answers the same
+    # what the API layers read of an engine (prefixkv/engine_client.py's EngineClient)
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -197,6 +189,10 @@ class AsyncEngine:
     def stats(self) -> dict[str, Any]:
         """``LLMEngine.stats()`` as of the engine thread's last step or command batch (no engine call)."""
         return dict(self._stats)
+
+    async def cache_summary(self, max_nodes: int, text_tokens: int = 0) -> dict[str, Any]:
+        """``LLMEngine.cache_summary``, computed on the engine thread between steps."""
+        return await self.run(lambda e: e.cache_summary(max_nodes, text_tokens))
 
     async def run(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps; returns its result or raises its

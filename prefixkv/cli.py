@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from prefixkv.engine_args import add_engine_args, engine_config_from_args  # noqa: F401 (re-exported)
 from prefixkv.serve.app import add_ray_args
@@ -37,6 +39,24 @@ def _bench(argv: list[str]) -> int:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         from bench.__main__ import main as bench_main
     return bench_main(argv) or 0
+
+
+def default_model_name(model: str | None) -> str:
+    if model is None:
+        from prefixkv.model.loader import EMBEDDED_NAME
+
+        return EMBEDDED_NAME
+    path = Path(model).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def server_config_from_args(args: argparse.Namespace):
+    from prefixkv.server.serving import ServerConfig
+
+    return ServerConfig(model_name=args.served_model_name or default_model_name(args.model),
+                        api_key=args.api_key or os.environ.get("PREFIXKV_API_KEY") or None,
+                        max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
+                        tool_call_parser=args.tool_call_parser, cache_view_text=args.cache_view_text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,13 +112,12 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.cmd == "serve" and uses_ray(args):
             from prefixkv.serve.app import run_ray_server
-            from prefixkv.server.app import server_config_from_args
 
             return run_ray_server(args, engine_config_from_args(args), server_config_from_args(args))
         if args.cmd == "serve":
             from prefixkv.server.app import run_server
 
-            return run_server(args)
+            return run_server(engine_config_from_args(args), server_config_from_args(args), args.host, args.port)
     except (ValueError, FileNotFoundError) as e:
         print(f"prefixkv: error: {e}", file=sys.stderr)
         return 2

@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixkv.async_engine import AsyncEngine, RequestAbortedError, RequestFailedError
+from prefixkv.async_engine import AsyncEngine
 from prefixkv.config import EngineConfig
-from prefixkv.errors import EngineDeadError, EngineFatalError
+from prefixkv.errors import EngineDeadError, EngineFatalError, RequestAbortedError, RequestFailedError
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.cache_view import TEXT_TOKENS
 

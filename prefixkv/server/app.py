@@ -12,7 +12,6 @@ freed).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import gc
@@ -22,22 +21,24 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from prefixkv.async_engine import AsyncEngine
+from prefixkv.engine_client import EngineClient
 from prefixkv.server.protocol import ProtocolError
 from prefixkv.server.serving import (  # noqa: F401 - ServerConfig and ApiError are this module's API too
     ApiError,
     OpenAIServing,
     Reply,
     ServerConfig,
-    _timeout_at,
     bad_request,
+    read_body,
 )
 from prefixkv.server.webui import WebUI
+
+if TYPE_CHECKING:
+    from prefixkv.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def _response(reply: Reply) -> web.Response:
 class _AioServer:
     """aiohttp handlers over ``OpenAIServing``."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
         self.api = OpenAIServing(engine, config)
         self.config = config
 
@@ -113,16 +114,8 @@ class _AioServer:
 
     # ------------------------------------------------------------------ transport
     async def _body(self, request: web.Request, t0: float) -> bytes:
-        limit = self.config.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise ApiError(413, f"the request body ({request.content_length} bytes) is larger than the "
-                                f"server's limit of {limit} bytes", code="request_too_large")
-        try:  # the request timeout counts from arrival, so a body that trickles in is cut off too
-            async with _timeout_at(t0 + self.config.request_timeout):
-                return await request.read()  # aiohttp raises 413 past client_max_size (chunked bodies)
-        except TimeoutError:
-            raise ApiError(408, "the request body did not arrive within the request timeout",
-                           code="request_timeout") from None
+        return await read_body(request.content.iter_any(), request.content_length, self.config.max_body_bytes,
+                               t0 + self.config.request_timeout)
 
     async def _send(self, request: web.Request, reply: Reply) -> web.StreamResponse:
         if reply.stream is None:
@@ -175,7 +168,7 @@ class _AioServer:
 SERVER_KEY = web.AppKey("prefixkv_server", _AioServer)
 
 
-def create_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
+def create_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     """The aiohttp app. It owns ``engine``: the app's shutdown shuts the engine down (in-flight
     requests are aborted and end with an error)."""
     server = _AioServer(engine, config)
@@ -195,7 +188,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
 
     async def on_shutdown(app: web.Application) -> None:
         await engine.shutdown()
-        server.api._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        server.api.close()
 
     app.on_shutdown.append(on_shutdown)
     return app
@@ -224,39 +217,22 @@ def url_for(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def default_model_name(model: str | None) -> str:
-    if model is None:
-        from prefixkv.model.loader import EMBEDDED_NAME
-
-        return EMBEDDED_NAME
-    path = Path(model).expanduser()
-    return path.stem if path.suffix == ".gguf" else path.name
-
-
-def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(model_name=args.served_model_name or default_model_name(args.model),
-                        api_key=args.api_key or os.environ.get("PREFIXKV_API_KEY") or None,
-                        max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
-                        tool_call_parser=getattr(args, "tool_call_parser", None),
-                        cache_view_text=getattr(args, "cache_view_text", False))
-
-
-def run_server(args: argparse.Namespace) -> int:
-    """``prefixkv serve``: load the model, serve until SIGTERM/SIGINT, exit 0 after a graceful stop."""
-    from prefixkv.engine_args import engine_config_from_args
+def run_server(engine_config: EngineConfig, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000) -> int:
+    """``prefixkv serve``: load the model, serve until SIGTERM/SIGINT, exit 0 after a graceful stop
+    (1 if the engine died)."""
+    from prefixkv.async_engine import AsyncEngine
     from prefixkv.engine import LLMEngine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    config = server_config_from_args(args)
     stop_early = lambda signum, frame: sys.exit(0)  # noqa: E731 - a signal while the model loads
     old = {s: signal.signal(s, stop_early) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        engine = LLMEngine(engine_config_from_args(args))
+        engine = LLMEngine(engine_config)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    return asyncio.run(_serve(AsyncEngine(engine), config, args.host, args.port))
+    return asyncio.run(serve(AsyncEngine(engine), config, host, port))
 
 
 # Container allocations between young collections (CPython's default: 700). A step allocates a few
@@ -280,7 +256,8 @@ def tune_gc_for_serving() -> int:
     return gc.get_freeze_count()
 
 
-async def _serve(engine: AsyncEngine, config: ServerConfig, host: str, port: int) -> int:
+async def serve(engine: EngineClient, config: ServerConfig, host: str, port: int) -> int:
+    """Serve ``engine`` on ``host:port`` until SIGTERM/SIGINT (0) or the engine's death (1)."""
     app = create_app(engine, config)
     try:
         runner, bound = await start_site(app, host, port)
@@ -315,7 +292,7 @@ class BackgroundServer:
             openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
     """
 
-    engine: AsyncEngine
+    engine: EngineClient
     config: ServerConfig
     host: str = "127.0.0.1"
     port: int = 0

@@ -1,7 +1,7 @@
 """The OpenAI-compatible API, transport-independent: request bodies in, ``Reply`` objects out.
 
 ``OpenAIServing`` parses and validates requests (msgspec), renders chat templates and tokenizes off
-the event loop, builds ``SamplingParams``, adds requests to the ``AsyncEngine`` and turns its outputs
+the event loop, builds ``SamplingParams``, adds requests to the engine (an ``EngineClient``) and turns its outputs
 into OpenAI's wire objects: a JSON body, or an SSE byte stream (``data: {json}\n\n`` ...
 ``data: [DONE]\n\n``). It knows no HTTP library: ``server/app.py`` (aiohttp) adapts it, and any
 other front end (a Ray Serve ingress) can, with the same routes, errors and streams.
@@ -10,7 +10,7 @@ One request, start to end::
 
     body (the adapter enforces max_body_bytes: 413) -> msgspec decode (400 + field path) -> model
     check (404) -> SamplingParams (400, param = the field) -> [chat template off the loop]
-    -> AsyncEngine.add_request (400 prompt too long, 503 queue full)      <- nothing sent yet
+    -> EngineClient.add_requests (400 prompt too long, 503 queue full)    <- nothing sent yet
     -> Reply(body) | Reply(stream)                                         <- 200 from here on
     closing the stream early (client disconnect, timeout, shutdown) aborts the request in the
     engine, which frees its KV blocks.
@@ -36,8 +36,8 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from prefixkv.async_engine import AsyncEngine, RequestAbortedError, RequestStream
-from prefixkv.errors import EngineDeadError, EngineFatalError, ReplicaDiedError
+from prefixkv.engine_client import EngineClient, OutputStream
+from prefixkv.errors import EngineDeadError, EngineFatalError, ReplicaDiedError, RequestAbortedError
 from prefixkv.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.metrics import ServerMetrics
@@ -85,10 +85,10 @@ _SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 if sys.version_info >= (3, 11):
-    _timeout_at = asyncio.timeout_at
+    timeout_at = asyncio.timeout_at
 else:  # Python 3.10: the same contract, without Task.uncancel
     @contextlib.asynccontextmanager
-    async def _timeout_at(when: float):
+    async def timeout_at(when: float):
         task = asyncio.current_task()
         fired = False
 
@@ -126,6 +126,29 @@ class ServerConfig:
             raise ValueError(f"request_timeout: must be positive, got {self.request_timeout}")
 
 
+async def read_body(chunks: AsyncIterator[bytes], content_length: int | None, limit: int, deadline: float) -> bytes:
+    """A request body from the transport's ``chunks``, for every front end: 413 when the declared
+    ``content_length`` or the bytes received pass ``limit``, 408 when the body has not arrived by
+    ``deadline`` (``loop.time()``; the request timeout counts from arrival, so a body that trickles
+    in is cut off too)."""
+    if content_length is not None and content_length > limit:
+        raise ApiError(413, f"the request body ({content_length} bytes) is larger than the server's limit of "
+                            f"{limit} bytes", code="request_too_large")
+    parts, size = [], 0
+    try:
+        async with timeout_at(deadline):
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"the request body is larger than the server's limit of {limit} bytes",
+                                   code="request_too_large")
+                parts.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, "the request body did not arrive within the request timeout",
+                       code="request_timeout") from None
+    return b"".join(parts)
+
+
 # ---------------------------------------------------------------------- what a route answers
 @dataclass
 class Reply:
@@ -143,7 +166,7 @@ class EventStream:
     however it ends (finished, client gone, cancelled): that aborts the engine requests behind it
     (a no-op for those already finished), started or not."""
 
-    def __init__(self, chunks: AsyncIterator[bytes], streams: list[RequestStream]) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes], streams: list[OutputStream]) -> None:
         self._chunks = chunks
         self._streams = streams
 
@@ -377,7 +400,7 @@ def _sse(obj: object) -> bytes:
     return b"data: " + encode(obj) + b"\n\n"
 
 
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(streams: list[OutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from several streams as they arrive."""
     if len(streams) == 1:
         async for out in streams[0]:
@@ -385,7 +408,7 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
         return
     q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, stream: RequestStream) -> None:
+    async def pump(i: int, stream: OutputStream) -> None:
         try:
             async for out in stream:
                 q.put_nowait((i, out))
@@ -419,13 +442,11 @@ class OpenAIServing:
     """The routes' logic. ``t0`` (the request's arrival, ``loop.time()``) starts its timeout and its
     latency metrics; bodies are the raw request bytes.
 
-    ``engine`` is an ``AsyncEngine``, or anything with its client surface: ``tokenizer``, ``info``
-    (max_model_len, vocab_size), ``max_waiting_requests``, ``default_sampling``,
-    ``compile_grammar``, ``add_requests`` (streams of ``RequestOutput`` with ``abort()``),
-    ``stats()`` and ``is_running`` -- e.g. the Ray Serve ingress's ``RemoteEngine``, whose
-    requests run on engine replicas."""
+    ``engine`` is any ``EngineClient`` (prefixkv/engine_client.py): the in-process ``AsyncEngine``,
+    the engine-core process's client, or the Ray Serve ingress's ``RemoteEngine``. ``close()``
+    releases what the layer itself holds (not the engine)."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         self.metrics = ServerMetrics(engine.stats, config.model_name)
@@ -440,6 +461,9 @@ class OpenAIServing:
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ access
     def needs_key(self, path: str) -> bool:
@@ -640,11 +664,11 @@ class OpenAIServing:
         if tools is not None and tools.mode != "none":
             fmt.tools = tools
         deadline = t0 + self.config.request_timeout
-        streams: list[RequestStream] = []
+        streams: list[OutputStream] = []
         handed_over = False  # a stream's EventStream aborts its requests when the transport closes it
         try:
             try:
-                async with _timeout_at(deadline):
+                async with timeout_at(deadline):
                     ids = await self._off_loop(lambda: self._prepare_prompts(prompts, params))
                     self._check_room(ids, params, aliases)
                     rids = [fmt.id if len(prompts) == 1 else f"{fmt.id}-{i}" for i in range(len(prompts))]
@@ -666,13 +690,13 @@ class OpenAIServing:
                 for s in streams:
                     s.abort()
 
-    async def _complete(self, t0: float, deadline: float, fmt: _Format, streams: list[RequestStream],
+    async def _complete(self, t0: float, deadline: float, fmt: _Format, streams: list[OutputStream],
                         params: SamplingParams) -> Reply:
         loop = asyncio.get_running_loop()
         finals: list[RequestOutput | None] = [None] * len(streams)
         ttft = None
         try:
-            async with _timeout_at(deadline), contextlib.aclosing(_merge(streams)) as merged:
+            async with timeout_at(deadline), contextlib.aclosing(_merge(streams)) as merged:
                 async for i, out in merged:
                     if ttft is None:
                         ttft = loop.time() - t0
@@ -692,7 +716,7 @@ class OpenAIServing:
                     c.prompt_logprobs = prompt_logprobs_wire(done[c.index // params.n].prompt_logprobs)
         return json_reply(resp)
 
-    async def _stream(self, t0: float, deadline: float, fmt: _Format, streams: list[RequestStream],
+    async def _stream(self, t0: float, deadline: float, fmt: _Format, streams: list[OutputStream],
                       params: SamplingParams, include_usage: bool) -> AsyncIterator[bytes]:
         """The SSE events of a streamed completion, as the engine's outputs arrive; a failure of the
         engine or the deadline ends it with an error event (then ``[DONE]``)."""
