@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "off by default: the cache view then shows token counts only, never prompt text")
     serve.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                        help="parse tool calls out of free replies: enables tool_choice 'auto' (server/tools.py)")
+    serve.add_argument("--api-server-count", type=int, default=1,
+                       help="HTTP processes sharing the port, each over the one engine-core process (they parse, "
+                            "tokenize, detokenize and stream; the engine steps in its own process)")
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                       help="step the engine in its own process (default); --no-engine-process: in a thread of "
+                            "the HTTP process, as before (one process)")
     add_engine_args(serve)
     add_ray_args(serve)
 
@@ -117,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "serve":
             from prefixkv.server.app import run_server
 
-            return run_server(engine_config_from_args(args), server_config_from_args(args), args.host, args.port)
+            return run_server(engine_config_from_args(args), server_config_from_args(args), args.host, args.port,
+                              api_server_count=args.api_server_count, engine_process=args.engine_process)
     except (ValueError, FileNotFoundError) as e:
         print(f"prefixkv: error: {e}", file=sys.stderr)
         return 2

@@ -74,6 +74,8 @@ class EngineClient(Protocol):
       engine call, cheap enough for every /metrics scrape.
     - ``cache_summary``: ``LLMEngine.cache_summary(max_nodes, text_tokens)``, computed between steps.
     - ``is_running`` / ``fatal_error``: what /health answers and whether a server must exit.
+    - ``start``: called by a server on its event loop once, before the first request (an engine
+      that talks over a socket opens it there and starts watching the engine's process).
     - ``shutdown``: in-flight requests end with ``EngineDeadError``; waits for the engine to stop.
     """
 
@@ -94,5 +96,7 @@ class EngineClient(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
     async def cache_summary(self, max_nodes: int, text_tokens: int = 0) -> dict[str, Any]: ...
+
+    async def start(self) -> None: ...
 
     async def shutdown(self) -> None: ...

@@ -66,12 +66,12 @@ def test_replies_streams_and_errors_without_a_transport(api):
 
 
 def test_closing_a_stream_before_reading_it_aborts_its_request(api, monkeypatch):
-    from prefixkv.async_engine import RequestStream
+    from prefixkv.streams import RequestStream
 
     aborted = []
     real_abort = RequestStream.abort
     def abort(self):  # this engine's streams only: one of an earlier test's, collected meanwhile, aborts too
-        if self._engine is api.engine:
+        if self._on_abort.__self__ is api.engine:
             aborted.append(self.request_id)
         real_abort(self)
 

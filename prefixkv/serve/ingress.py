@@ -170,6 +170,9 @@ class RemoteEngine:
     async def cache_summary(self, max_nodes: int, text_tokens: int = 0) -> dict[str, Any]:
         return self.replica_summary(None, max_nodes)[1]
 
+    async def start(self) -> None:
+        """Nothing to open: the deployment handle is Serve's."""
+
     async def shutdown(self) -> None:
         """Nothing to stop here: Serve owns the replicas."""
 
@@ -248,7 +251,7 @@ class OpenAIIngress:
                     facts = await self._replicas.describe.remote()
                     engine = RemoteEngine(self._replicas, facts, self._tokenizer, self._deployment)
                     api = OpenAIServing(engine, self.config)
-                    api.metrics.registry.register(ReplicaCollector(engine.replica_stats, engine.router_decisions))
+                    api.metrics.register(ReplicaCollector(engine.replica_stats, engine.router_decisions))
                     self.api = api
         return self.api
 

@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from prefixkv.engine_client import EngineClient
+from prefixkv.engine_core.process import GC_YOUNG_THRESHOLD, tune_gc_for_serving
 from prefixkv.server.protocol import ProtocolError
 from prefixkv.server.serving import (  # noqa: F401 - ServerConfig and ApiError are this module's API too
     ApiError,
@@ -186,20 +188,26 @@ def create_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     app.router.add_get("/metrics", server.metrics_route)
     WebUI(engine, config.model_name, config.cache_view_text).add_routes(app)
 
+    async def on_startup(app: web.Application) -> None:
+        await engine.start()
+
     async def on_shutdown(app: web.Application) -> None:
         await engine.shutdown()
         server.api.close()
 
+    app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)
     return app
 
 
-async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Bind ``app`` (port 0 = any free port); returns the runner and the bound port."""
+async def start_site(app: web.Application, host: str, port: int,
+                     sock: socket.socket | None = None) -> tuple[web.AppRunner, int]:
+    """Bind ``app`` (port 0 = any free port), or serve it on the listening ``sock``; returns the
+    runner and the bound port."""
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=10.0)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port) if sock is None else web.SockSite(runner, sock)
     try:
         await site.start()
     except BaseException:
@@ -217,61 +225,69 @@ def url_for(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def run_server(engine_config: EngineConfig, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000) -> int:
+def run_server(engine_config: EngineConfig, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
+               api_server_count: int = 1, engine_process: bool = True) -> int:
     """``prefixkv serve``: load the model, serve until SIGTERM/SIGINT, exit 0 after a graceful stop
-    (1 if the engine died)."""
-    from prefixkv.async_engine import AsyncEngine
-    from prefixkv.engine import LLMEngine
+    (1 if the engine died).
+
+    ``engine_process`` (the default): the engine steps in its own process (prefixkv/engine_core/)
+    and this one, or ``api_server_count`` of them sharing the port, does the HTTP side; its compute
+    threads follow ``engine_threads``. Otherwise the engine steps in a thread of this process
+    (``AsyncEngine``: one process, as ``LLM``; the threads torch picks)."""
+    from prefixkv.engine_core.process import available_cpus, engine_threads
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    if api_server_count < 1:
+        raise ValueError(f"api_server_count: must be >= 1, got {api_server_count}")
+    if api_server_count > 1:
+        if not engine_process:
+            raise ValueError("api_server_count: several HTTP processes need the engine in its own process")
+        from prefixkv.server.api_servers import run_api_servers
+
+        return run_api_servers(engine_config, config, host, port, api_server_count)
     stop_early = lambda signum, frame: sys.exit(0)  # noqa: E731 - a signal while the model loads
     old = {s: signal.signal(s, stop_early) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        engine = LLMEngine(engine_config)
+        if engine_process:
+            from prefixkv.engine_core.client import EngineCoreClient
+
+            engine: EngineClient = EngineCoreClient.launch(engine_config, threads=engine_threads(available_cpus()))
+        else:
+            from prefixkv.async_engine import AsyncEngine
+            from prefixkv.engine import LLMEngine
+
+            engine = AsyncEngine(LLMEngine(engine_config))
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    return asyncio.run(serve(AsyncEngine(engine), config, host, port))
+    return asyncio.run(serve(engine, config, host, port))
 
 
-# Container allocations between young collections (CPython's default: 700). A step allocates a few
-# objects per running request (scheduled entries, outputs, deltas): with 700, most of them were
-# alive at a collection, were promoted and fed full collections; `bench scale` at 256 running:
-# median host step 1.02 -> 0.91 ms, no full collection in 100 steps instead of one per ~70.
-GC_YOUNG_THRESHOLD = 20_000
-
-
-def tune_gc_for_serving() -> int:
-    """Once the serving process has started: move everything alive (torch, transformers, the
-    model, the server: ~2e5 objects) out of the garbage collector's reach, as vLLM's engine core
-    does (none of it is garbage, and each full collection walked it all: 0.1 s a pause here), and
-    collect the young generation less often (``GC_YOUNG_THRESHOLD``). Done by ``prefixkv serve``
-    only: the offline ``LLM`` lives in its caller's process, whose heap is the caller's. Returns
-    the number of objects frozen."""
-    gc.collect()
-    gc.freeze()
-    _, g1, g2 = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, g1, g2)
-    return gc.get_freeze_count()
-
-
-async def serve(engine: EngineClient, config: ServerConfig, host: str, port: int) -> int:
-    """Serve ``engine`` on ``host:port`` until SIGTERM/SIGINT (0) or the engine's death (1)."""
+async def serve(engine: EngineClient, config: ServerConfig, host: str, port: int, sock: socket.socket | None = None,
+                on_ready: Callable[[str], None] | None = None,
+                signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> int:
+    """Serve ``engine`` on ``host:port`` (or the listening ``sock``, shared with other processes)
+    until one of ``signals`` (0) or the engine's death (1). ``on_ready(url)`` once it listens
+    (default: print the "prefixkv serving" line)."""
     app = create_app(engine, config)
     try:
-        runner, bound = await start_site(app, host, port)
+        runner, bound = await start_site(app, host, port, sock)
     except OSError as e:
         print(f"prefixkv: error: cannot listen on {host}:{port}: {e}", file=sys.stderr)
         await engine.shutdown()
         return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for s in (signal.SIGTERM, signal.SIGINT):
+    for s in signals:
         loop.add_signal_handler(s, stop.set)
-    logger.info("%d start-up objects frozen out of the garbage collector's walks; young-generation "
-                "threshold %d", tune_gc_for_serving(), GC_YOUNG_THRESHOLD)
-    print(f"prefixkv serving {config.model_name} at {url_for(host, bound)}", flush=True)
+    logger.info("HTTP process %d: %d start-up objects frozen out of the garbage collector's walks; "
+                "young-generation threshold %d", os.getpid(), tune_gc_for_serving(), GC_YOUNG_THRESHOLD)
+    url = url_for(host, bound)
+    if on_ready is None:
+        print(f"prefixkv serving {config.model_name} at {url}", flush=True)
+    else:
+        on_ready(url)
     while not stop.is_set() and engine.fatal_error is None:  # a dead engine ends the process
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=0.2)
