@@ -51,7 +51,7 @@ logger = logging.getLogger("prefixkv.engine_core")
 
 IDLE_WAKE_S = 0.1  # an idle core looks at its stop flag and its parent this often
 EMPTY_STEP_WAIT_S = 0.005  # a step that scheduled nothing (waiting for disk reads): wait this long for messages
-STATS_PERIOD_S = 0.1  # statistics go out at most this often while requests run (and once when idle)
+STATS_PERIOD_S = 0.1  # statistics go out this often while the same requests run
 
 # Calls a client may make (``EngineCoreClient.call``): name -> fn(engine, *args); results are
 # MessagePack-able.
@@ -104,6 +104,7 @@ class EngineCore:
         self._stop = False
         self._stats_sent: dict[str, Any] | None = None
         self._stats_at = 0.0
+        self._num_unfinished_sent = 0
         self._encoder = msgspec.msgpack.Encoder()
 
     # ------------------------------------------------------------------ the loop
@@ -310,15 +311,17 @@ class EngineCore:
             self._send(identity, m.StepOutputs(batch))
 
     def _publish_stats(self) -> None:
-        """The engine's statistics to every client: at most every ``STATS_PERIOD_S`` while requests
-        run, at once when the engine has just become idle; only when they changed."""
+        """The engine's statistics to every client when they changed: at once when a request came
+        or went (the engine idle included), else at most every ``STATS_PERIOD_S``."""
         now = time.monotonic()
-        if now - self._stats_at < STATS_PERIOD_S and self.engine.has_unfinished():
+        num = self.engine.num_unfinished
+        if now - self._stats_at < STATS_PERIOD_S and num == self._num_unfinished_sent:
             return
         stats = self.engine.stats()
+        self._stats_at, self._num_unfinished_sent = now, num
         if stats == self._stats_sent:
             return
-        self._stats_sent, self._stats_at = stats, now
+        self._stats_sent = stats
         self._broadcast(m.StepOutputs([], stats))
 
     # ------------------------------------------------------------------ plumbing

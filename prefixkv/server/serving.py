@@ -307,6 +307,7 @@ class _Format:
     model: str
     num_top_logprobs: int
     token_text: TokenText
+    _text_events: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)  # delta_event's, per choice
 
     def start_chunks(self, num_choices: int) -> list[msgspec.Struct]:
         return []
@@ -315,6 +316,25 @@ class _Format:
                     finish_reason: str | None, stop_reason: int | str | None = None) -> msgspec.Struct:
         choice = self._delta_choice(index, text, self._logprobs_or_none(lps, text_offset), finish_reason, stop_reason)
         return self.chunk_type(self.id, self.created, self.model, [choice])
+
+    @property
+    def plain_deltas(self) -> bool:
+        """A delta chunk of text alone is ``delta_chunk``'s bytes with only the text changing."""
+        return True
+
+    def delta_event(self, index: int, text: str, lps: list[TokenLogprob] | None, text_offset: int,
+                    finish_reason: str | None, stop_reason: int | str | None = None) -> bytes:
+        """``_sse(delta_chunk(...))``. A chunk of new text alone (most of a stream) is built from
+        bytes made once per choice -- the encoded chunk around its text -- and the text's own JSON,
+        byte for byte what encoding the whole chunk gives."""
+        if lps is not None or finish_reason is not None or not self.plain_deltas:
+            return _sse(self.delta_chunk(index, text, lps, text_offset, finish_reason, stop_reason))
+        around = self._text_events.get(index)
+        if around is None:
+            raw = _sse(self.delta_chunk(index, _TEXT_MARK, None, 0, None, None))
+            head, _, tail = raw.partition(_TEXT_MARK_JSON)
+            around = self._text_events[index] = (head, tail)
+        return around[0] + msgspec.json.encode(text) + around[1]
 
     def usage_chunk(self, usage: Usage) -> msgspec.Struct:
         return self.chunk_type(self.id, self.created, self.model, [], usage)
@@ -368,6 +388,10 @@ class _ChatFormat(_Format):
         choice = ChatChunkChoice(index, delta, self._logprobs_or_none(lps, text_offset), finish_reason, stop_reason)
         return self.chunk_type(self.id, self.created, self.model, [choice])
 
+    @property
+    def plain_deltas(self) -> bool:
+        return self.tools is None
+
     def start_chunks(self, num_choices: int) -> list[msgspec.Struct]:
         return [self.chunk_type(self.id, self.created, self.model,
                                 [ChatChunkChoice(i, DeltaMessage(role="assistant", content=""))])
@@ -398,6 +422,10 @@ class _CompletionFormat(_Format):
 
 def _sse(obj: object) -> bytes:
     return b"data: " + encode(obj) + b"\n\n"
+
+
+_TEXT_MARK = "\x00prefixkv-text\x00"  # no model text is this: control characters around a name
+_TEXT_MARK_JSON = msgspec.json.encode(_TEXT_MARK)
 
 
 async def _merge(streams: list[OutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -743,9 +771,9 @@ class OpenAIServing:
                     ttft = loop.time() - t0
                 if out.finished:
                     finals[i] = out
-                chunks = _delta_chunks(fmt, i * params.n, out, states)
-                if chunks:
-                    yield b"".join(map(_sse, chunks))
+                events = _delta_events(fmt, i * params.n, out, states)
+                if events:  # one write per output: every choice's news of every step it stands for
+                    yield b"".join(events)
         except Exception as e:  # the engine failed or the deadline passed: the stream ends with the error
             yield _sse(_engine_error(e).body())
         else:
@@ -781,8 +809,8 @@ def _check_tool_messages(messages: list) -> None:
                                     "of an earlier assistant message", param=f"messages[{i}].tool_call_id")
 
 
-def _delta_chunks(fmt: _Format, base: int, out: RequestOutput, states: list[_ChoiceState]) -> list[msgspec.Struct]:
-    """The stream chunks for one engine output (of kind "delta"): new text, new logprobs (when they
+def _delta_events(fmt: _Format, base: int, out: RequestOutput, states: list[_ChoiceState]) -> list[bytes]:
+    """The SSE events for one engine output (of kind "delta"): new text, new logprobs (when they
     were asked for), and each choice's finish reason once."""
     chunks = []
     for co in out.outputs:
@@ -793,7 +821,7 @@ def _delta_chunks(fmt: _Format, base: int, out: RequestOutput, states: list[_Cho
         if not co.delta_text and not lps and finish is None:
             continue
         st.finished = st.finished or finish is not None
-        chunks.append(fmt.delta_chunk(index, co.delta_text, lps, st.num_sent_chars, finish,
+        chunks.append(fmt.delta_event(index, co.delta_text, lps, st.num_sent_chars, finish,
                                       co.stop_reason if finish is not None else None))
         st.num_sent_chars += len(co.delta_text)
     return chunks
