@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="step the engine in its own process (default); --no-engine-process: in a thread of "
                             "the HTTP process, as before (one process)")
+    serve.add_argument("--engine-threads", type=int, default=None,
+                       help="compute threads of the engine process (default: every CPU up to 4, beyond that one "
+                            "CPU per HTTP process is left out: prefixkv/engine_core/process.py)")
     add_engine_args(serve)
     add_ray_args(serve)
 
@@ -124,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             from prefixkv.server.app import run_server
 
             return run_server(engine_config_from_args(args), server_config_from_args(args), args.host, args.port,
-                              api_server_count=args.api_server_count, engine_process=args.engine_process)
+                              api_server_count=args.api_server_count, engine_process=args.engine_process,
+                              engine_threads=args.engine_threads)
     except (ValueError, FileNotFoundError) as e:
         print(f"prefixkv: error: {e}", file=sys.stderr)
         return 2

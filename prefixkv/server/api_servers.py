@@ -45,7 +45,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=1024)
 
 
-def run_api_servers(engine_config: EngineConfig, config: ServerConfig, host: str, port: int, count: int) -> int:
+def run_api_servers(engine_config: EngineConfig, config: ServerConfig, host: str, port: int, count: int,
+                    threads: int | None = None) -> int:
     from prefixkv.engine_core.client import CoreProcess
     from prefixkv.server.app import url_for
 
@@ -62,7 +63,7 @@ def run_api_servers(engine_config: EngineConfig, config: ServerConfig, host: str
         return 1
     metrics_dir = tempfile.mkdtemp(prefix="prefixkv-metrics-")
     os.environ[PROMETHEUS_DIR_ENV] = metrics_dir  # before the HTTP processes import prometheus_client
-    core = CoreProcess(engine_config, threads=engine_threads(available_cpus(), count))
+    core = CoreProcess(engine_config, threads=threads or engine_threads(available_cpus(), count))
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Queue()
     servers = [ctx.Process(target=_http_process, name=f"prefixkv-http-{i}",

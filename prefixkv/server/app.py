@@ -226,15 +226,16 @@ def url_for(host: str, port: int) -> str:
 
 
 def run_server(engine_config: EngineConfig, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
-               api_server_count: int = 1, engine_process: bool = True) -> int:
+               api_server_count: int = 1, engine_process: bool = True, engine_threads: int | None = None) -> int:
     """``prefixkv serve``: load the model, serve until SIGTERM/SIGINT, exit 0 after a graceful stop
     (1 if the engine died).
 
     ``engine_process`` (the default): the engine steps in its own process (prefixkv/engine_core/)
     and this one, or ``api_server_count`` of them sharing the port, does the HTTP side; its compute
-    threads follow ``engine_threads``. Otherwise the engine steps in a thread of this process
-    (``AsyncEngine``: one process, as ``LLM``; the threads torch picks)."""
-    from prefixkv.engine_core.process import available_cpus, engine_threads
+    threads: ``engine_threads``, by default ``process.engine_threads``' choice for the CPUs there
+    are. Otherwise the engine steps in a thread of this process (``AsyncEngine``: one process, as
+    ``LLM``; the threads torch picks)."""
+    from prefixkv.engine_core import process
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
@@ -245,14 +246,15 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, host: str = "1
             raise ValueError("api_server_count: several HTTP processes need the engine in its own process")
         from prefixkv.server.api_servers import run_api_servers
 
-        return run_api_servers(engine_config, config, host, port, api_server_count)
+        return run_api_servers(engine_config, config, host, port, api_server_count, engine_threads)
     stop_early = lambda signum, frame: sys.exit(0)  # noqa: E731 - a signal while the model loads
     old = {s: signal.signal(s, stop_early) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         if engine_process:
             from prefixkv.engine_core.client import EngineCoreClient
 
-            engine: EngineClient = EngineCoreClient.launch(engine_config, threads=engine_threads(available_cpus()))
+            threads = engine_threads or process.engine_threads(process.available_cpus())
+            engine: EngineClient = EngineCoreClient.launch(engine_config, threads=threads)
         else:
             from prefixkv.async_engine import AsyncEngine
             from prefixkv.engine import LLMEngine
