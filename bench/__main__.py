@@ -25,6 +25,8 @@ Within prefixkv only::
 Against ``prefixkv serve`` (spawned on loopback, or ``--url``)::
 
     serving            TTFT / TPOT / latency p50-p90-p99 and throughput against the request rate (Poisson)
+    http               prefixkv serve vs vLLM's api_server vs llama-server, driven by vllm bench serve
+    http-ceiling       served vs offline tokens/s on a tiny model with millisecond steps (the front end's limit)
 
 On Ray Serve (a local Ray instance, replicas of ``prefixkv``)::
 
@@ -186,6 +188,16 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.serving import add_arguments
 
     add_arguments(p)
+    p = sub.add_parser("http", help="prefixkv serve vs vLLM's api_server vs llama-server through HTTP, driven by "
+                                    "vllm bench serve (shared-prefix, multi-turn, cold; two concurrencies)")
+    from bench.serve_peers import add_arguments as add_http
+
+    add_http(p)
+    p = sub.add_parser("http-ceiling", help="served vs offline tokens/s of one engine on a tiny model with "
+                                            "millisecond steps, N concurrent streams")
+    from bench.serve_ceiling import add_arguments as add_ceiling
+
+    add_ceiling(p)
     p = sub.add_parser("sliding-window", help="Gemma-3-shaped long chats in a fixed KV budget: out-of-window "
                                               "blocks freed (KV cache groups) vs kept")
     from bench.sliding_window import add_arguments as add_sliding_window

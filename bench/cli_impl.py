@@ -179,5 +179,13 @@ def dispatch(args: argparse.Namespace, command: str) -> int:
         from bench import serving
 
         return serving.cmd_serving(args, command)
+    if args.workload == "http":
+        from bench import serve_peers
+
+        return serve_peers.cmd_http(args, command)
+    if args.workload == "http-ceiling":
+        from bench import serve_ceiling
+
+        return serve_ceiling.cmd_ceiling(args, command)
     print(f"bench: unknown command {args.workload}", file=sys.stderr)
     return 2

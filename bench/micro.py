@@ -666,7 +666,7 @@ class _FakeTokenizer:
 
 def cmd_scale(args: argparse.Namespace, command: str) -> int:
     import prefixkv.engine  # noqa: F401 - torch, transformers and the engine's modules, as in a server
-    from prefixkv.server.app import tune_gc_for_serving
+    from prefixkv.engine_core.process import tune_gc_for_serving
 
     tune_gc_for_serving()  # what `prefixkv serve` does once it has started
     rows = []

@@ -12,9 +12,7 @@ engine thread, the engine needs no locks. The event loop never waits on a forwar
 on its own queues. A stream whose consumer goes away (client disconnect: ``CancelledError`` /
 ``GeneratorExit``, or the stream is garbage-collected) aborts its request, which frees its KV blocks.
 
-Back-pressure: a request's sink holds at most one undelivered output. A consumer slower than the
-engine gets the deltas of several steps merged into one (``merge_outputs``), so its memory grows
-with the undelivered tokens only, never with the number of steps.
+Back-pressure: a request's sink holds at most one undelivered output (prefixkv/streams.py).
 """
 
 from __future__ import annotations
@@ -24,12 +22,14 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from prefixkv.errors import EngineDeadError, EngineFatalError
-from prefixkv.outputs import RequestOutput, merge_outputs
+from prefixkv.errors import EngineDeadError, EngineFatalError, RequestAbortedError, RequestFailedError
+from prefixkv.outputs import RequestOutput
 from prefixkv.sampling_params import SamplingParams
+from prefixkv.streams import OutputSink, RequestStream, StreamingClient, deliver
+from prefixkv.serve.load import queue_state
 
 if TYPE_CHECKING:
     from prefixkv.config import EngineConfig
@@ -43,97 +43,9 @@ T = TypeVar("T")
 _IDLE_POLL_S = 0.005
 
 
-class RequestAbortedError(RuntimeError):
-    """The request was aborted by ``AsyncEngine.abort`` while a consumer was reading it."""
-
-
-class RequestFailedError(RuntimeError):
-    """A step failed for this request (its blocks are freed; other requests went on)."""
-
-
-class _Sink:
-    """Where the engine thread delivers one request's outputs, bound to its event loop: one pending
-    output (later ones merged into it) or an error, and an event to wake the consumer. Read and
-    written on the event loop only (the engine thread hands items over with call_soon_threadsafe)."""
-
-    __slots__ = ("loop", "pending", "error", "ready", "delta")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, delta: bool) -> None:
-        self.loop = loop
-        self.pending: RequestOutput | None = None
-        self.error: BaseException | None = None
-        self.ready = asyncio.Event()
-        self.delta = delta  # the request's outputs carry deltas (output_kind "delta")
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        if isinstance(item, BaseException):
-            self.error = self.error or item
-        elif self.pending is None:
-            self.pending = item
-        else:
-            self.pending = merge_outputs(self.pending, item, self.delta)
-        self.ready.set()
-
-    async def get(self) -> RequestOutput | BaseException:
-        while self.pending is None and self.error is None:
-            self.ready.clear()
-            await self.ready.wait()
-        if self.pending is not None:  # outputs delivered before an error still reach the consumer
-            item, self.pending = self.pending, None
-            return item
-        return self.error
-
-
-class RequestStream:
-    """Async iterator over one request's ``RequestOutput`` deltas; the last one has ``finished``.
-
-    Leaving it early (``abort()``, ``async with`` exit, garbage collection) aborts the request in the
-    engine. Errors delivered by the engine thread (``EngineDeadError``, ``RequestAbortedError``, an
-    exception from a step) are raised from ``__anext__``.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_id: str, sink: _Sink) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._sink = sink
-        self._done = False
-
-    @property
-    def done(self) -> bool:
-        return self._done
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        item = await self._sink.get()
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        if item.finished:
-            self._done = True
-        return item
-
-    def abort(self) -> None:
-        """Abort the request unless it already finished. Never raises; safe from any thread."""
-        if not self._done:
-            self._done = True
-            self._engine._abort_sink(self.request_id, self._sink)
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.abort()
-
-    def __del__(self) -> None:
-        self.abort()
-
-
-class AsyncEngine:
-    """Owns an ``LLMEngine`` and runs its step loop on a background thread.
+class AsyncEngine(StreamingClient):
+    """Owns an ``LLMEngine`` and runs its step loop on a background thread; an ``EngineClient``
+    (prefixkv/engine_client.py).
 
     Use from coroutines on any event loop::
 
@@ -147,7 +59,7 @@ class AsyncEngine:
         self.engine = engine
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any] | None, concurrent.futures.Future]] = (
             queue.SimpleQueue())
-        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._sinks: dict[str, OutputSink] = {}  # engine thread only
         self._stats: dict[str, Any] = engine.stats()  # replaced, never mutated, by the engine thread
         self._closing = False
         self._flushed = False  # the disk KV tier got the cached blocks at shutdown
@@ -169,8 +81,7 @@ class AsyncEngine:
         # its request fail with engine_dead never finds /health ok afterwards
         return not self._closing and self.fatal_error is None and self._thread.is_alive()
 
-    # what the OpenAI layer (server/serving.py) reads of an engine; a Ray Serve ingress's
-    # ``RemoteEngine`` (serve/ingress.py) answers the same
+    # what the API layers read of an engine (prefixkv/engine_client.py's EngineClient)
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -198,25 +109,31 @@ class AsyncEngine:
         """``LLMEngine.stats()`` as of the engine thread's last step or command batch (no engine call)."""
         return dict(self._stats)
 
+    async def cache_summary(self, max_nodes: int, text_tokens: int = 0) -> dict[str, Any]:
+        """``LLMEngine.cache_summary``, computed on the engine thread between steps."""
+        return await self.run(lambda e: e.cache_summary(max_nodes, text_tokens))
+
+    async def cache_digest(self) -> dict[int, int]:
+        """``KVCacheManager.cache_digest`` (block hash -> tier), for a router, between steps."""
+        return await self.run(lambda e: e.scheduler.kv.cache_digest())
+
+    async def queue_state(self) -> dict[str, int]:
+        """``serve.load.queue_state`` (the queues and the prompt tokens left to compute), between steps."""
+        return await self.run(queue_state)
+
     async def run(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps; returns its result or raises its
         exception. Use it for tokenizer work (chat templates) so the tokenizer has one user."""
         return await asyncio.wrap_future(self._submit(lambda: fn(self.engine)))
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestStream:
-        """Queue a request and return the stream of its outputs.
-
-        Raises what ``LLMEngine.add_request`` raises (``ValueError`` naming the field, ``OverflowError``
-        when the waiting queue is full), or ``EngineDeadError`` after shutdown. If this coroutine is
-        cancelled, the request is aborted whether or not the engine thread had already added it.
-        """
-        return (await self.add_requests([(request_id, prompt)], params))[0]
-
     async def add_requests(self, requests: list[tuple[str, PromptType]], params: SamplingParams) -> list[RequestStream]:
         """Queue several requests in one engine command (so they enter the same step), all or none:
-        if one is refused, those added before it are aborted and the error propagates."""
+        if one is refused, those added before it are aborted and the error propagates. Raises what
+        ``LLMEngine.add_request`` raises (``ValueError`` naming the field, ``OverflowError`` when the
+        waiting queue is full), or ``EngineDeadError`` after shutdown. If this coroutine is
+        cancelled, the requests are aborted whether or not the engine thread had already added them."""
         loop = asyncio.get_running_loop()
-        sinks = [_Sink(loop, params.output_kind == "delta") for _ in requests]
+        sinks = [OutputSink(loop, params.output_kind == "delta") for _ in requests]
 
         def add_all() -> None:
             done = []
@@ -237,18 +154,7 @@ class AsyncEngine:
             for (rid, _), sink in zip(requests, sinks):
                 self._abort_sink(rid, sink)
             raise
-        return [RequestStream(self, rid, sink) for (rid, _), sink in zip(requests, sinks)]
-
-    async def generate(self, request_id: str, prompt: PromptType,
-                       params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its outputs; errors from ``add_request`` propagate unchanged. If the
-        consumer stops early (``aclose``, ``CancelledError``, ``GeneratorExit``) the request is aborted."""
-        stream = await self.add_request(request_id, prompt, params or SamplingParams())
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
+        return [RequestStream(rid, sink, self._abort_sink) for (rid, _), sink in zip(requests, sinks)]
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; a consumer reading it gets ``RequestAbortedError``. False if unknown or done."""
@@ -256,6 +162,9 @@ class AsyncEngine:
             return await asyncio.wrap_future(self._submit(lambda: self._abort(request_id)))
         except EngineDeadError:
             return False
+
+    async def start(self) -> None:
+        """Nothing to do: the engine thread runs from the constructor on."""
 
     async def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the engine thread: in-flight requests are aborted and their consumers get
@@ -286,7 +195,7 @@ class AsyncEngine:
             self._fail_pending_commands()
         return fut
 
-    def _abort_sink(self, request_id: str, sink: _Sink) -> None:
+    def _abort_sink(self, request_id: str, sink: OutputSink) -> None:
         if self._closing:
             return
         self._commands.put((lambda: self._abort_if(request_id, sink), concurrent.futures.Future()))
@@ -297,7 +206,7 @@ class AsyncEngine:
             self._commands.put((None, concurrent.futures.Future()))
 
     # ------------------------------------------------------------------ engine thread
-    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, sink: _Sink) -> None:
+    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, sink: OutputSink) -> None:
         # LLMEngine.add_request rejects an id in use; every id in _sinks is one of its requests
         self.engine.add_request(request_id, prompt, params)
         self._sinks[request_id] = sink
@@ -306,10 +215,10 @@ class AsyncEngine:
         sink = self._sinks.pop(request_id, None)
         found = self.engine.abort(request_id)
         if sink is not None:
-            _deliver([(sink, RequestAbortedError(f"request {request_id!r} was aborted"))])
+            deliver([(sink, RequestAbortedError(f"request {request_id!r} was aborted"))])
         return found
 
-    def _abort_if(self, request_id: str, sink: _Sink) -> None:
+    def _abort_if(self, request_id: str, sink: OutputSink) -> None:
         """Abort only the request this sink belongs to (an id can be reused after it finished)."""
         if self._sinks.get(request_id) is sink:
             del self._sinks[request_id]
@@ -381,7 +290,7 @@ class AsyncEngine:
                 items.append((sink, RequestFailedError(out.error)))
             else:
                 items.append((sink, out))
-        _deliver(items)
+        deliver(items)
         return True
 
     def _finish_all(self, error: BaseException) -> None:
@@ -394,7 +303,7 @@ class AsyncEngine:
                 logger.exception("abort of %s failed", request_id)
             items.append((sink, error))
         self._sinks.clear()
-        _deliver(items)
+        deliver(items)
 
     def _fail_pending_commands(self) -> None:
         while True:
@@ -404,20 +313,3 @@ class AsyncEngine:
                 return
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineDeadError("the engine is shut down"))
-
-
-def _put_all(items: list[tuple[_Sink, Any]]) -> None:
-    for sink, item in items:
-        sink.put(item)
-
-
-def _deliver(items: list[tuple[_Sink, RequestOutput | BaseException]]) -> None:
-    """Hand items to their sinks: one ``call_soon_threadsafe`` per event loop."""
-    batches: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, Any]]] = {}
-    for sink, item in items:
-        batches.setdefault(sink.loop, []).append((sink, item))
-    for loop, batch in batches.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, batch)
-        except RuntimeError:  # that event loop is closed: nobody is listening
-            pass

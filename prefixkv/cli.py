@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from prefixkv.engine_args import add_engine_args, engine_config_from_args  # noqa: F401 (re-exported)
 from prefixkv.serve.app import add_ray_args
@@ -42,6 +43,27 @@ def _bench(argv: list[str]) -> int:
 
 QUIET_HELP = ("no progress bars or progress lines while the model is converted, the kernels built, the weights "
               "loaded (sets PREFIXKV_QUIET=1, also for Ray replicas)")
+
+
+def default_model_name(model: str | None) -> str:
+    if model is None:
+        from prefixkv.model.loader import EMBEDDED_NAME
+
+        return EMBEDDED_NAME
+    path = Path(model).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def server_config_from_args(args: argparse.Namespace):
+    from prefixkv.server.serving import ServerConfig
+
+    return ServerConfig(model_name=args.served_model_name or default_model_name(args.model),
+                        api_key=args.api_key or os.environ.get("PREFIXKV_API_KEY") or None,
+                        max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
+                        tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser, max_stored_responses=args.max_stored_responses,
+                        max_stored_response_bytes=args.max_stored_response_bytes,
+                        cache_view_text=args.cache_view_text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="split <think> ... </think> out of replies: reasoning_content (chat), reasoning items "
                             "(Responses), thinking blocks (Messages) (server/reasoning.py)")
     serve.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
+    serve.add_argument("--api-server-count", type=int, default=1,
+                       help="HTTP processes sharing the port, each over the one engine-core process (they parse, "
+                            "tokenize, detokenize and stream; the engine steps in its own process)")
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                       help="step the engine in its own process (default); --no-engine-process: in a thread of "
+                            "the HTTP process, as before (one process)")
+    serve.add_argument("--engine-threads", type=int, default=None,
+                       help="compute threads of the engine process (default: every CPU up to 4, beyond that one "
+                            "CPU per HTTP process is left out: prefixkv/engine_core/process.py)")
     add_engine_args(serve)
     add_ray_args(serve)
 
@@ -111,13 +142,14 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.cmd == "serve" and uses_ray(args):
             from prefixkv.serve.app import run_ray_server
-            from prefixkv.server.app import server_config_from_args
 
             return run_ray_server(args, engine_config_from_args(args), server_config_from_args(args))
         if args.cmd == "serve":
             from prefixkv.server.app import run_server
 
-            return run_server(args)
+            return run_server(engine_config_from_args(args), server_config_from_args(args), args.host, args.port,
+                              api_server_count=args.api_server_count, engine_process=args.engine_process,
+                              engine_threads=args.engine_threads)
     except (ValueError, FileNotFoundError) as e:
         print(f"prefixkv: error: {e}", file=sys.stderr)
         return 2

@@ -42,6 +42,8 @@ class TextBuffer:
     def tail_from(self, start: int) -> str:
         """``text[start:]``, reading only the pieces it spans."""
         start = max(0, start)
+        if self._pieces and start == self.length - len(self._pieces[-1]):  # the last piece (streaming)
+            return self._pieces[-1]
         need, parts = self.length - start, []
         for p in reversed(self._pieces):
             if need <= 0:

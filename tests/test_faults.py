@@ -239,7 +239,7 @@ SERVER_SCRIPT = textwrap.dedent("""
     from prefixkv.async_engine import AsyncEngine
     from prefixkv.config import CacheConfig, EngineConfig
     from prefixkv.engine import LLMEngine
-    from prefixkv.server.app import ServerConfig, _serve
+    from prefixkv.server.app import ServerConfig, serve
 
     engine = LLMEngine(EngineConfig(model=sys.argv[1], cache=CacheConfig(block_size=4, num_kv_blocks=256)))
     real = engine.runner.execute
@@ -252,7 +252,7 @@ SERVER_SCRIPT = textwrap.dedent("""
         return real(out)
 
     engine.runner.execute = execute
-    sys.exit(asyncio.run(_serve(AsyncEngine(engine), ServerConfig("m"), "127.0.0.1", int(sys.argv[2]))))
+    sys.exit(asyncio.run(serve(AsyncEngine(engine), ServerConfig("m"), "127.0.0.1", int(sys.argv[2]))))
 """)
 
 

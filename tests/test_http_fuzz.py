@@ -32,6 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixkv.async_engine import AsyncEngine
+from prefixkv.engine_core.client import EngineCoreClient
 from prefixkv.config import CacheConfig, EngineConfig, SchedulerConfig
 from prefixkv.engine import LLMEngine
 from prefixkv.server.app import BackgroundServer, ServerConfig
@@ -529,11 +530,12 @@ def test_tiny_temperature_samples_like_greedy(http):
 # ---------------------------------------------------------------------- limits
 @pytest.fixture(scope="module")
 def small_cache_server(tiny_llama):
-    """8 KV blocks of 16 tokens: 128 token slots for everyone, a 1024-token context, queue of 4."""
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama), dtype="float32",
-                                    cache=CacheConfig(block_size=16, num_kv_blocks=8),
-                                    scheduler=SchedulerConfig(max_num_seqs=8, max_waiting_requests=4)))
-    with BackgroundServer(AsyncEngine(engine), ServerConfig(MODEL, request_timeout=60)) as srv:
+    """8 KV blocks of 16 tokens: 128 token slots for everyone, a 1024-token context, queue of 4; the
+    engine in its own process (its refusals cross the process boundary as 400s)."""
+    engine = EngineCoreClient.launch(EngineConfig(model=str(tiny_llama), dtype="float32",
+                                                  cache=CacheConfig(block_size=16, num_kv_blocks=8),
+                                                  scheduler=SchedulerConfig(max_num_seqs=8, max_waiting_requests=4)))
+    with BackgroundServer(engine, ServerConfig(MODEL, request_timeout=60)) as srv:
         yield srv
 
 

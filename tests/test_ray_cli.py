@@ -28,7 +28,7 @@ def _args(*argv: str):
 
 
 def test_the_package_and_the_cli_import_no_ray():
-    code = ("import sys, prefixkv, prefixkv.cli, prefixkv.serve; print(sorted(m for m in ('ray', 'aiohttp', "
+    code = ("import sys, prefixkv, prefixkv.cli, prefixkv.serve; print(sorted(m for m in ('ray', 'aiohttp', 'zmq', "
             "'msgspec', 'cupy', 'starlette', 'llguidance') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -45,14 +45,15 @@ def test_cli_default_host_is_loopback(monkeypatch):
 
     seen = {}
 
-    def fake_run_server(args):
-        seen["args"] = args
+    def fake_run_server(engine_config, server_config, host, port, **kw):
+        seen.update(host=host, api_key=server_config.api_key)
         return 0
 
+    monkeypatch.delenv("PREFIXKV_API_KEY", raising=False)
     monkeypatch.setattr(prefixkv.server.app, "run_server", fake_run_server)
     assert prefixkv.cli.main(["serve"]) == 0
-    assert seen["args"].host == "127.0.0.1"
-    assert seen["args"].api_key is None  # no key unless asked for (PREFIXKV_API_KEY also works)
+    assert seen["host"] == "127.0.0.1"
+    assert seen["api_key"] is None  # no key unless asked for (PREFIXKV_API_KEY also works)
     assert BackgroundServer.__dataclass_fields__["host"].default == "127.0.0.1"
 
 

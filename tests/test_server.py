@@ -1,5 +1,6 @@
 """The OpenAI-compatible server end to end: a real aiohttp server on a loopback port (a background
 thread; one test starts ``prefixkv serve`` as a subprocess), driven by the official ``openai`` client.
+The engine steps in its own process (``EngineCoreClient``), as under ``prefixkv serve``.
 
 The tiny random-weight Llama runs in float64, where greedy decoding is exact in any batch, so a
 streamed and a non-streamed greedy request must produce the same text."""
@@ -26,6 +27,7 @@ import pytest
 from prefixkv.async_engine import AsyncEngine, EngineDeadError, RequestAbortedError
 from prefixkv.config import CacheConfig, EngineConfig, SchedulerConfig
 from prefixkv.engine import LLMEngine
+from prefixkv.engine_core.client import EngineCoreClient
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.app import BackgroundServer, ServerConfig
 
@@ -36,11 +38,13 @@ GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama), dtype="float64",
-                                    cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=1024),
-                                    scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64)))
-    with BackgroundServer(AsyncEngine(engine), ServerConfig(MODEL)) as srv:
+    engine = EngineCoreClient.launch(EngineConfig(model=str(tiny_llama), dtype="float64",
+                                                  cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=1024),
+                                                  scheduler=SchedulerConfig(max_num_batched_tokens=512,
+                                                                            max_num_seqs=64)))
+    with BackgroundServer(engine, ServerConfig(MODEL)) as srv:
         yield srv
+    assert engine.fatal_error is None and not engine.is_running
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +130,7 @@ def test_chat_completion(server, client):
     choice = r.choices[0]
     assert choice.index == 0 and choice.message.role == "assistant" and choice.finish_reason == "length"
     assert isinstance(choice.message.content, str)
-    prompt_ids = server.engine.engine.tokenizer.apply_chat_template(messages)
+    prompt_ids = server.engine.tokenizer.apply_chat_template(messages)
     assert r.usage.prompt_tokens == len(prompt_ids)
     assert r.usage.completion_tokens == 8
     assert r.usage.total_tokens == len(prompt_ids) + 8
@@ -142,7 +146,7 @@ def test_completion_string_and_token_ids(server, client):
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, **GREEDY)
     assert r.id.startswith("cmpl-") and r.object == "text_completion"
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 10
-    ids = server.engine.engine.tokenizer.encode(prompt)
+    ids = server.engine.tokenizer.encode(prompt)
     r_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, **GREEDY)
     assert r_ids.choices[0].text == r.choices[0].text
     assert r_ids.usage.prompt_tokens == r.usage.prompt_tokens == len(ids)
@@ -411,8 +415,8 @@ def test_metrics_after_traffic(server, client):
     assert m['vllm:request_success_total{finished_reason="length",model_name="%s"}' % MODEL] >= 1
 
 
-# ---------------------------------------------------------------------- AsyncEngine directly
-def test_async_engine_api(server):
+# ---------------------------------------------------------------------- the engine clients directly
+def test_engine_client_api(server):
     ae = server.engine  # the server's engine, driven from this thread's own event loop
     long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
 
@@ -437,7 +441,6 @@ def test_async_engine_api(server):
             async for _ in stream:
                 pass
         assert not await ae.abort("dup")
-        assert await ae.run(lambda engine: threading.current_thread().name) == "prefixkv-engine"
 
     asyncio.run(main())
     wait_idle(server)
@@ -461,6 +464,7 @@ def test_async_engine_step_error_and_shutdown(tiny_llama):
             async for _ in stream:
                 pass
         assert len([o async for o in ae.generate("b", "hi", SamplingParams(max_tokens=3))]) >= 1
+        assert await ae.run(lambda engine: threading.current_thread().name) == "prefixkv-engine"
         stream = await ae.add_request("c", "hi", long)
         await anext(stream)
         await ae.shutdown()  # in-flight requests end with EngineDeadError
@@ -512,9 +516,11 @@ def test_serve_subprocess_sigterm_exits_0(tiny_llama):
         assert sum(len(c.choices) for c in rest) < 900
         err = proc.stderr.read()
         assert "Traceback" not in err and "shutting down" in err, err
-        # torch, the model and the server are out of the full collections' walks
-        frozen = re.search(r"(\d+) start-up objects frozen out of the garbage collector's walks", err)
-        assert frozen and int(frozen.group(1)) > 50_000, err
+        # torch, the model and the server are out of the full collections' walks, in both processes
+        core = re.search(r"engine core \d+ ready at .*, (\d+) start-up objects frozen", err)
+        http = re.search(r"HTTP process \d+: (\d+) start-up objects frozen", err)
+        assert core and int(core.group(1)) > 50_000 and http and int(http.group(1)) > 10_000, err
+        assert "engine core: shutdown asked" in err, err
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -535,10 +541,10 @@ def _post(server, path: str, body: dict) -> tuple[int, dict]:
 
 
 def test_tokenize_detokenize_version(server):
-    tok = server.engine.engine.tokenizer
+    tok = server.engine.tokenizer
     status, body = _post(server, "/tokenize", {"prompt": "hello world", "return_token_strs": True})
     ids = tok.encode("hello world")
-    assert status == 200 and body == {"count": len(ids), "max_model_len": server.engine.engine.info.max_model_len,
+    assert status == 200 and body == {"count": len(ids), "max_model_len": server.engine.info.max_model_len,
                                       "tokens": ids, "token_strs": tok.convert_ids_to_tokens(ids)}
     msgs = chat_messages("hi")
     status, body = _post(server, "/tokenize", {"messages": msgs})

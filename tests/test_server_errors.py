@@ -1,5 +1,6 @@
 """Bad input and overload: exact status codes and OpenAI-style error bodies
-(``{"error": {"message", "type", "param", "code"}}``), never a 500, and the server keeps serving."""
+(``{"error": {"message", "type", "param", "code"}}``), never a 500, and the server keeps serving.
+The engine steps in its own process, as under ``prefixkv serve``."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ import urllib.parse
 import openai
 import pytest
 
-from prefixkv.async_engine import AsyncEngine
 from prefixkv.config import CacheConfig, EngineConfig, SchedulerConfig
-from prefixkv.engine import LLMEngine
+from prefixkv.engine_core.client import EngineCoreClient
 from prefixkv.server.app import BackgroundServer, ServerConfig
 from test_server import metrics, wait_for, wait_idle
 
@@ -28,10 +28,11 @@ COMPL = "/v1/completions"
 MSGS = [{"role": "user", "content": "hi"}]
 
 
-def _engine(tiny_llama, **sched) -> AsyncEngine:
-    return AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_llama), dtype="float32",
-                                              cache=CacheConfig(block_size=16, num_kv_blocks=256),
-                                              scheduler=SchedulerConfig(**sched))))
+def _engine(tiny_llama, **sched) -> EngineCoreClient:
+    """The engine as ``prefixkv serve`` runs it: in its own process."""
+    return EngineCoreClient.launch(EngineConfig(model=str(tiny_llama), dtype="float32",
+                                                cache=CacheConfig(block_size=16, num_kv_blocks=256),
+                                                scheduler=SchedulerConfig(**sched)))
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +261,7 @@ def timeout_server(tiny_llama):
 def test_request_timeout_aborts(timeout_server):
     server = timeout_server
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=30)
-    room = server.engine.engine.info.max_model_len - 16  # to (nearly) the end of the context
+    room = server.engine.info.max_model_len - 16  # to (nearly) the end of the context
     t0 = time.monotonic()
     with pytest.raises(openai.APIStatusError) as exc:
         client.completions.create(model=MODEL, prompt="tick", max_tokens=room, temperature=0,
@@ -334,7 +335,7 @@ def test_503_when_waiting_queue_is_full(small_server):
 
 
 def test_max_tokens_beyond_the_context_is_refused_like_vllm(server):
-    limit = server.engine.engine.info.max_model_len
+    limit = server.engine.info.max_model_len
     status, body, _ = call(server, "POST", COMPL, compl(prompt=[5, 6, 7], max_tokens=limit), AUTH)
     assert status == 400 and body["error"]["param"] == "max_tokens", body
     assert body["error"]["message"] == (f"max_tokens: {limit} is too large: this model's maximum context length is "

@@ -66,12 +66,12 @@ def test_replies_streams_and_errors_without_a_transport(api):
 
 
 def test_closing_a_stream_before_reading_it_aborts_its_request(api, monkeypatch):
-    from prefixkv.async_engine import RequestStream
+    from prefixkv.streams import RequestStream
 
     aborted = []
     real_abort = RequestStream.abort
     def abort(self):  # this engine's streams only: one of an earlier test's, collected meanwhile, aborts too
-        if self._engine is api.engine:
+        if self._on_abort.__self__ is api.engine:
             aborted.append(self.request_id)
         real_abort(self)
 
@@ -91,3 +91,19 @@ def test_closing_a_stream_before_reading_it_aborts_its_request(api, monkeypatch)
         raise AssertionError(f"the request still holds the engine: {api.engine.stats()}")
 
     asyncio.run(main())
+
+
+def test_a_text_delta_event_is_the_encoded_chunk_byte_for_byte():
+    """The streaming fast path (bytes made once per choice around the text's JSON) writes exactly
+    what encoding the whole chunk writes, for either endpoint, any text."""
+    from prefixkv.server.serving import _ChatFormat, _CompletionFormat, _sse
+
+    texts = [" the", "é", '"quoted" \\ back', "\n\t", "日本語", "\x00prefixkv-text\x00", "🦊", "</s>"]
+    for fmt_type in (_CompletionFormat, _ChatFormat):
+        fmt = fmt_type("id-1", 1796476976, "m", 0, None)
+        for index in (0, 3):
+            for text in texts:
+                want = _sse(fmt.delta_chunk(index, text, None, 0, None))
+                assert fmt.delta_event(index, text, None, 0, None) == want, (fmt_type.__name__, text)
+        # a finish reason or logprobs take the whole encoder
+        assert fmt.delta_event(0, "x", None, 0, "length") == _sse(fmt.delta_chunk(0, "x", None, 0, "length"))

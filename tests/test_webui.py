@@ -154,8 +154,7 @@ def test_cache_view_text_flag_shows_the_runs_text(tiny_llama):
 
 
 def test_cli_flag_reaches_the_server_config():
-    from prefixkv.cli import build_parser
-    from prefixkv.server.app import server_config_from_args
+    from prefixkv.cli import build_parser, server_config_from_args
 
     args = build_parser().parse_args(["serve", "--cache-view-text"])
     assert server_config_from_args(args).cache_view_text is True

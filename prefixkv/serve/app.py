@@ -40,9 +40,11 @@ def build_app(engine_config: EngineConfig | None = None, server_config: ServerCo
               num_replicas: int = 1, autoscaling_config: dict[str, Any] | None = None,
               num_cpus_per_replica: float = 1.0, num_gpus_per_replica: float = 0.0, router: str = "cache_aware",
               router_kwargs: dict[str, Any] | None = None, routing_stats_period_s: float = 1.0,
-              max_ongoing_requests: int | None = None, health_check_period_s: float = 2.0):
+              max_ongoing_requests: int | None = None, health_check_period_s: float = 2.0,
+              engine_process: bool = True):
     """The Serve application: one ingress and ``num_replicas`` engine replicas (or Serve's
-    autoscaling between ``autoscaling_config``'s min and max), routed by ``router``."""
+    autoscaling between ``autoscaling_config``'s min and max), routed by ``router``; each replica's
+    engine steps in its own process unless ``engine_process`` is False (serve/replica.py)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -83,8 +85,8 @@ def build_app(engine_config: EngineConfig | None = None, server_config: ServerCo
     )
     ingress = serve.deployment(OpenAIIngress, name=INGRESS_DEPLOYMENT).options(
         num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
-    return ingress.bind(replica.bind(engine_config, server_config.cache_view_text), str(model_path), server_config,
-                        REPLICA_DEPLOYMENT)
+    return ingress.bind(replica.bind(engine_config, server_config.cache_view_text, engine_process=engine_process),
+                        str(model_path), server_config, REPLICA_DEPLOYMENT)
 
 
 def autoscaling_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -145,7 +147,7 @@ def run_ray_server(args: argparse.Namespace, engine_config: EngineConfig, server
                     autoscaling_config=autoscaling_from_args(args), num_cpus_per_replica=args.num_cpus_per_replica,
                     num_gpus_per_replica=args.num_gpus_per_replica, router=args.router,
                     router_kwargs=router_kwargs_from_args(args),
-                    routing_stats_period_s=args.routing_stats_period)
+                    routing_stats_period_s=args.routing_stats_period, engine_process=args.engine_process)
     # "local": a new instance of our own unless --ray-address names one (a bare init would join
     # whatever cluster this machine last started, even a dead one)
     ray.init(address=args.ray_address or "local", include_dashboard=False, log_to_driver=True,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -24,8 +23,8 @@ from ray.exceptions import RayError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, Response, StreamingResponse
 
-from prefixkv.async_engine import RequestAbortedError, RequestFailedError
-from prefixkv.errors import ReplicaDiedError
+from prefixkv.config import RuntimeInfo
+from prefixkv.errors import EngineDeadError, ReplicaDiedError, RequestAbortedError, RequestFailedError
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.serve.replica import SUMMARY_NODES, ReplicaRequest
 from prefixkv.serve.registry import routers_for
@@ -33,7 +32,7 @@ from prefixkv.server.cache_view import parse_max_nodes, summary_payload, trim_tr
 from prefixkv.server.metrics import ReplicaCollector
 from prefixkv.server.pages import PAGE_HEADERS, PAGES, STATIC_DIR, static_file
 from prefixkv.server.protocol import ProtocolError
-from prefixkv.server.serving import ApiError, OpenAIServing, Reply, ServerConfig, _timeout_at, bad_request
+from prefixkv.server.serving import ApiError, OpenAIServing, Reply, ServerConfig, bad_request, read_body
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +52,10 @@ def _raise_item(item: tuple, replica_id: str | None) -> None:
 
 
 class RemoteStream:
-    """One request's ``RequestOutput`` deltas from its replica (``RequestStream``'s contract)."""
+    """One request's ``RequestOutput`` deltas from its replica (an ``OutputStream``)."""
 
-    def __init__(self, gen: Any, replica_id: str) -> None:
+    def __init__(self, request_id: str, gen: Any, replica_id: str) -> None:
+        self.request_id = request_id
         self._gen = gen
         self.replica_id = replica_id
         self._done = False
@@ -98,15 +98,19 @@ def _load_stats(routing_stats: dict[str, Any]) -> dict[str, float]:
 
 
 class RemoteEngine:
-    """The engine client surface ``OpenAIServing`` needs, over the replicas' deployment handle."""
+    """An ``EngineClient`` (prefixkv/engine_client.py) over the replicas' deployment handle. A
+    replica that dies ends its own requests (``ReplicaDiedError``); the service itself never has a
+    ``fatal_error`` (Serve replaces the replica)."""
+
+    fatal_error: BaseException | None = None
 
     def __init__(self, handle: Any, facts: dict[str, Any], tokenizer: Any, deployment: str) -> None:
         from prefixkv.structured_outputs import GrammarCompiler
 
         self.handle = handle.options(stream=True)
         self.tokenizer = tokenizer
-        self.info = SimpleNamespace(max_model_len=facts["max_model_len"], vocab_size=facts["vocab_size"],
-                                    eos_token_ids=facts["eos_token_ids"], num_kv_blocks=facts["num_kv_blocks"])
+        self.info = RuntimeInfo(num_kv_blocks=facts["num_kv_blocks"], max_model_len=facts["max_model_len"],
+                                eos_token_ids=facts["eos_token_ids"], vocab_size=facts["vocab_size"])
         self.max_waiting_requests = facts["max_waiting_requests"]
         self.default_sampling = facts["default_sampling"]
         self.deployment = deployment
@@ -156,6 +160,30 @@ class RemoteEngine:
         stats = self.replica_stats()
         return not stats or any(s.get("running", True) for s in stats.values())
 
+    def replica_summary(self, replica: str | None, max_nodes: int) -> tuple[str, dict[str, Any], list[str]]:
+        """(replica id, its cache summary cut to ``max_nodes``, every replica with a summary): the
+        summary that ``replica`` (default: the one caching the most) published with its last digest
+        (at most ``SUMMARY_NODES`` nodes, with text as the replicas were started). ``EngineDeadError``
+        before any replica has published one, ``LookupError(replica, replicas)`` for one without."""
+        published = {rid: rs for rid, rs in self.published().items() if rs.get("cache_summary")}
+        if not published:
+            raise EngineDeadError("no replica has published its cache yet")
+        rid = replica or max(published, key=lambda r: len(published[r].get("digest") or ()))
+        if rid not in published:
+            raise LookupError(rid, sorted(published))
+        summary = dict(published[rid]["cache_summary"])
+        summary["tree"] = trim_tree(summary["tree"], max_nodes)
+        return rid, summary, sorted(published)
+
+    async def cache_summary(self, max_nodes: int, text_tokens: int = 0) -> dict[str, Any]:
+        return self.replica_summary(None, max_nodes)[1]
+
+    async def start(self) -> None:
+        """Nothing to open: the deployment handle is Serve's."""
+
+    async def shutdown(self) -> None:
+        """Nothing to stop here: Serve owns the replicas."""
+
     async def add_requests(self, requests: list[tuple[str, list[int]]], params: SamplingParams) -> list[RemoteStream]:
         streams: list[RemoteStream] = []
         try:
@@ -170,7 +198,7 @@ class RemoteEngine:
                                            f"({type(e).__name__}); retry it") from None
                 if first[0] != "accepted":
                     _raise_item(first, None)
-                streams.append(RemoteStream(gen, first[1]))
+                streams.append(RemoteStream(request_id, gen, first[1]))
         except BaseException:
             for s in streams:
                 s.abort()
@@ -235,7 +263,7 @@ class OpenAIIngress:
                     facts = await self._replicas.describe.remote()
                     engine = RemoteEngine(self._replicas, facts, self._tokenizer, self._deployment)
                     api = OpenAIServing(engine, self.config)
-                    api.metrics.registry.register(ReplicaCollector(engine.replica_stats, engine.router_decisions))
+                    api.metrics.register(ReplicaCollector(engine.replica_stats, engine.router_decisions))
                     self.api = api
         return self.api
 
@@ -312,40 +340,24 @@ class OpenAIIngress:
         return _response(await getattr(api, name)(body))
 
     async def _body(self, request: Request, t0: float) -> bytes:
-        limit = self.config.max_body_bytes
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise ApiError(413, f"the request body ({length} bytes) is larger than the server's limit of {limit} "
-                                "bytes", code="request_too_large")
-        chunks, size = [], 0
-        try:
-            async with _timeout_at(t0 + self.config.request_timeout):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > limit:
-                        raise ApiError(413, f"the request body is larger than the server's limit of {limit} bytes",
-                                       code="request_too_large")
-                    chunks.append(chunk)
-        except TimeoutError:
-            raise ApiError(408, "the request body did not arrive within the request timeout",
-                           code="request_timeout") from None
-        return b"".join(chunks)
+        return await read_body(request.stream(), int(length) if length is not None and length.isdigit() else None,
+                               self.config.max_body_bytes, t0 + self.config.request_timeout)
 
     def _cache_summary(self, api: OpenAIServing, query: Any) -> Reply:
         """``/v1/cache/summary`` for one replica (``?replica=ID``; default the one caching the most),
         from the summary its last digest carried (at most ``SUMMARY_NODES`` nodes)."""
         max_nodes = parse_max_nodes(query.get("max_nodes"), SUMMARY_NODES)
-        published = {rid: rs for rid, rs in api.engine.published().items() if rs.get("cache_summary")}
-        if not published:
-            raise ApiError(503, "no replica has published its cache yet", type="server_error", code="not_ready")
-        rid = query.get("replica") or max(published, key=lambda r: len(published[r].get("digest") or ()))
-        if rid not in published:
-            raise ApiError(404, f"replica: {rid!r} is not a running replica (running: {', '.join(sorted(published))})",
-                           param="replica", code="replica_not_found")
-        summary = dict(published[rid]["cache_summary"])
-        summary["tree"] = trim_tree(summary["tree"], max_nodes)
+        try:
+            rid, summary, replicas = api.engine.replica_summary(query.get("replica"), max_nodes)
+        except EngineDeadError as e:
+            raise ApiError(503, str(e), type="server_error", code="not_ready") from None
+        except LookupError as e:
+            rid, running = e.args
+            raise ApiError(404, f"replica: {rid!r} is not a running replica (running: {', '.join(running)})",
+                           param="replica", code="replica_not_found") from None
         body = summary_payload(summary, self.config.model_name, self.config.cache_view_text)
-        body["replica"], body["replicas"] = rid, sorted(published)
+        body["replica"], body["replicas"] = rid, replicas
         return Reply(200, msgspec.json.encode(body), headers={"Cache-Control": "no-store"})
 
     def _health(self, api: OpenAIServing) -> Reply:

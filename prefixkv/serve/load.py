@@ -33,7 +33,8 @@ DECAY = 0.8
 
 def queue_state(engine: Any) -> dict[str, int]:
     """Running and waiting requests and their prompt tokens still to compute. Call it on the engine
-    thread (``AsyncEngine.run``): it reads the scheduler's queues."""
+    thread, between steps (``AsyncEngine.queue_state``, the core's ``queue_state`` call): it reads the
+    scheduler's queues."""
     sched = engine.scheduler
     pending = 0
     for r in sched.running:

@@ -1,5 +1,10 @@
-"""One engine replica of a Ray Serve application: an ``AsyncEngine`` with its own KV pool, taking
-token ids from the ingress and streaming ``RequestOutput`` deltas back.
+"""One engine replica of a Ray Serve application: an engine with its own KV pool, taking token ids
+from the ingress and streaming ``RequestOutput`` deltas back.
+
+The engine steps in its own process, as under ``prefixkv serve`` (an ``EngineCoreClient``; the
+core is a child of the replica's actor and ends with it): the actor's own Python -- Serve's
+request handling, pickling each output for the ingress, this class, detokenization -- then never
+holds up a step. ``engine_process=False`` keeps it in a thread of the actor (``AsyncEngine``).
 
 Streams start with a verdict, so that the ingress can answer 400 / 503 before it sends a 200::
 
@@ -25,14 +30,17 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prefixkv.async_engine import AsyncEngine, RequestAbortedError, RequestFailedError
+from prefixkv.async_engine import AsyncEngine
 from prefixkv.config import EngineConfig
-from prefixkv.errors import EngineDeadError, EngineFatalError
+from prefixkv.errors import EngineDeadError, EngineFatalError, RequestAbortedError, RequestFailedError
 from prefixkv.sampling_params import SamplingParams
-from prefixkv.serve.load import SpeedMeter, queue_state
+from prefixkv.serve.load import SpeedMeter
 from prefixkv.server.cache_view import TEXT_TOKENS
+
+if TYPE_CHECKING:
+    from prefixkv.engine_core.client import EngineCoreClient
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +88,7 @@ class EngineReplica:
     """The deployment class (``serve.deployment(EngineReplica)`` in serve/app.py)."""
 
     def __init__(self, engine_config: EngineConfig, cache_view_text: bool = False,
-                 digest_max_blocks: int = 1 << 20) -> None:
+                 digest_max_blocks: int = 1 << 20, engine_process: bool = True) -> None:
         from ray import serve
         from ray.serve.exceptions import RayServeException
 
@@ -88,8 +96,13 @@ class EngineReplica:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except RayServeException:  # constructed outside a Serve deployment (tests, a notebook)
             self.replica_id = "local"
-        self.engine = AsyncEngine.from_config(engine_config)
-        self.block_size = self.engine.engine.config.cache.block_size
+        if engine_process:  # its threads: Ray's OMP_NUM_THREADS for the actor (num_cpus), inherited
+            from prefixkv.engine_core.client import EngineCoreClient
+
+            self.engine: AsyncEngine | EngineCoreClient = EngineCoreClient.launch(engine_config)
+        else:
+            self.engine = AsyncEngine.from_config(engine_config)
+        self.block_size = engine_config.cache.block_size
         self.digest_max_blocks = digest_max_blocks
         self.summary_text_tokens = TEXT_TOKENS if cache_view_text else 0
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefixkv-grammar")
@@ -131,9 +144,9 @@ class EngineReplica:
         text_tokens = self.summary_text_tokens
         if running:
             try:
-                digest, summary, load = await self.engine.run(lambda e: (
-                    e.scheduler.kv.cache_digest(), e.cache_summary(SUMMARY_NODES, text_tokens),
-                    {"time": time.time(), **queue_state(e)}))
+                digest = await self.engine.cache_digest()
+                summary = await self.engine.cache_summary(SUMMARY_NODES, text_tokens)
+                load = {"time": time.time(), **await self.engine.queue_state()}
             except EngineDeadError:
                 running = False
         if len(digest) > self.digest_max_blocks:  # bounded: keep the device tier first

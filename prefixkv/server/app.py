@@ -13,32 +13,35 @@ freed).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from prefixkv.async_engine import AsyncEngine
+from prefixkv.engine_client import EngineClient
+from prefixkv.engine_core.process import GC_YOUNG_THRESHOLD, tune_gc_for_serving
 from prefixkv.server.protocol import ProtocolError
 from prefixkv.server.serving import (  # noqa: F401 - ServerConfig and ApiError are this module's API too
     ApiError,
     OpenAIServing,
     Reply,
     ServerConfig,
-    _timeout_at,
     bad_request,
+    read_body,
 )
 from prefixkv.server.webui import WebUI
+
+if TYPE_CHECKING:
+    from prefixkv.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ def _response(reply: Reply) -> web.Response:
 class _AioServer:
     """aiohttp handlers over ``OpenAIServing``."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
         self.api = OpenAIServing(engine, config)
         self.config = config
 
@@ -114,16 +117,8 @@ class _AioServer:
 
     # ------------------------------------------------------------------ transport
     async def _body(self, request: web.Request, t0: float) -> bytes:
-        limit = self.config.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise ApiError(413, f"the request body ({request.content_length} bytes) is larger than the "
-                                f"server's limit of {limit} bytes", code="request_too_large")
-        try:  # the request timeout counts from arrival, so a body that trickles in is cut off too
-            async with _timeout_at(t0 + self.config.request_timeout):
-                return await request.read()  # aiohttp raises 413 past client_max_size (chunked bodies)
-        except TimeoutError:
-            raise ApiError(408, "the request body did not arrive within the request timeout",
-                           code="request_timeout") from None
+        return await read_body(request.content.iter_any(), request.content_length, self.config.max_body_bytes,
+                               t0 + self.config.request_timeout)
 
     async def _send(self, request: web.Request, reply: Reply) -> web.StreamResponse:
         if reply.stream is None:
@@ -194,7 +189,7 @@ class _AioServer:
 SERVER_KEY = web.AppKey("prefixkv_server", _AioServer)
 
 
-def create_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
+def create_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     """The aiohttp app. It owns ``engine``: the app's shutdown shuts the engine down (in-flight
     requests are aborted and end with an error)."""
     server = _AioServer(engine, config)
@@ -217,20 +212,26 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     app.router.add_get("/metrics", server.metrics_route)
     WebUI(engine, config.model_name, config.cache_view_text).add_routes(app)
 
+    async def on_startup(app: web.Application) -> None:
+        await engine.start()
+
     async def on_shutdown(app: web.Application) -> None:
         await engine.shutdown()
-        server.api._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        server.api.close()
 
+    app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)
     return app
 
 
-async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Bind ``app`` (port 0 = any free port); returns the runner and the bound port."""
+async def start_site(app: web.Application, host: str, port: int,
+                     sock: socket.socket | None = None) -> tuple[web.AppRunner, int]:
+    """Bind ``app`` (port 0 = any free port), or serve it on the listening ``sock``; returns the
+    runner and the bound port."""
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=10.0)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port) if sock is None else web.SockSite(runner, sock)
     try:
         await site.start()
     except BaseException:
@@ -248,84 +249,71 @@ def url_for(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def default_model_name(model: str | None) -> str:
-    if model is None:
-        from prefixkv.model.loader import EMBEDDED_NAME
+def run_server(engine_config: EngineConfig, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
+               api_server_count: int = 1, engine_process: bool = True, engine_threads: int | None = None) -> int:
+    """``prefixkv serve``: load the model, serve until SIGTERM/SIGINT, exit 0 after a graceful stop
+    (1 if the engine died).
 
-        return EMBEDDED_NAME
-    path = Path(model).expanduser()
-    return path.stem if path.suffix == ".gguf" else path.name
-
-
-def _none_word(value: str | None) -> str | None:
-    return None if value == "none" else value
-
-
-def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(model_name=args.served_model_name or default_model_name(args.model),
-                        api_key=args.api_key or os.environ.get("PREFIXKV_API_KEY") or None,
-                        max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
-                        tool_call_parser=_none_word(getattr(args, "tool_call_parser", None)),
-                        reasoning_parser=getattr(args, "reasoning_parser", None),
-                        max_stored_responses=getattr(args, "max_stored_responses", 1000),
-                        max_stored_response_bytes=getattr(args, "max_stored_response_bytes", 64 << 20),
-                        cache_view_text=getattr(args, "cache_view_text", False))
-
-
-def run_server(args: argparse.Namespace) -> int:
-    """``prefixkv serve``: load the model, serve until SIGTERM/SIGINT, exit 0 after a graceful stop."""
-    from prefixkv.engine_args import engine_config_from_args
-    from prefixkv.engine import LLMEngine
+    ``engine_process`` (the default): the engine steps in its own process (prefixkv/engine_core/)
+    and this one, or ``api_server_count`` of them sharing the port, does the HTTP side; its compute
+    threads: ``engine_threads``, by default ``process.engine_threads``' choice for the CPUs there
+    are. Otherwise the engine steps in a thread of this process (``AsyncEngine``: one process, as
+    ``LLM``; the threads torch picks)."""
+    from prefixkv.engine_core import process
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    config = server_config_from_args(args)
+    if api_server_count < 1:
+        raise ValueError(f"api_server_count: must be >= 1, got {api_server_count}")
+    if api_server_count > 1:
+        if not engine_process:
+            raise ValueError("api_server_count: several HTTP processes need the engine in its own process")
+        from prefixkv.server.api_servers import run_api_servers
+
+        return run_api_servers(engine_config, config, host, port, api_server_count, engine_threads)
     stop_early = lambda signum, frame: sys.exit(0)  # noqa: E731 - a signal while the model loads
     old = {s: signal.signal(s, stop_early) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        engine = LLMEngine(engine_config_from_args(args))
+        if engine_process:
+            from prefixkv.engine_core.client import EngineCoreClient
+
+            threads = engine_threads or process.engine_threads(process.available_cpus())
+            engine: EngineClient = EngineCoreClient.launch(engine_config, threads=threads)
+        else:
+            from prefixkv.async_engine import AsyncEngine
+            from prefixkv.engine import LLMEngine
+
+            engine = AsyncEngine(LLMEngine(engine_config))
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    return asyncio.run(_serve(AsyncEngine(engine), config, args.host, args.port))
+    return asyncio.run(serve(engine, config, host, port))
 
 
-# Container allocations between young collections (CPython's default: 700). A step allocates a few
-# objects per running request (scheduled entries, outputs, deltas): with 700, most of them were
-# alive at a collection, were promoted and fed full collections; `bench scale` at 256 running:
-# median host step 1.02 -> 0.91 ms, no full collection in 100 steps instead of one per ~70.
-GC_YOUNG_THRESHOLD = 20_000
-
-
-def tune_gc_for_serving() -> int:
-    """Once the serving process has started: move everything alive (torch, transformers, the
-    model, the server: ~2e5 objects) out of the garbage collector's reach, as vLLM's engine core
-    does (none of it is garbage, and each full collection walked it all: 0.1 s a pause here), and
-    collect the young generation less often (``GC_YOUNG_THRESHOLD``). Done by ``prefixkv serve``
-    only: the offline ``LLM`` lives in its caller's process, whose heap is the caller's. Returns
-    the number of objects frozen."""
-    gc.collect()
-    gc.freeze()
-    _, g1, g2 = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, g1, g2)
-    return gc.get_freeze_count()
-
-
-async def _serve(engine: AsyncEngine, config: ServerConfig, host: str, port: int) -> int:
+async def serve(engine: EngineClient, config: ServerConfig, host: str, port: int, sock: socket.socket | None = None,
+                on_ready: Callable[[str], None] | None = None,
+                signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> int:
+    """Serve ``engine`` on ``host:port`` (or the listening ``sock``, shared with other processes)
+    until one of ``signals`` (0) or the engine's death (1). ``on_ready(url)`` once it listens
+    (default: print the "prefixkv serving" line)."""
     app = create_app(engine, config)
     try:
-        runner, bound = await start_site(app, host, port)
+        runner, bound = await start_site(app, host, port, sock)
     except OSError as e:
         print(f"prefixkv: error: cannot listen on {host}:{port}: {e}", file=sys.stderr)
         await engine.shutdown()
         return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for s in (signal.SIGTERM, signal.SIGINT):
+    for s in signals:
         loop.add_signal_handler(s, stop.set)
-    logger.info("%d start-up objects frozen out of the garbage collector's walks; young-generation "
-                "threshold %d", tune_gc_for_serving(), GC_YOUNG_THRESHOLD)
-    print(f"prefixkv serving {config.model_name} at {url_for(host, bound)}", flush=True)
+    logger.info("HTTP process %d: %d start-up objects frozen out of the garbage collector's walks; "
+                "young-generation threshold %d", os.getpid(), tune_gc_for_serving(), GC_YOUNG_THRESHOLD)
+    url = url_for(host, bound)
+    if on_ready is None:
+        print(f"prefixkv serving {config.model_name} at {url}", flush=True)
+    else:
+        on_ready(url)
     while not stop.is_set() and engine.fatal_error is None:  # a dead engine ends the process
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=0.2)
@@ -346,7 +334,7 @@ class BackgroundServer:
             openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
     """
 
-    engine: AsyncEngine
+    engine: EngineClient
     config: ServerConfig
     host: str = "127.0.0.1"
     port: int = 0

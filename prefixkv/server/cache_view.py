@@ -1,5 +1,5 @@
 """The KV-cache view's data, transport-independent: ``GET /v1/cache/summary?max_nodes=N`` answered
-from the engine's ``cache_summary()`` (computed on the engine thread between steps), bounded in
+from the engine's ``cache_summary()`` (computed between steps, wherever the engine runs), bounded in
 size however large the radix tree is (``RadixIndex.summary``), with no prompt text unless the server
 allows it. ``server/webui.py`` serves it over aiohttp; any other front end can call ``reply``.
 """
@@ -10,7 +10,7 @@ import asyncio
 import time
 from typing import Any
 
-from prefixkv.async_engine import AsyncEngine
+from prefixkv.engine_client import EngineClient
 from prefixkv.errors import EngineDeadError
 from prefixkv.server.protocol import ProtocolError
 from prefixkv.server.serving import ApiError, Reply, json_reply
@@ -76,7 +76,7 @@ def trim_tree(tree: dict[str, Any], max_nodes: int) -> dict[str, Any]:
 
 
 class CacheSummaries:
-    def __init__(self, engine: AsyncEngine, model_name: str, show_text: bool) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, show_text: bool) -> None:
         self.engine = engine
         self.model_name = model_name
         self.show_text = show_text
@@ -97,7 +97,7 @@ class CacheSummaries:
         hit = self._recent.get(max_nodes)
         if hit is None or now - hit[0] > SUMMARY_MAX_AGE_S or (hit[1].done() and hit[1].exception()):
             text_tokens = TEXT_TOKENS if self.show_text else 0
-            future = asyncio.ensure_future(self.engine.run(lambda e: e.cache_summary(max_nodes, text_tokens)))
+            future = asyncio.ensure_future(self.engine.cache_summary(max_nodes, text_tokens))
             self._recent = {k: v for k, v in self._recent.items() if now - v[0] <= SUMMARY_MAX_AGE_S}
             self._recent[max_nodes] = hit = (now, future)
         try:

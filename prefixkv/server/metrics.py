@@ -15,6 +15,7 @@ waiting requests, KV blocks, prefix-cache tokens, preemptions) are read at scrap
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -187,7 +188,13 @@ class ServerMetrics:
                                      registry=r)
         self.generation_tokens = Counter("prefixkv_generation_tokens", "Generated tokens of finished requests.",
                                          registry=r)
-        r.register(_EngineCollector(stats, model_name))
+        self.collectors: list[Collector] = []  # read at scrape time (not the process-local metrics)
+        self.register(_EngineCollector(stats, model_name))
+
+    def register(self, collector: Collector) -> None:
+        """A collector of figures this process reads at scrape time (the engine's statistics)."""
+        self.collectors.append(collector)
+        self.registry.register(collector)
 
     def observe_request(self, ttft: float | None, e2e: float, num_prompt_tokens: int, num_output_tokens: int,
                         num_decode_steps: int, finish_reasons: list[str] = ()) -> None:
@@ -212,4 +219,14 @@ class ServerMetrics:
             self.vllm_success.labels(m, reason).inc()
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """The exposition text. With several HTTP processes (``PROMETHEUS_MULTIPROC_DIR`` set, see
+        server/api_servers.py) the request metrics are every process's, summed from their files."""
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        for collector in self.collectors:
+            registry.register(collector)
+        return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -1,7 +1,7 @@
 """The OpenAI-compatible API, transport-independent: request bodies in, ``Reply`` objects out.
 
 ``OpenAIServing`` parses and validates requests (msgspec), renders chat templates and tokenizes off
-the event loop, builds ``SamplingParams``, adds requests to the ``AsyncEngine`` and turns its outputs
+the event loop, builds ``SamplingParams``, adds requests to the engine (an ``EngineClient``) and turns its outputs
 into OpenAI's wire objects: a JSON body, or an SSE byte stream (``data: {json}\n\n`` ...
 ``data: [DONE]\n\n``). It knows no HTTP library: ``server/app.py`` (aiohttp) adapts it, and any
 other front end (a Ray Serve ingress) can, with the same routes, errors and streams.
@@ -10,7 +10,7 @@ One request, start to end::
 
     body (the adapter enforces max_body_bytes: 413) -> msgspec decode (400 + field path) -> model
     check (404) -> SamplingParams (400, param = the field) -> [chat template off the loop]
-    -> AsyncEngine.add_request (400 prompt too long, 503 queue full)      <- nothing sent yet
+    -> EngineClient.add_requests (400 prompt too long, 503 queue full)    <- nothing sent yet
     -> Reply(body) | Reply(stream)                                         <- 200 from here on
     closing the stream early (client disconnect, timeout, shutdown) aborts the request in the
     engine, which frees its KV blocks.
@@ -37,8 +37,8 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from prefixkv.async_engine import AsyncEngine, RequestAbortedError, RequestStream
-from prefixkv.errors import EngineDeadError, EngineFatalError, ReplicaDiedError
+from prefixkv.engine_client import EngineClient, OutputStream
+from prefixkv.errors import EngineDeadError, EngineFatalError, ReplicaDiedError, RequestAbortedError
 from prefixkv.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.metrics import ServerMetrics
@@ -89,10 +89,10 @@ _SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 if sys.version_info >= (3, 11):
-    _timeout_at = asyncio.timeout_at
+    timeout_at = asyncio.timeout_at
 else:  # Python 3.10: the same contract, without Task.uncancel
     @contextlib.asynccontextmanager
-    async def _timeout_at(when: float):
+    async def timeout_at(when: float):
         task = asyncio.current_task()
         fired = False
 
@@ -142,6 +142,29 @@ class ServerConfig:
             raise ValueError(f"request_timeout: must be positive, got {self.request_timeout}")
 
 
+async def read_body(chunks: AsyncIterator[bytes], content_length: int | None, limit: int, deadline: float) -> bytes:
+    """A request body from the transport's ``chunks``, for every front end: 413 when the declared
+    ``content_length`` or the bytes received pass ``limit``, 408 when the body has not arrived by
+    ``deadline`` (``loop.time()``; the request timeout counts from arrival, so a body that trickles
+    in is cut off too)."""
+    if content_length is not None and content_length > limit:
+        raise ApiError(413, f"the request body ({content_length} bytes) is larger than the server's limit of "
+                            f"{limit} bytes", code="request_too_large")
+    parts, size = [], 0
+    try:
+        async with timeout_at(deadline):
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"the request body is larger than the server's limit of {limit} bytes",
+                                   code="request_too_large")
+                parts.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, "the request body did not arrive within the request timeout",
+                       code="request_timeout") from None
+    return b"".join(parts)
+
+
 # ---------------------------------------------------------------------- what a route answers
 @dataclass
 class Reply:
@@ -159,7 +182,7 @@ class EventStream:
     however it ends (finished, client gone, cancelled): that aborts the engine requests behind it
     (a no-op for those already finished), started or not."""
 
-    def __init__(self, chunks: AsyncIterator[bytes], streams: list[RequestStream]) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes], streams: list[OutputStream]) -> None:
         self._chunks = chunks
         self._streams = streams
 
@@ -302,6 +325,7 @@ class _Format:
     num_top_logprobs: int
     token_text: TokenText
     show_prompt_logprobs: bool = False  # the request asked for vLLM's ``prompt_logprobs`` field
+    _text_events: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)  # delta_event's, per choice
 
     def start_chunks(self, num_choices: int) -> list[msgspec.Struct]:
         return []
@@ -310,6 +334,25 @@ class _Format:
                     finish_reason: str | None, stop_reason: int | str | None = None) -> msgspec.Struct:
         choice = self._delta_choice(index, text, self._logprobs_or_none(lps, text_offset), finish_reason, stop_reason)
         return self.chunk_type(self.id, self.created, self.model, [choice])
+
+    @property
+    def plain_deltas(self) -> bool:
+        """A delta chunk of text alone is ``delta_chunk``'s bytes with only the text changing."""
+        return True
+
+    def delta_event(self, index: int, text: str, lps: list[TokenLogprob] | None, text_offset: int,
+                    finish_reason: str | None, stop_reason: int | str | None = None) -> bytes:
+        """``_sse(delta_chunk(...))``. A chunk of new text alone (most of a stream) is built from
+        bytes made once per choice -- the encoded chunk around its text -- and the text's own JSON,
+        byte for byte what encoding the whole chunk gives."""
+        if lps is not None or finish_reason is not None or not self.plain_deltas:
+            return _sse(self.delta_chunk(index, text, lps, text_offset, finish_reason, stop_reason))
+        around = self._text_events.get(index)
+        if around is None:
+            raw = _sse(self.delta_chunk(index, _TEXT_MARK, None, 0, None, None))
+            head, _, tail = raw.partition(_TEXT_MARK_JSON)
+            around = self._text_events[index] = (head, tail)
+        return around[0] + msgspec.json.encode(text) + around[1]
 
     def usage_chunk(self, usage: Usage) -> msgspec.Struct:
         return self.chunk_type(self.id, self.created, self.model, [], usage)
@@ -364,6 +407,10 @@ class _ChatFormat(_Format):
         choice = ChatChunkChoice(index, delta, self._logprobs_or_none(lps, text_offset), finish_reason, stop_reason)
         return self.chunk_type(self.id, self.created, self.model, [choice])
 
+    @property
+    def plain_deltas(self) -> bool:
+        return self.tools is None and not self.reasoning
+
     def start_chunks(self, num_choices: int) -> list[msgspec.Struct]:
         return [self.chunk_type(self.id, self.created, self.model,
                                 [ChatChunkChoice(i, DeltaMessage(role="assistant", content=""))])
@@ -412,7 +459,11 @@ def _sse(obj: object) -> bytes:
     return b"data: " + encode(obj) + b"\n\n"
 
 
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+_TEXT_MARK = "\x00prefixkv-text\x00"  # no model text is this: control characters around a name
+_TEXT_MARK_JSON = msgspec.json.encode(_TEXT_MARK)
+
+
+async def _merge(streams: list[OutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from several streams as they arrive."""
     if len(streams) == 1:
         async for out in streams[0]:
@@ -420,7 +471,7 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
         return
     q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, stream: RequestStream) -> None:
+    async def pump(i: int, stream: OutputStream) -> None:
         try:
             async for out in stream:
                 q.put_nowait((i, out))
@@ -449,7 +500,7 @@ class PromptOnlyStream:
     token (its logits are computed for the last prompt position anyway), which this stream drops,
     so the outputs hold no tokens and finish with "length"."""
 
-    def __init__(self, stream: RequestStream) -> None:
+    def __init__(self, stream: OutputStream) -> None:
         self._stream = stream
 
     @property
@@ -505,13 +556,11 @@ class OpenAIServing:
     """The routes' logic. ``t0`` (the request's arrival, ``loop.time()``) starts its timeout and its
     latency metrics; bodies are the raw request bytes.
 
-    ``engine`` is an ``AsyncEngine``, or anything with its client surface: ``tokenizer``, ``info``
-    (max_model_len, vocab_size), ``max_waiting_requests``, ``default_sampling``,
-    ``compile_grammar``, ``add_requests`` (streams of ``RequestOutput`` with ``abort()``),
-    ``stats()`` and ``is_running`` -- e.g. the Ray Serve ingress's ``RemoteEngine``, whose
-    requests run on engine replicas."""
+    ``engine`` is any ``EngineClient`` (prefixkv/engine_client.py): the in-process ``AsyncEngine``,
+    the engine-core process's client, or the Ray Serve ingress's ``RemoteEngine``. ``close()``
+    releases what the layer itself holds (not the engine)."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         self.metrics = ServerMetrics(engine.stats, config.model_name)
@@ -535,6 +584,9 @@ class OpenAIServing:
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ access
     def needs_key(self, path: str) -> bool:
@@ -762,11 +814,11 @@ class OpenAIServing:
             fmt.reasoning = True
         fmt.show_prompt_logprobs = req.prompt_logprobs is not None
         deadline = t0 + self.config.request_timeout
-        streams: list[RequestStream] = []
+        streams: list[OutputStream] = []
         handed_over = False  # a stream's EventStream aborts its requests when the transport closes it
         try:
             with _admission_errors(aliases):
-                async with _timeout_at(deadline):
+                async with timeout_at(deadline):
                     ids = await self._off_loop(lambda: self._prepare_prompts(prompts, params))
                     self._check_room(ids, params, aliases)
                     if getattr(req, "echo", False):
@@ -786,13 +838,13 @@ class OpenAIServing:
                 for s in streams:
                     s.abort()
 
-    async def _complete(self, t0: float, deadline: float, fmt: _Format, streams: list[RequestStream],
+    async def _complete(self, t0: float, deadline: float, fmt: _Format, streams: list[OutputStream],
                         params: SamplingParams) -> Reply:
         loop = asyncio.get_running_loop()
         finals: list[RequestOutput | None] = [None] * len(streams)
         ttft = None
         try:
-            async with _timeout_at(deadline), contextlib.aclosing(_merge(streams)) as merged:
+            async with timeout_at(deadline), contextlib.aclosing(_merge(streams)) as merged:
                 async for i, out in merged:
                     if ttft is None:
                         ttft = loop.time() - t0
@@ -815,7 +867,7 @@ class OpenAIServing:
                     c.prompt_logprobs = prompt_logprobs_wire(done[c.index // params.n].prompt_logprobs)
         return json_reply(resp)
 
-    async def _stream(self, t0: float, deadline: float, fmt: _Format, streams: list[RequestStream],
+    async def _stream(self, t0: float, deadline: float, fmt: _Format, streams: list[OutputStream],
                       params: SamplingParams, include_usage: bool) -> AsyncIterator[bytes]:
         """The SSE events of a streamed completion, as the engine's outputs arrive; a failure of the
         engine or the deadline ends it with an error event (then ``[DONE]``)."""
@@ -842,9 +894,9 @@ class OpenAIServing:
                     ttft = loop.time() - t0
                 if out.finished:
                     finals[i] = out
-                chunks = _delta_chunks(fmt, i, params.n, out, states)
-                if chunks:
-                    yield b"".join(map(_sse, chunks))
+                events = _delta_events(fmt, i, params.n, out, states)
+                if events:  # one write per output: every choice's news of every step it stands for
+                    yield b"".join(events)
         except Exception as e:  # the engine failed or the deadline passed: the stream ends with the error
             yield _sse(_engine_error(e).body())
         else:
@@ -857,7 +909,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ the engine, for every API
     async def add_requests(self, req: ApiRequest, requests: list[tuple[str, list[int]]], params: SamplingParams,
-                           retention: Retention | None = None) -> list[RequestStream]:
+                           retention: Retention | None = None) -> list[OutputStream]:
         """The one place where a request of any API (chat, completions, responses, messages) reaches
         the engine. ``req`` is the decoded request: fields every API shares (``ApiRequest``) are read
         here. ``retention`` asks that the prompt's prefix stay cached (Anthropic's ``cache_control``,
@@ -876,18 +928,18 @@ class OpenAIServing:
             raise bad_request(e, aliases) from None
 
     async def start(self, req: ApiRequest, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    aliases: dict[str, str], deadline: float, retention: Retention | None = None) -> RequestStream:
+                    aliases: dict[str, str], deadline: float, retention: Retention | None = None) -> OutputStream:
         """One prompt into the engine (its grammar compiled off the loop, its room checked): the
         stream of its outputs, or an ApiError (400, 503 overloaded, 504) with nothing started."""
         with _admission_errors(aliases):
-            async with _timeout_at(deadline):
+            async with timeout_at(deadline):
                 await self._off_loop(lambda: self._prepare_prompts([], params))
                 self._check_room([prompt_ids], params, aliases)
                 (stream,) = await self.add_requests(req, [(request_id, prompt_ids)], params, retention)
         return stream
 
     @staticmethod
-    async def outputs(stream: RequestStream, deadline: float) -> AsyncIterator[RequestOutput]:
+    async def outputs(stream: OutputStream, deadline: float) -> AsyncIterator[RequestOutput]:
         """A started request's outputs until its last; the deadline bounds each wait (not the
         consumer's work between them). An engine failure or the deadline raises ApiError."""
         loop = asyncio.get_running_loop()
@@ -927,12 +979,13 @@ def _check_tool_messages(messages: list) -> None:
                                     "of an earlier assistant message", param=f"messages[{i}].tool_call_id")
 
 
-def _delta_chunks(fmt: _Format, prompt_index: int, n: int, out: RequestOutput,
-                  states: list[_ChoiceState]) -> list[msgspec.Struct]:
-    """The stream chunks for one engine output (of kind "delta"): new text, new logprobs (when they
-    were asked for), and each choice's finish reason once."""
+def _delta_events(fmt: _Format, prompt_index: int, n: int, out: RequestOutput,
+                  states: list[_ChoiceState]) -> list[bytes]:
+    """The SSE events for one engine output (of kind "delta"): new text, new logprobs (when they
+    were asked for), and each choice's finish reason once; with echo, a choice's first event
+    begins with its prompt."""
     base = prompt_index * n
-    chunks = []
+    events = []
     echo = isinstance(fmt, _CompletionFormat) and fmt.echo_texts is not None
     for co in out.outputs:
         index = base + co.index
@@ -943,12 +996,14 @@ def _delta_chunks(fmt: _Format, prompt_index: int, n: int, out: RequestOutput,
         if not co.delta_text and not lps and finish is None and not echo_now:
             continue
         st.finished = st.finished or finish is not None
-        chunk = fmt.delta_chunk(index, co.delta_text, lps, st.num_sent_chars, finish,
-                                co.stop_reason if finish is not None else None)
+        stop_reason = co.stop_reason if finish is not None else None
         if echo_now:
+            chunk = fmt.delta_chunk(index, co.delta_text, lps, st.num_sent_chars, finish, stop_reason)
             st.num_sent_chars += fmt.prepend_echo(chunk.choices[0], prompt_index, out)
+            events.append(_sse(chunk))
+        else:
+            events.append(fmt.delta_event(index, co.delta_text, lps, st.num_sent_chars, finish, stop_reason))
         st.started = True
-        chunks.append(chunk)
         st.num_sent_chars += len(co.delta_text)
-    return chunks
+    return events
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from prefixkv.async_engine import AsyncEngine
+from prefixkv.engine_client import EngineClient
 from prefixkv.server.cache_view import MAX_SUMMARY_NODES, TEXT_TOKENS, CacheSummaries  # noqa: F401
 from prefixkv.server.pages import PAGE_HEADERS as _PAGE_HEADERS
 from prefixkv.server.pages import STATIC_DIR
@@ -30,7 +30,7 @@ def _page(name: str):
 
 
 class WebUI:
-    def __init__(self, engine: AsyncEngine, model_name: str, show_text: bool) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, show_text: bool) -> None:
         self.summaries = CacheSummaries(engine, model_name, show_text)
 
     async def cache_summary(self, request: web.Request) -> web.Response:

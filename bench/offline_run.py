@@ -1,0 +1,53 @@
+"""One ``LLM.generate`` of token-id prompts in a process of its own, started with the environment the
+engine-core process gets (``engine_core.process.engine_environment``: how its OpenMP threads wait),
+so that offline and served runs of the same engine compare like with like::
+
+    python -m bench.offline_run < spec.json     -> {"elapsed_s": ..., "num_output_tokens": ...}
+
+spec: {"model", "prompts": [[ids]], "output_tokens", "max_num_seqs", "kv_cache_bytes", "threads"}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def run(spec: dict) -> dict:
+    """``spec`` in a fresh interpreter (see the module docstring)."""
+    from prefixkv.engine_core.process import engine_environment
+
+    env = {**os.environ, **engine_environment(), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run([sys.executable, "-m", "bench.offline_run"], input=json.dumps(spec), capture_output=True,
+                          text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"offline run failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    spec = json.loads(sys.stdin.read())
+    import torch
+
+    from prefixkv import LLM, SamplingParams
+
+    torch.set_num_threads(spec["threads"])
+    llm = LLM(model=spec["model"], dtype="float32", max_num_seqs=spec["max_num_seqs"],
+              kv_cache_memory_bytes=spec["kv_cache_bytes"], max_waiting_requests=100_000)
+    prompts = spec["prompts"]
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm
+    llm.engine.scheduler.kv.reset_cache()
+    sp = SamplingParams(max_tokens=spec["output_tokens"], temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    elapsed = time.perf_counter() - t0
+    print(json.dumps({"elapsed_s": elapsed, "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

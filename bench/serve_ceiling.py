@@ -1,0 +1,140 @@
+"""``python -m bench http-ceiling``: how many tokens per second the serving path carries when the
+engine's steps take milliseconds -- the front end's own limit, as on a GPU.
+
+The model is a tiny random Llama (2 layers, hidden 64) with the embedded SmolLM2's real tokenizer
+and vocabulary (49,152 tokens: detokenization costs what it costs with the real model), saved once
+under ``--out``. ``--streams`` requests of ``--prompt-tokens`` distinct tokens each generate
+``--output-tokens`` tokens (greedy, ``ignore_eos``):
+
+- offline: ``LLM.generate`` in this process, ``max_num_seqs`` = streams: output tokens/s;
+- served: each system of ``--systems`` started (prefixkv serve: the engine in its own process;
+  prefixkv-inproc: in a thread of the HTTP process; vllm: vLLM's api_server), driven by ``vllm bench
+  serve`` at concurrency = streams: output tokens/s, and served / offline.
+
+The load generator runs on the same CPUs as the server; ``--rounds`` alternate the systems.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench.serve_peers import ROOT, run_load, start_server
+
+PROG = "bench http-ceiling"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--systems", default="prefixkv,prefixkv-inproc", help="from prefixkv, prefixkv-inproc, vllm")
+    p.add_argument("--streams", default="64,256", help="comma-separated concurrent streams (default: %(default)s)")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--output-tokens", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of the offline run")
+    p.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    p.add_argument("--stem", default=None)
+    p.add_argument("--startup-seconds", type=float, default=900.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def tiny_model(out: Path) -> Path:
+    """A 2-layer, 64-wide random Llama with SmolLM2's tokenizer (built once, kept under ``out``)."""
+    path = out / "ceiling-tiny-smollm2-vocab"
+    if (path / "config.json").is_file():
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from prefixkv.model.loader import resolve_model
+
+    src = resolve_model(None)
+    tmp = Path(tempfile.mkdtemp(prefix=".ceiling-", dir=out))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+    LlamaForCausalLM(cfg).save_pretrained(tmp)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src / f).is_file():
+            shutil.copy(src / f, tmp / f)
+    tmp.rename(path)
+    return path
+
+
+def offline_tokens_per_s(model_dir: Path, prompts: list[list[int]], output_tokens: int, threads: int) -> float:
+    from bench.offline_run import run
+
+    res = run({"model": str(model_dir), "prompts": prompts, "output_tokens": output_tokens,
+               "max_num_seqs": len(prompts), "kv_cache_bytes": 1 << 30, "threads": threads})
+    return res["num_output_tokens"] / res["elapsed_s"]
+
+
+def cmd_ceiling(args: argparse.Namespace, command: str) -> int:
+    import torch
+
+    from bench.run import _loadavg, machine_info
+    from prefixkv.tokenizer import Tokenizer
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = tiny_model(out)
+    tokenizer = Tokenizer.from_pretrained(str(model_dir))
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    streams = [int(s) for s in args.streams.split(",") if s.strip()]
+    workdir = Path(tempfile.mkdtemp(prefix="bench-ceiling-"))
+    doc = {"command": command, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "machine": machine_info(torch.get_num_threads()), "model": str(model_dir), "systems": systems,
+           "streams": streams, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+           "runs": [], "loadavg_start": _loadavg()}
+    try:
+        for n in streams:
+            server_args = argparse.Namespace(max_num_seqs=n, kv_cache_gib=1.0, output_tokens=args.output_tokens,
+                                             seed=args.seed)
+            servers = {name: start_server(name, model_dir, "tiny", server_args, n) for name in systems}
+            for srv in servers.values():
+                srv.wait_ready(args.startup_seconds)
+            try:
+                for r in range(args.rounds):
+                    base = 1000 + 7919 * (r + 1)
+                    ids = [[(base + 31 * i + k) % 40000 + 100 for k in range(args.prompt_tokens)] for i in range(n)]
+                    texts = [tokenizer.decode(p, skip_special_tokens=False) for p in ids]
+                    run = {"streams": n, "round": r, "systems": {}, "loadavg": _loadavg()}
+                    order = systems[r % len(systems):] + systems[:r % len(systems)]
+                    for name in order:
+                        res = run_load(servers[name], texts, server_args, n, model_dir, "tiny", workdir,
+                                       f"ceiling-{n}-{r}")
+                        run["systems"][name] = {k: res.get(k) for k in ("output_throughput", "request_throughput",
+                                                                         "median_itl_ms", "median_ttft_ms", "failed")}
+                        print(f"streams {n} round {r} {name}: {res['output_throughput']:.0f} tok/s", flush=True)
+                    # the offline run encodes the served text again: the same token counts as served
+                    enc = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+                    run["offline_tokens_per_s"] = offline_tokens_per_s(model_dir, enc, args.output_tokens, args.threads)
+                    print(f"streams {n} round {r} offline: {run['offline_tokens_per_s']:.0f} tok/s", flush=True)
+                    doc["runs"].append(run)
+            finally:
+                for name, srv in servers.items():
+                    doc.setdefault("exit_codes", {})[f"{name}-{n}"] = srv.stop()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    doc["loadavg_end"] = _loadavg()
+    print(f"\n{command}\nload average {doc['loadavg_start']} -> {doc['loadavg_end']}")
+    print("| streams | system | served tok/s | offline tok/s | served / offline |\n|---|---|---|---|---|")
+    doc["summary"] = []
+    for n in streams:
+        runs = [r for r in doc["runs"] if r["streams"] == n]
+        offline = statistics.median(r["offline_tokens_per_s"] for r in runs)
+        for name in systems:
+            served = statistics.median(r["systems"][name]["output_throughput"] for r in runs)
+            doc["summary"].append({"streams": n, "system": name, "served": served, "offline": offline,
+                                   "ratio": served / offline})
+            print(f"| {n} | {name} | {served:.0f} | {offline:.0f} | {served / offline:.2f} |")
+    path = out / f"{args.stem or 'http-ceiling-' + time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {path}")
+    return 0

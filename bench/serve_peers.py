@@ -1,0 +1,407 @@
+"""``python -m bench http``: ``prefixkv serve`` against vLLM's OpenAI ``api_server`` (its CPU build)
+and llama.cpp's ``llama-server``, through HTTP, driven by vLLM's own load generator.
+
+One command starts every server itself on 127.0.0.1 (each on a free port, all kept running for the
+whole run) and drives each with ``vllm bench serve`` (its Python API in the vLLM peer's interpreter,
+bench/vllm_bench_serve.py): streaming ``/v1/completions``, greedy, ``ignore_eos``, the same text
+prompts for every server (a custom JSONL dataset, no chat template, in a fixed order), at every
+``--concurrency`` with ``max(64, 2 x c)`` requests. Workloads (new text every round, so that no
+server starts a run with its prompts cached)::
+
+    shared-prefix  4 system prompts of 512 tokens, each request its own 64-token question
+    multi-turn     16 conversations x 4 turns; turn t resends the history with the greedy answers of
+                   the turns before it (computed once, offline, by prefixkv: every server gets the
+                   same prompts), turn-major order
+    cold           distinct 256-token prompts
+
+Systems: ``prefixkv`` (``prefixkv serve``: the engine in its own process), ``prefixkv-inproc``
+(``--no-engine-process``: the engine in a thread of the HTTP process, as before), ``prefixkv-t1``
+(the engine process with one compute thread fewer than the CPUs), ``vllm``
+(``tools/peer-vllm-cpu``'s venv: ``vllm.entrypoints.openai.api_server --dtype float32 --block-size 32
+--enable-prefix-caching``, its ``libiomp5.so`` preloaded), ``llama`` (``tools/peer-llama-server``:
+llama-server on an F32 GGUF of the same weights, F32 KV cache, one slot per request of the highest
+concurrency). Each round runs every (workload, concurrency) on every system, the systems in an order
+that rotates from round to round; medians over rounds.
+
+Reported per run: request and output-token throughput, TTFT / TPOT / ITL / latency percentiles (vLLM's
+own metrics), and the greedy outputs compared with prefixkv's. ``--offline`` also runs the same
+requests through ``LLM.generate`` (prefixkv, this process) and vLLM's ``LLM.generate`` (its worker),
+``max_num_seqs`` = the concurrency, token-id prompts: served / offline throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROG = "bench http"
+SYSTEMS = ("prefixkv", "prefixkv-inproc", "prefixkv-t1", "vllm", "llama")
+WORKLOADS = ("shared-prefix", "multi-turn", "cold")
+PERCENTILES = "50,90,99"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--systems", default="prefixkv,vllm,llama", help=f"comma-separated, from {','.join(SYSTEMS)}")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated (default: %(default)s)")
+    p.add_argument("--concurrency", default="16,64", help="comma-separated (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=None, help="requests per run (default: max(64, 2 x c))")
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1, help="rounds; medians reported (default: %(default)s)")
+    p.add_argument("--model", default=None, help="HF model directory (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="every server's batch bound (default: %(default)s)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="prefixkv's and vLLM's KV space (default: 1)")
+    p.add_argument("--offline", action="store_true", help="also the same requests offline (prefixkv and vLLM)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="torch threads of the offline runs (default: every CPU)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    p.add_argument("--stem", default=None)
+    p.add_argument("--startup-seconds", type=float, default=900.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+# ---------------------------------------------------------------------- the servers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_python() -> str:
+    py = os.environ.get("PREFIXKV_VLLM_PYTHON") or str(ROOT / ".peers" / "vllm-cpu" / "bin" / "python")
+    if not Path(py).exists():
+        raise SystemExit(f"{PROG}: {py} not found; run tools/peer-vllm-cpu first")
+    return py
+
+
+class Server:
+    """A server process on 127.0.0.1:``port``, its output in a log file; ``stop`` ends it (SIGTERM)."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str] | None = None) -> None:
+        self.name, self.cmd, self.port = name, cmd, port
+        self.url = f"http://127.0.0.1:{port}"
+        fd, self.log = tempfile.mkstemp(prefix=f"bench-http-{name}-", suffix=".log")
+        self.proc = subprocess.Popen(cmd, stdout=fd, stderr=fd, env={**os.environ, **(env or {})},
+                                     start_new_session=True)
+        os.close(fd)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        tail = Path(self.log).read_text(errors="replace")[-3000:]
+        self.stop()
+        raise SystemExit(f"{PROG}: {self.name} did not become ready ({' '.join(self.cmd)}); log tail:\n{tail}")
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_server(name: str, model_dir: Path, model_name: str, args: argparse.Namespace,
+                 max_concurrency: int) -> Server:
+    port = free_port()
+    kv_gib = args.kv_cache_gib
+    if name.startswith("prefixkv"):
+        cmd = [sys.executable, "-m", "prefixkv.cli", "serve", "--model", str(model_dir), "--served-model-name",
+               model_name, "--port", str(port), "--dtype", "float32", "--max-num-seqs", str(args.max_num_seqs),
+               "--kv-cache-memory", str(kv_gib), "--max-waiting-requests", "100000"]
+        if name == "prefixkv-inproc":
+            cmd.append("--no-engine-process")
+        elif name == "prefixkv-t1":  # the engine's compute pool one thread short of the CPUs
+            cmd += ["--engine-threads", str(max(1, (os.cpu_count() or 2) - 1))]
+        return Server(name, cmd, port, {"PYTHONPATH": str(ROOT)})
+    if name == "vllm":
+        py = vllm_python()
+        venv = Path(py).resolve().parent.parent
+        cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
+               model_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size", "32",
+               "--enable-prefix-caching", "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048",
+               "--no-enable-log-requests"]
+        env = {"LD_PRELOAD": str(venv / "lib" / "libiomp5.so"), "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_gib))),
+               "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+        return Server(name, cmd, port, env)
+    if name == "llama":
+        out = subprocess.run([str(ROOT / "tools" / "peer-llama-server"), str(model_dir)], capture_output=True,
+                             text=True, check=True).stdout.split()
+        binary, gguf = out[0], out[1]
+        slots = max_concurrency
+        cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+               "-c", str(slots * 2048), "--threads", str(os.cpu_count() or 1), "-b", "512", "-ub", "512",
+               "--cache-type-k", "f32", "--cache-type-v", "f32", "--no-webui", "--alias", model_name]
+        return Server(name, cmd, port)
+    raise SystemExit(f"{PROG}: unknown system {name!r}")
+
+
+# ---------------------------------------------------------------------- the workloads
+def build_prompts(workload: str, tokenizer, num: int, output_tokens: int, seed: int, model_dir: Path,
+                  answers_cache: dict) -> list[str]:
+    """The round's prompts as text (ChatML markers included), in the order they are sent."""
+    from bench import workloads as wl
+    from bench.corpus import TokenStream
+
+    stream = TokenStream.build(tokenizer)
+    stream.take(seed * 9973 % 50_000)  # each round its own text
+    pb = wl.PromptBuilder(tokenizer, stream)
+    if workload == "shared-prefix":
+        w = wl.shared_prefix(pb, 4, -(-num // 4), 512, 64, output_tokens, seed)
+        ids = [r.prompt for r in w.rounds[0][:num]]
+    elif workload == "cold":
+        ids = [pb.block(256) for _ in range(num)]
+    elif workload == "multi-turn":
+        convs, turns = 16, max(1, num // 16)
+        w = wl.multi_turn(pb, convs, turns, 128, 64, output_tokens)
+        ids = multi_turn_prompts(w, model_dir, answers_cache, (seed, num, output_tokens))
+    else:
+        raise SystemExit(f"{PROG}: unknown workload {workload!r}")
+    return [tokenizer.decode(p, skip_special_tokens=False) for p in ids]
+
+
+def multi_turn_prompts(w, model_dir: Path, cache: dict, key) -> list[list[int]]:
+    """Every turn's prompt, the history holding prefixkv's greedy answers (offline), turn-major."""
+    if key in cache:
+        return cache[key]
+    from prefixkv import LLM, SamplingParams
+
+    llm = cache.get("llm") or LLM(model=str(model_dir), dtype="float32")
+    cache["llm"] = llm
+    sp = SamplingParams(max_tokens=w.params["output_tokens"], temperature=0.0, ignore_eos=True)
+    prompts, prev, prev_out = [], None, None
+    for t in range(w.total_rounds):
+        reqs = w.round(t, prev, prev_out)
+        prompts += [r.prompt for r in reqs]
+        outs = llm.generate([r.prompt for r in reqs], sp)
+        prev, prev_out = reqs, [[o.outputs[0].token_ids] for o in outs]
+    cache[key] = prompts
+    return prompts
+
+
+def run_load(server: Server, prompts: list[str], args: argparse.Namespace, concurrency: int, model_dir: Path,
+             model_name: str, workdir: Path, tag: str) -> dict:
+    """``vllm bench serve`` against ``server``: its result JSON (detailed: every output's text)."""
+    data = workdir / f"{tag}.jsonl"
+    with open(data, "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"prompt": p, "output_tokens": args.output_tokens}) + "\n")
+    result = f"{tag}-{server.name}.json"
+    cmd = [vllm_python(), str(ROOT / "bench" / "vllm_bench_serve.py"), "--backend", "openai", "--base-url",
+           server.url, "--endpoint", "/v1/completions", "--model", model_name, "--tokenizer", str(model_dir),
+           "--dataset-name", "custom", "--dataset-path", str(data), "--skip-chat-template", "--disable-shuffle",
+           "--num-prompts", str(len(prompts)), "--max-concurrency", str(concurrency), "--request-rate", "inf",
+           "--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--metric-percentiles", PERCENTILES, "--save-result", "--save-detailed", "--result-dir", str(workdir),
+           "--result-filename", result, "--seed", str(args.seed)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("PYTHONPATH", None)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"{PROG}: vllm bench serve failed against {server.name}:\n{proc.stdout[-3000:]}\n"
+                         f"{proc.stderr[-3000:]}")
+    doc = json.loads((workdir / result).read_text())
+    doc["wall_s"] = time.perf_counter() - t0
+    return doc
+
+
+SUMMARY_KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput", "mean_ttft_ms",
+                "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms",
+                "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms")
+
+
+def summarize(doc: dict) -> dict:
+    out = {k: doc.get(k) for k in SUMMARY_KEYS}
+    out["generated_texts"] = doc.get("generated_texts")
+    out["errors"] = [e for e in doc.get("errors", []) if e][:3]
+    return out
+
+
+def identical_fraction(a: list[str] | None, b: list[str] | None) -> float | None:
+    if not a or not b or len(a) != len(b):
+        return None
+    return sum(x == y for x, y in zip(a, b)) / len(a)
+
+
+# ---------------------------------------------------------------------- offline references
+def offline_prefixkv(model_dir: Path, token_prompts: list[list[int]], output_tokens: int, max_num_seqs: int,
+                     kv_gib: float, threads: int) -> float:
+    """Requests/s of the same token-id prompts through ``LLM.generate`` (bench/offline_run.py)."""
+    from bench.offline_run import run
+
+    res = run({"model": str(model_dir), "prompts": token_prompts, "output_tokens": output_tokens,
+               "max_num_seqs": max_num_seqs, "kv_cache_bytes": int(kv_gib * (1 << 30)), "threads": threads})
+    return len(token_prompts) / res["elapsed_s"]
+
+
+def offline_vllm(model_dir: Path, token_prompts: list[list[int]], output_tokens: int, max_num_seqs: int,
+                 kv_gib: float, cache: dict) -> float:
+    from bench.systems import EngineArgs, VLLMSystem
+    from bench.workloads import BenchRequest
+
+    key = ("vllm-offline", max_num_seqs)
+    system = cache.get(key)
+    if system is None:
+        a = EngineArgs(model=str(model_dir), dtype="float32", block_size=32, max_num_seqs=max_num_seqs)
+        system = cache[key] = VLLMSystem("vllm-b32", model_dir, a, 32)
+        system.setup()
+    system.reset()
+    reqs = [BenchRequest(p, output_tokens) for p in token_prompts]
+    res = system._call(dict(op="round", requests=[dict(prompt=r.prompt, max_tokens=r.max_tokens) for r in reqs]))
+    return len(reqs) / res["elapsed_s"]
+
+
+# ---------------------------------------------------------------------- the run
+def cmd_http(args: argparse.Namespace, command: str) -> int:
+    import torch
+
+    from bench.run import _loadavg, machine_info
+    from prefixkv.model.loader import resolve_model
+    from prefixkv.tokenizer import Tokenizer
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    for s in systems:
+        if s not in SYSTEMS:
+            raise SystemExit(f"{PROG}: --systems: unknown {s!r} (from {', '.join(SYSTEMS)})")
+    model_dir = resolve_model(args.model)
+    model_name = model_dir.name
+    tokenizer = Tokenizer.from_pretrained(str(model_dir))
+    workdir = Path(tempfile.mkdtemp(prefix="bench-http-"))
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    doc = {"command": command, "started": started, "machine": machine_info(torch.get_num_threads()),
+           "systems": systems, "workloads": workloads, "concurrency": concurrencies,
+           "output_tokens": args.output_tokens, "rounds": args.rounds, "runs": [], "loadavg_start": _loadavg()}
+    servers: dict[str, Server] = {}
+    cache: dict = {}
+    try:
+        for name in systems:
+            print(f"starting {name} ...", flush=True)
+            servers[name] = start_server(name, model_dir, model_name, args, max(concurrencies))
+        for name, srv in servers.items():
+            srv.wait_ready(args.startup_seconds)
+            print(f"{name} ready at {srv.url} (log {srv.log})", flush=True)
+        for r in range(args.rounds):
+            order = systems[r % len(systems):] + systems[:r % len(systems)]
+            for workload in workloads:
+                for c in concurrencies:
+                    num = args.num_prompts or max(64, 2 * c)
+                    seed = args.seed + 1000 * r + c
+                    prompts = build_prompts(workload, tokenizer, num, args.output_tokens, seed, model_dir, cache)
+                    run = {"round": r, "workload": workload, "concurrency": c, "num_prompts": len(prompts),
+                           "seed": seed, "order": order, "systems": {}, "loadavg": _loadavg()}
+                    for name in order:
+                        tag = f"{workload}-c{c}-r{r}"
+                        res = summarize(run_load(servers[name], prompts, args, c, model_dir, model_name, workdir,
+                                                 tag))
+                        run["systems"][name] = res
+                        print(f"round {r} {workload} c{c} {name}: {res['request_throughput']:.2f} req/s, "
+                              f"TTFT p50 {res['median_ttft_ms']:.0f} ms, TPOT p50 {res['median_tpot_ms']:.1f} ms",
+                              flush=True)
+                    if args.offline:
+                        ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+                        run["offline"] = {"prefixkv": offline_prefixkv(model_dir, ids, args.output_tokens, c,
+                                                                       args.kv_cache_gib, args.threads)}
+                        if "vllm" in systems:
+                            run["offline"]["vllm"] = offline_vllm(model_dir, ids, args.output_tokens, c,
+                                                                  args.kv_cache_gib, cache)
+                        print(f"round {r} {workload} c{c} offline: {run['offline']}", flush=True)
+                    ref = run["systems"].get("prefixkv", {}).get("generated_texts")
+                    run["identical_to_prefixkv"] = {n: identical_fraction(ref, s.get("generated_texts"))
+                                                    for n, s in run["systems"].items() if n != "prefixkv"}
+                    doc["runs"].append(run)
+    finally:
+        for name, srv in servers.items():
+            code = srv.stop()
+            doc.setdefault("exit_codes", {})[name] = code
+        for key, value in cache.items():
+            if isinstance(key, tuple) and key[0] == "vllm-offline":
+                value.teardown()
+        shutil.rmtree(workdir, ignore_errors=True)
+    doc["loadavg_end"] = _loadavg()
+    doc["summary"] = summary(doc)
+    print_summary(doc)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{args.stem or 'http-' + time.strftime('%Y%m%d-%H%M%S')}.json"
+    for run in doc["runs"]:  # the texts were compared; the JSON keeps the figures
+        for res in run["systems"].values():
+            res.pop("generated_texts", None)
+    path.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+def summary(doc: dict) -> list[dict]:
+    """Per (workload, concurrency, system): medians over rounds, ratios to the peers."""
+    rows = []
+    for workload in doc["workloads"]:
+        for c in doc["concurrency"]:
+            runs = [r for r in doc["runs"] if r["workload"] == workload and r["concurrency"] == c]
+            if not runs:
+                continue
+            med = {}
+            for name in doc["systems"]:
+                vals = [r["systems"][name] for r in runs if name in r["systems"]]
+                med[name] = {k: statistics.median(v[k] for v in vals) for k in
+                             ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
+                              "median_tpot_ms", "p99_tpot_ms", "median_itl_ms") if all(v.get(k) is not None for v in vals)}
+                med[name]["failed"] = sum(v.get("failed") or 0 for v in vals)
+            row = {"workload": workload, "concurrency": c, "median": med}
+            pk = med.get("prefixkv", {}).get("request_throughput")
+            row["ratio"] = {n: pk / m["request_throughput"] for n, m in med.items()
+                            if n != "prefixkv" and pk and m.get("request_throughput")}
+            row["identical_to_prefixkv"] = {n: statistics.median(r["identical_to_prefixkv"][n] for r in runs
+                                                                 if r["identical_to_prefixkv"].get(n) is not None)
+                                            for n in med if n != "prefixkv"
+                                            and any(r["identical_to_prefixkv"].get(n) is not None for r in runs)}
+            offline = [r.get("offline") for r in runs if r.get("offline")]
+            if offline:
+                row["offline"] = {n: statistics.median(o[n] for o in offline) for n in offline[0]}
+                row["served_over_offline"] = {n: med[n]["request_throughput"] / row["offline"][n]
+                                              for n in row["offline"] if n in med}
+            rows.append(row)
+    return rows
+
+
+def print_summary(doc: dict) -> None:
+    print(f"\n{doc['command']}\nmedians of {doc['rounds']} round(s); load average {doc['loadavg_start']} -> "
+          f"{doc.get('loadavg_end')}")
+    head = "| workload | c | system | req/s | out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 ms | ÷ | same text |"
+    print(head)
+    print("|---" * 10 + "|")
+    for row in doc["summary"]:
+        for name, m in row["median"].items():
+            ratio = "" if name == "prefixkv" else f"{row['ratio'].get(name, float('nan')):.2f}x"
+            same = "" if name == "prefixkv" else f"{row['identical_to_prefixkv'].get(name, float('nan')):.0%}"
+            print(f"| {row['workload']} | {row['concurrency']} | {name} | {m.get('request_throughput', 0):.2f} | "
+                  f"{m.get('output_throughput', 0):.0f} | {m.get('median_ttft_ms', 0):.0f} / {m.get('p99_ttft_ms', 0):.0f} | "
+                  f"{m.get('median_tpot_ms', 0):.1f} / {m.get('p99_tpot_ms', 0):.1f} | {m.get('median_itl_ms', 0):.1f} | "
+                  f"{ratio} | {same} |")
+        if row.get("offline"):
+            print(f"|   offline req/s: {row['offline']}; served / offline: "
+                  f"{ {n: round(v, 3) for n, v in row['served_over_offline'].items()} }")

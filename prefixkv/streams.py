@@ -1,0 +1,152 @@
+"""Request streams of the asyncio engine clients (``AsyncEngine``, ``EngineCoreClient``): where a
+request's outputs are handed over to its consumer, whatever thread or event loop produced them.
+
+::
+
+    producer (engine thread, or the client's socket reader)       consumer (any event loop)
+    deliver([(sink, output | error), ...])  --call_soon_threadsafe-->  OutputSink.put -> RequestStream
+
+Back-pressure: a sink holds at most one undelivered output. A consumer slower than the engine gets
+the deltas of several steps merged into one (``merge_outputs``), so its memory grows with the
+undelivered tokens only, never with the number of steps, and it writes once per wake-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from prefixkv.outputs import RequestOutput, merge_outputs
+
+if TYPE_CHECKING:
+    from prefixkv.engine_client import PromptType
+    from prefixkv.sampling_params import SamplingParams
+
+
+class OutputSink:
+    """One request's pending output (later ones merged into it) or error, and an event to wake the
+    consumer. Read and written on ``loop`` only (``deliver`` hands items over)."""
+
+    __slots__ = ("loop", "pending", "error", "ready", "delta")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, delta: bool) -> None:
+        self.loop = loop
+        self.pending: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+        self.delta = delta  # the request's outputs carry deltas (output_kind "delta")
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self.error = self.error or item
+        elif self.pending is None:
+            self.pending = item
+        else:
+            self.pending = merge_outputs(self.pending, item, self.delta)
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        while self.pending is None and self.error is None:
+            self.ready.clear()
+            await self.ready.wait()
+        if self.pending is not None:  # outputs delivered before an error still reach the consumer
+            item, self.pending = self.pending, None
+            return item
+        return self.error
+
+
+class RequestStream:
+    """Async iterator over one request's ``RequestOutput`` deltas; the last one has ``finished``
+    (an ``OutputStream``, prefixkv/engine_client.py).
+
+    Leaving it early (``abort()``, ``async with`` exit, garbage collection) calls ``on_abort(request_id,
+    sink)``, which aborts the request in the engine. Errors delivered by the producer
+    (``EngineDeadError``, ``RequestAbortedError``, a step's failure) are raised from ``__anext__``.
+    """
+
+    def __init__(self, request_id: str, sink: OutputSink, on_abort: Callable[[str, OutputSink], None]) -> None:
+        self.request_id = request_id
+        self._sink = sink
+        self._on_abort = on_abort
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._sink.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished. Never raises; safe from any thread."""
+        if not self._done:
+            self._done = True
+            self._on_abort(self.request_id, self._sink)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort()
+
+    def __del__(self) -> None:
+        self.abort()
+
+
+def _put_all(items: list[tuple[OutputSink, Any]]) -> None:
+    for sink, item in items:
+        sink.put(item)
+
+
+def deliver(items: list[tuple[OutputSink, RequestOutput | BaseException]],
+            here: asyncio.AbstractEventLoop | None = None) -> None:
+    """Hand items to their sinks: at once for sinks of ``here`` (the running loop of the caller, if
+    it has one), one ``call_soon_threadsafe`` per other event loop."""
+    batches: dict[asyncio.AbstractEventLoop, list[tuple[OutputSink, Any]]] = {}
+    for sink, item in items:
+        if sink.loop is here:
+            sink.put(item)
+        else:
+            batches.setdefault(sink.loop, []).append((sink, item))
+    for loop, batch in batches.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # that event loop is closed: nobody is listening
+            pass
+
+
+class StreamingClient:
+    """``add_request`` and ``generate`` on top of a client's ``add_requests``."""
+
+    async def add_requests(self, requests: list[tuple[str, PromptType]],
+                           params: SamplingParams) -> list[RequestStream]:
+        raise NotImplementedError
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestStream:
+        """Queue one request and return the stream of its outputs (errors as ``add_requests``)."""
+        return (await self.add_requests([(request_id, prompt)], params))[0]
+
+    async def generate(self, request_id: str, prompt: PromptType,
+                       params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs; errors from ``add_request`` propagate unchanged. If the
+        consumer stops early (``aclose``, ``CancelledError``, ``GeneratorExit``) the request is aborted."""
+        from prefixkv.sampling_params import SamplingParams
+
+        stream = await self.add_request(request_id, prompt, params or SamplingParams())
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
