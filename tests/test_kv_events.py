@@ -14,6 +14,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 import cbor2
@@ -294,8 +295,10 @@ class Subscriber:
                 assert frames == [b"", END_SEQ, b""]
                 return replies
 
-    def collect(self, n: int) -> list[tuple[int, KVEventBatch]]:
+    def collect(self, n: int, timeout_s: float = 20.0) -> list[tuple[int, KVEventBatch]]:
+        deadline = time.monotonic() + timeout_s
         while len(self.payloads) < n:
+            assert time.monotonic() < deadline, f"{len(self.payloads)} of {n} batches"
             if self.sub.poll(300):
                 topic, seq_bytes, payload = self.sub.recv_multipart()
                 assert topic == self.topic
@@ -407,13 +410,15 @@ def test_replay_answers_missed_batches_and_ends_with_vllms_marker(wire):
     pub, sub = wire(buffer_steps=4)
     for i in range(6):
         assert pub.publish([ev.BlockRemoved((i,), "GPU")])
-    live = sub.collect(6)
-    assert [b.events[0].block_hashes for _, b in live] == [[i] for i in range(6)]
+    # the replay socket, not the live one (a SUB socket connected late misses the first batches,
+    # which the 4 kept cannot fill): asked until the publisher's thread has sent all six
+    deadline = time.monotonic() + 20
+    while [int.from_bytes(s, "big") for _, s, _ in sub.request_replay(0)[:-1]] != [2, 3, 4, 5]:
+        assert time.monotonic() < deadline, "the publisher did not keep the last 4 batches"
+        time.sleep(0.05)
     replies = sub.request_replay(3)
-    assert [(t, int.from_bytes(s, "big"), p) for t, s, p in replies[:-1]] == [
-        (b"kv@test", s, sub.payloads[s]) for s in (3, 4, 5)]
-    # only buffer_steps batches are kept
-    assert [int.from_bytes(s, "big") for _, s, _ in sub.request_replay(0)[:-1]] == [2, 3, 4, 5]
+    assert [(t, int.from_bytes(s, "big")) for t, s, _ in replies[:-1]] == [(b"kv@test", s) for s in (3, 4, 5)]
+    assert [sub.decoder.decode(p).events[0].block_hashes for _, _, p in replies[:-1]] == [[3], [4], [5]]
     assert sub.request_replay(6) == [[b"", END_SEQ, b""]]
 
 
