@@ -180,7 +180,8 @@ WRONG_AUTH = [
     [("Authorization", f"Bearer {KEY[:-1]}")], [("Authorization", f"Bearer {KEY.upper()}")],
     [("Authorization", f"Token {KEY}")], [("Authorization", f"Basic {base64.b64encode(KEY.encode()).decode()}")],
     [("Authorization", f"Basic {base64.b64encode(f'user:{KEY}'.encode()).decode()}")],
-    [("Authorization", "Bearer")], [("Authorization", "")], [("X-API-Key", KEY)], [("Api-Key", KEY)],
+    [("Authorization", "Bearer")], [("Authorization", "")], [("X-API-Key", "wrong")], [("X-API-Key", f"Bearer {KEY}")],
+    [("X-API-Key", KEY.upper())], [("Api-Key", KEY)],
     [("Proxy-Authorization", f"Bearer {KEY}")], [("Authorization", f"Bearer {KEY}\x0b")],
     [("Authorization", "Bearer wrong"), ("Authorization", f"Bearer {KEY}")],
     [("Authorization", f"Bearer {KEY},Bearer wrong")],
@@ -203,6 +204,8 @@ def test_api_key_cannot_be_bypassed(keyed_server):
             if 200 <= status < 300:
                 reachable.add((method, path))
     assert ("POST", "/v1/completions") in reachable and ("GET", "/v1/models") in reachable
+    # Anthropic's header carries the same key (the anthropic SDK sends it), on every route
+    assert raw_request(srv, "POST", "/v1/completions", [("X-API-Key", KEY)], COMPL_BODY)[0] == 200
     assert engine.num_calls > 0  # the counter sees requests that do get in
 
     _wait_idle(engine)
