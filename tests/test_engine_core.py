@@ -178,16 +178,16 @@ def test_a_disconnect_storm_aborts_every_request_in_the_core(server, core):
     async def storm():
         body = {"model": MODEL, "prompt": "tell me a very long story", "max_tokens": 900, "ignore_eos": True,
                 "stream": True, "temperature": 0}
-        sessions = [aiohttp.ClientSession() for _ in range(num)]
+        clients = [aiohttp.ClientSession() for _ in range(num)]
         try:
-            resps = await asyncio.gather(*(s.post(server.url + "/v1/completions", json=body) for s in sessions))
+            resps = await asyncio.gather(*(s.post(server.url + "/v1/completions", json=body) for s in clients))
             assert [r.status for r in resps] == [200] * num  # each is in the engine (16 run, 8 wait)
             for _ in range(100):  # until the core's published statistics show them all
                 if core.stats()["num_running"] + core.stats()["num_waiting"] == num:
                     break
                 await asyncio.sleep(0.02)
         finally:
-            for s in sessions:  # drop every connection at once
+            for s in clients:  # drop every connection at once
                 s.connector._close()
                 await s.close()
 

@@ -37,6 +37,10 @@ def tracked() -> list[str]:
     return [p for p in out.decode().split("\0") if p and (ROOT / p).is_file()]
 
 
+# identifiers that name a library's object or field: aiohttp's ClientSession, vLLM's KV event field
+LIBRARY_NAMES = (WORK_WORD, "clientsession", f"{WORK_WORD}_id")
+
+
 def _text(path: str) -> str | None:
     data = (ROOT / path).read_bytes()
     if b"\0" in data:
@@ -55,7 +59,7 @@ def _prose(path: str, text: str):
     if _is_python(path, text):
         try:
             for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-                if tok.type == tokenize.NAME and tok.string.lower().strip("_") in (WORK_WORD, "clientsession"):
+                if tok.type == tokenize.NAME and tok.string.lower().strip("_") in LIBRARY_NAMES:
                     continue
                 if tok.type == tokenize.STRING and tok.string.strip("'\"") == WORK_WORD:
                     continue  # pytest's scope name as a literal
