@@ -600,7 +600,8 @@ def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: in
                                                            seqs={0: r}) for r in sched.waiting}}
     eng.output = OutputProcessor(_FakeTokenizer(), [], 1 << 30)
     eng.check_integrity_each_step = False
-    eng.num_steps = 0
+    eng.num_steps = eng.num_prefill_tokens = eng.num_decode_steps = 0
+    eng.prefill_s = eng.decode_s = 0.0
     eng.dead = None
     for g in eng._groups.values():  # detokenize=False requests: no text work
         g.params.detokenize = False
