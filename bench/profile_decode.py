@@ -222,7 +222,7 @@ def main(argv=None) -> int:
 
     # attention variants on the live KV cache (layer 0 inputs shapes)
     reqs = list(sched.running)
-    tables = [eng.scheduler.kv.block_tables[r.seq_id] for r in reqs]
+    tables = [eng.scheduler.kv.block_tables[r.seq_id][0] for r in reqs]
     nbmax = max(len(x) for x in tables)
     bt = torch.zeros((len(tables), nbmax), dtype=torch.int32)
     for i, x in enumerate(tables):

@@ -125,9 +125,10 @@ class KVProbe:
         log_held = log_slots = 0
         fill: dict[int, int] = {}
         for r in sched.running:
-            table = kv.block_tables.get(r.seq_id)
-            if table is None:
+            tables = kv.block_tables.get(r.seq_id)
+            if tables is None:
                 continue
+            table = tables[0]
             n = held.get(r.seq_id, r.num_computed_tokens)
             log_held += n
             log_slots += len(table) * bs
@@ -170,7 +171,7 @@ class PrefixKVSystem(System):
     def reset(self) -> None:
         super().reset()
         assert not self.engine.has_unfinished()
-        self.engine.scheduler.kv.radix.reset()
+        self.engine.scheduler.kv.reset_cache()
         assert self.engine.scheduler.kv.num_used_blocks == 0
         self._stats0 = self.engine.stats()
         self._steps0 = self.engine.num_steps

@@ -7,7 +7,6 @@ import dataclasses
 import itertools
 import logging
 import random
-import time
 from array import array
 from typing import Any, Sequence
 
@@ -20,7 +19,6 @@ from prefixkv.model.loader import DTYPES, load_hf_config, load_model, resolve_dt
 from prefixkv.output_processor import OutputProcessor, RequestState
 from prefixkv.outputs import CompletionOutput, RequestOutput
 from prefixkv.request import Request, RequestStatus
-from prefixkv.runner.disk_store import DiskKVError
 from prefixkv.runner.memory import kv_cache_bytes_for, profile_activation_peak
 from prefixkv.runner.model_runner import ModelRunner
 from prefixkv.sampling_params import SamplingParams, generation_config_defaults
@@ -29,8 +27,6 @@ from prefixkv.structured_outputs import GrammarCompiler
 from prefixkv.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-_DISK_WAIT_MAX_S = 0.1  # the most a scheduling pass waits for a request's disk reads (see _disk_prefetch)
 
 PromptType = str | Sequence[int]
 
@@ -83,35 +79,12 @@ class LLMEngine:
             if why is not None and config.batch_invariant:
                 raise ValueError(f"batch_invariant: {why}")
             backend.batch_invariant = self.batch_invariant = why is None
-        num_host_blocks = config.cache.host_cache_bytes // ModelRunner.bytes_per_block(self.model, bs, dtype)
-        if config.cache.host_cache_bytes and not num_host_blocks:
-            raise ValueError(f"kv_host_cache_gb: {config.cache.host_cache_bytes} bytes hold no KV block "
-                             f"({ModelRunner.bytes_per_block(self.model, bs, dtype)} bytes each)")
-        disk, num_disk_blocks = None, 0
-        if config.cache.disk_cache_dir is not None:
-            from prefixkv.runner.disk_store import DiskKVStore, kv_fingerprint
-
-            s = self.model.shape
-            block_shape = (s.num_layers, 2, s.num_kv_heads, bs, s.head_dim)
-            disk = DiskKVStore(config.cache.disk_cache_dir, kv_fingerprint(self.model_path, dtype, bs, block_shape),
-                               bs, block_shape, dtype)
-            num_disk_blocks = config.cache.disk_cache_bytes // disk.payload_bytes
-            if not num_disk_blocks:
-                raise ValueError(f"kv_disk_cache_gb: {config.cache.disk_cache_bytes} bytes hold no KV block "
-                                 f"({disk.payload_bytes} bytes each)")
-            disk.make_buffer(num_disk_blocks)
-        self.scheduler = Scheduler(config.scheduler.for_device(config.device), config.cache, num_blocks, max_len,
-                                   num_host_blocks, num_disk_blocks, self.kv_plan.windows)
         self.runner = ModelRunner(self.model, backend, num_blocks, bs, config.device, dtype, self.info.eos_token_ids,
-                                  max_len, num_host_blocks, disk, self.kv_plan)
-        if disk is not None:  # the files of an earlier run: the disk tier's index again
-            kv = self.scheduler.kv
-            for key, tokens in disk.scan():
-                for dropped in kv.disk.add(key, tokens):
-                    disk.delete(dropped)
-            self.scheduler.disk_prefetch = self._disk_prefetch
-        # CUDA: promotions from the lower tiers overlap the forward pass; their requests wait a step
-        self.scheduler.defer_promotions = self.runner.copy_stream is not None
+                                  max_len, self.kv_plan, config.cache, self.model_path)
+        tiers = self.runner.tiers
+        self.scheduler = Scheduler(config.scheduler.for_device(config.device), config.cache, num_blocks, max_len,
+                                   tiers.num_host_pages, tiers.num_disk_pages, self.kv_plan.windows)
+        self.scheduler.tiers.bind(tiers)
         self.graph_capture_seconds = 0.0
         if config.device == "cuda" and not config.enforce_eager and backend.name == "cuda":
             if shape.is_moe:  # the torch MoE path picks each step's experts on the host: no graph holds it
@@ -132,11 +105,6 @@ class LLMEngine:
         # SamplingParams fields -> the model's defaults, for what a request leaves unset (server, LLM)
         self.default_sampling: dict[str, Any] = generation_config_defaults(gc_dir)
         self.check_integrity_each_step = False
-        self._last_forward_s = 0.0
-        self.disk_wait_max_s = _DISK_WAIT_MAX_S
-        self.disk_wait_left = 0.0  # seconds this scheduling pass may still wait for disk reads
-        self.disk_wait_s = 0.0  # waited so, in all
-        self.num_disk_waits_won = 0  # requests whose reads ended within such a wait (then admitted, blocks allowing)
         self.num_steps = 0
         self.num_aborted = 0  # requests aborted before they finished (client gone, timeout, shutdown)
         self.dead: BaseException | None = None  # set by a fatal step error (EngineFatalError)
@@ -159,53 +127,13 @@ class LLMEngine:
                         plan.num_groups, plan.layers_per_page, list(plan.windows))
         return plan
 
-    def _disk_prefetch(self, keys: list[int], wait: bool) -> bool:
-        """The scheduler's hook: whether a waiting request's blocks from files are all in memory
-        (their reads start otherwise). With ``wait`` (the pass would admit the request) it waits
-        for reads that the reader's pace says end within what is left of this pass's bound
-        (``disk_wait_left``): admitted now rather than a whole step later, at the cost of that
-        wait to the running requests and to those after it in the queue (SGLang HiCache's
-        "timeout" prefetch policy). A block going to its file in this very step is not read yet
-        (next step, from its copy). Files that failed their check are forgotten here, so the
-        request's match stops before them and it recomputes the rest."""
-        kv, store = self.scheduler.kv, self.runner.disk
-        spilling = kv.spilling()
-        if spilling and not spilling.isdisjoint(keys):
-            return False
-        ready = store.prefetch(keys)
-        if not ready and wait and self.disk_wait_left > 0:
-            t0 = time.perf_counter()
-            ready = store.wait_ready(keys, self.disk_wait_left)
-            waited = time.perf_counter() - t0
-            self.disk_wait_left -= waited
-            self.disk_wait_s += waited
-            self.num_disk_waits_won += ready
-        self._forget_failed_disk_blocks()
-        return ready
-
-    def _forget_failed_disk_blocks(self) -> None:
-        for key in self.runner.disk.take_failed():
-            self.scheduler.kv.disk.remove(key)
-            logger.warning("kv cache: disk block %016x failed its check or its write; recomputed",
-                           key & 0xFFFFFFFFFFFFFFFF)
-
     def flush_kv_cache(self) -> int:
-        """Write every cached block the disk tier lacks (on the device and in the host tier) to the
-        disk tier, so that a restart finds them (a clean shutdown calls this). Returns how many."""
-        kv, runner = self.scheduler.kv, self.runner
-        if kv.disk is None:
-            return 0
-        n = 0
-        for key, tokens, where, i in list(kv.blocks_missing_on_disk()):
-            if key in kv.disk:  # (on the device and in the host tier both: written once)
-                continue
-            src = runner.kv_cache[:, :, i] if where == "device" else runner.host_kv[:, :, i]
-            runner.disk.write(key, tokens, src)
-            for dropped in kv.disk.add(key, tokens):
-                runner.disk.delete(dropped)
-            n += 1
-        runner.disk.flush()
-        return n
+        """Write every cached page the lowest tier lacks (on the device and in the host tier) to it,
+        so that a restart finds them (a clean shutdown calls this). Returns how many."""
+        plan = self.scheduler.tiers.flush(self.scheduler.kv.cached_pages())
+        self.runner.tiers.execute(plan)
+        self.runner.tiers.flush()
+        return len(plan.persists) + len(plan.spills)
 
     def _batch_invariance_blocker(self, backend) -> str | None:
         """Why this engine cannot be batch-invariant, or None. The mode needs every op of the
@@ -338,14 +266,6 @@ class LLMEngine:
         for gets a finished output with ``error`` set, its blocks freed; the others go on."""
         if self.dead is not None:
             raise EngineFatalError(f"the engine is dead after {type(self.dead).__name__}: {self.dead}")
-        if self.runner.disk is not None:
-            self._forget_failed_disk_blocks()  # (reads and writes the threads finished since)
-            self.runner.disk.begin_pass()
-            # what this pass may wait for reads: with requests running, no longer than the last
-            # forward took (about the step a waiting request would otherwise lose), and never more
-            # than disk_wait_max_s
-            self.disk_wait_left = min(self.disk_wait_max_s, self._last_forward_s) if self.scheduler.running \
-                else self.disk_wait_max_s
         out = self.scheduler.schedule()
         touched: dict[str, RequestState] = {}
         for seq in out.out_of_memory:  # already finished by the scheduler
@@ -354,21 +274,18 @@ class LLMEngine:
                 self._finish(group, seq, RequestStatus.FINISHED_LENGTH, None)
                 touched[group.request_id] = group
         if out.is_empty:
-            if self.runner.disk is not None and self.scheduler.waiting:
-                self.runner.disk.wait_reads(0.05)  # waiting only for files: no busy loop
+            if self.scheduler.waiting:
+                self.scheduler.tiers.wait_for_reads(0.05)  # waiting only for lower tiers' reads: no busy loop
             return self._emit(touched)
         self.num_steps += 1
-        t0 = time.perf_counter()
         try:
             model_out = self.runner.execute(out)
-            if out.scheduled:  # (not a step of copies only)
-                self._last_forward_s = time.perf_counter() - t0
         except Exception as e:
             return self._failed_forward(out, e) + self._emit(touched)
         except BaseException:  # KeyboardInterrupt and the like: nothing of this step can be trusted
             for rid in list(self._groups):
                 self.abort(rid)
-            self.scheduler.kv.reset_cache()
+            self.scheduler.reset_cache()
             raise
         failed: dict[str, tuple[RequestState, BaseException]] = {}
         update_errors: list[tuple[Request, BaseException]] = []
@@ -414,13 +331,9 @@ class LLMEngine:
         (``is_fatal``) aborts everything and raises ``EngineFatalError``."""
         fatal = is_fatal(error)
         hit = list(self._groups) if fatal else list(dict.fromkeys(
-            [s.req.request_id for s in out.scheduled] + [r.request_id for r in out.deferred]))
+            [s.req.request_id for s in out.scheduled] + [r.request_id for r in out.tiers.deferred]))
         outputs = [self._fail(self._groups[rid], error) for rid in hit if rid in self._groups]
-        kv = self.scheduler.kv
-        kv.reset_cache([key for _, key, _ in out.spill])
-        if isinstance(error, DiskKVError) and kv.disk is not None:
-            kv.disk.remove(error.key)  # a file that failed its check is never offered again
-            self.runner.disk.delete(error.key)
+        self.scheduler.reset_cache(out)
         if fatal:
             self.dead = error
             raise EngineFatalError(f"the engine cannot continue after {type(error).__name__}: {error}") from error
@@ -466,23 +379,10 @@ class LLMEngine:
             "num_kv_blocks_evictable": kv.pool.num_evictable,
             "prefix_queried_tokens": kv.num_queried_tokens,
             "prefix_hit_tokens": kv.num_hit_tokens,
-            "prefix_host_hit_tokens": kv.num_host_hit_tokens,
-            "num_host_blocks": kv.host.num_slots if kv.host is not None else 0,
-            "num_host_blocks_used": kv.host.num_used if kv.host is not None else 0,
-            "host_blocks_stored": kv.host.num_stored if kv.host is not None else 0,
-            "host_blocks_loaded": kv.host.num_loaded if kv.host is not None else 0,
-            "num_disk_blocks": kv.disk.num_blocks if kv.disk is not None else 0,
-            "num_disk_blocks_used": kv.disk.num_used if kv.disk is not None else 0,
-            "disk_bytes_written": self.runner.disk.num_bytes_written if self.runner.disk is not None else 0,
-            "disk_bytes_read": self.runner.disk.num_bytes_read if self.runner.disk is not None else 0,
-            "disk_files_discarded": self.runner.disk.num_discarded if self.runner.disk is not None else 0,
-            "disk_blocks_prefetched": self.runner.disk.num_prefetched if self.runner.disk is not None else 0,
-            "disk_sync_reads": self.runner.disk.num_sync_reads if self.runner.disk is not None else 0,
-            "disk_admission_waits": self.scheduler.num_disk_waits,
-            "disk_wait_admissions": self.num_disk_waits_won,
-            "disk_wait_s": round(self.disk_wait_s, 6),
+            "prefix_host_hit_tokens": kv.num_lower_hit_tokens,
+            **self.scheduler.tiers.stats(),
+            **self.runner.tiers.stats(),
             "deferred_promotions": self.scheduler.num_deferred_promotions,
-            "async_promoted_blocks": self.runner.num_async_promoted_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_requests_aborted": self.num_aborted,
             "spec_draft_tokens": self.scheduler.num_draft_tokens,
@@ -494,7 +394,7 @@ class LLMEngine:
         the radix tree (``RadixIndex.summary``). With ``text_tokens`` > 0 each shown node also
         carries ``text``, its first ``text_tokens`` tokens decoded (prompt text: the server shows
         it only when started with ``--cache-view-text``)."""
-        tree = self.scheduler.kv.radix.summary(max_nodes=max_nodes, max_tokens=text_tokens)
+        tree = self.scheduler.kv.summary(max_nodes=max_nodes, max_tokens=text_tokens)
         if text_tokens > 0:
             stack = list(tree["root"]["children"])
             while stack:

@@ -1,30 +1,33 @@
 """Turns a SchedulerOutput into tensors, runs the model and samples.
 
-Per step: apply copy-on-write block copies, build input_ids / positions / slot_mapping /
-block_tables / seq_lens, run the forward pass (logits only for rows that sample), sample.
+Per step: run the lower tiers' copies (runner/tiers.py), apply copy-on-write block copies, build
+input_ids / positions and each KV cache group's slot_mapping / block_tables / seq_lens, run the
+forward pass (logits only for rows that sample), sample.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from prefixkv import cpu_ops, hugepages
+from prefixkv import hugepages
 from prefixkv.attention import AttentionBackend, AttentionMetadata, kv_cache_shape
+from prefixkv.config import CacheConfig
 from prefixkv.kv.groups import KVGroupPlan, plan_kv_groups
 from prefixkv.model.llama import LlamaModel
 from prefixkv.request import Request
 from prefixkv.runner.block_table import BlockTables
 from prefixkv.runner.sampler import SamplingBatch, SamplerOutput, argmax_only, mix_seed, sample
+from prefixkv.runner.tiers import TierWorker
+from prefixkv.scheduler import SchedulerOutput
+from prefixkv.spec_decode import accept_greedy
 
 if TYPE_CHECKING:
     from prefixkv.runner.cuda_graph import CudaGraphRunner
-    from prefixkv.runner.disk_store import DiskKVStore
-from prefixkv.scheduler import SchedulerOutput
-from prefixkv.spec_decode import accept_greedy
 
 
 @dataclass
@@ -50,9 +53,9 @@ class ModelRunner:
         dtype: torch.dtype,
         eos_token_ids: list[int],
         max_model_len: int,
-        num_host_blocks: int = 0,
-        disk: "DiskKVStore | None" = None,
         kv_plan: KVGroupPlan | None = None,
+        cache: CacheConfig | None = None,
+        model_path=None,
     ) -> None:
         self.max_model_len = max_model_len
         self.model = model
@@ -63,34 +66,23 @@ class ModelRunner:
         s = model.shape
         self.vocab_size = s.vocab_size
         self.eos_token_ids = eos_token_ids
-        # [num_layers, 2, num_blocks + 1, KVH, block_size, D]; the last block is the dummy block.
-        # KV cache groups (kv/groups.py): [layers_per_page, 2, num_pages + 1, ...], a block table per
-        # group (the anchor's is block_tables), layer i at slot kv_plan.layer_slot[i]
+        # [layers_per_page, 2, num_pages + 1, KVH, block_size, D] (a model without sliding windows:
+        # layers_per_page = num_layers); the last page is the dummy page. Layer i lives at slot
+        # kv_plan.layer_slot[i] of the pages of its KV cache group (kv/groups.py).
         self.kv_plan = kv_plan or plan_kv_groups((None,) * s.num_layers)
         shape = kv_cache_shape(self.kv_plan.layers_per_page, num_blocks, s.num_kv_heads, block_size, s.head_dim)
         if self.device.type == "cpu":  # huge pages: a block read touches one page, not several
             self.kv_cache = hugepages.empty(shape, dtype=dtype).zero_()
         else:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.layer_caches = [self.kv_cache[slot] for slot in self.kv_plan.layer_slot]  # per layer: its view
         self.graphs: CudaGraphRunner | None = None
-        self.block_tables = BlockTables(-(-max_model_len // block_size))
-        self.group_tables = [BlockTables(-(-max_model_len // block_size)) for _ in range(self.kv_plan.num_groups - 1)]
-        if self.group_tables:
-            model.kv_slots, model.kv_groups = self.kv_plan.layer_slot, self.kv_plan.layer_group
-        # the host tier's KV: [num_layers, 2, num_host_blocks, KVH, block_size, D], in host memory
-        # (pinned when the device is a GPU, so its copies can be asynchronous)
-        self.host_kv = None
-        if num_host_blocks:
-            self.host_kv = torch.zeros((s.num_layers, 2, num_host_blocks, s.num_kv_heads, block_size, s.head_dim),
-                                       dtype=dtype, pin_memory=self.device.type == "cuda")
-        self.disk = disk  # the disk tier's files (runner/disk_store.py)
-        # CUDA: the lower tiers' blocks go back into the device on a side stream from pinned memory,
-        # beside the forward pass of the step that schedules them (SchedulerOutput.promote_async;
-        # the scheduler puts their requests off to the next step, whose work waits for the copies)
-        self.copy_stream = (torch.cuda.Stream(device=self.device)
-                            if self.device.type == "cuda" and (num_host_blocks or disk is not None) else None)
-        self._copies_in_flight = None  # the side stream's event after the last step's copies
-        self.num_async_promoted_blocks = 0
+        max_blocks = -(-max_model_len // block_size)
+        self.block_tables = [BlockTables(max_blocks) for _ in range(self.kv_plan.num_groups)]  # one per group
+        # the host and disk tiers' worker side (runner/tiers.py)
+        plan = self.kv_plan
+        self.tiers = TierWorker.from_config(cache or CacheConfig(block_size=block_size), self.kv_cache, model_path,
+                                            (plan.layer_group, plan.layer_slot))
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
         """Capture decode graphs for every batch bucket; returns the capture time in seconds."""
@@ -108,34 +100,31 @@ class ModelRunner:
                 * torch.empty((), dtype=dtype).element_size())
 
     # ------------------------------------------------------------------ inputs
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list,
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata],
                                                      torch.Tensor | None]:
-        """Step inputs; the returned logits rows hold one row per sampling sequence (a fork step's
-        n samples share it; None where that is every row, in order: a step of decodes). Host work
-        follows this step's tokens and new blocks: the block tables are the runner's persistent
-        copies (``BlockTables``), updated by the step's deltas."""
-        tables = self.block_tables
-        tables.release(out.released_seq_ids)
-        for t in self.group_tables:
+        """Step inputs: input ids, positions, the attention metadata of each KV cache group, and
+        the logits rows (one per sampling sequence: a fork step's n samples share it; None where
+        that is every row, in order: a step of decodes). Host work follows this step's tokens and
+        new blocks: the block tables are the runner's persistent copies (``BlockTables``, one per
+        group), updated by the step's deltas."""
+        groups = self.block_tables
+        for t in groups:
             t.release(out.released_seq_ids)
-        grouped = bool(self.group_tables)
-        group_rows: list[list[int]] = [[] for _ in self.group_tables]
-        rows: list[int] = []
+        rows: list[list[int]] = [[] for _ in groups]  # per group: each sequence's row of its table
         computed: list[int] = []
         counts: list[int] = []
         input_ids: list[int] = []
         logits_rows: list[int] = []
         end = 0
-        known = tables.rows
         for s in out.scheduled:
-            if grouped:  # delta: (first changed index, the anchor's ids, the other groups' ids)
-                sid, delta = s.req.seq_id, s.block_delta
-                rows.append(tables.apply(sid, None if delta is None else delta[:2]))
-                for g, t in enumerate(self.group_tables):
-                    group_rows[g].append(t.apply(sid, None if delta is None else (delta[0], delta[2][g])))
+            sid, delta = s.req.seq_id, s.block_delta
+            if delta is None:
+                for t, r in zip(groups, rows):
+                    row = t.rows.get(sid)
+                    r.append(t.apply(sid, None) if row is None else row)
             else:
-                row = known.get(s.req.seq_id) if s.block_delta is None else None
-                rows.append(tables.apply(s.req.seq_id, s.block_delta) if row is None else row)
+                for t, r, ids in zip(groups, rows, delta.blocks):
+                    r.append(t.apply(sid, (delta.start, ids)))
             computed.append(s.num_computed_tokens)
             counts.append(s.num_scheduled_tokens)
             input_ids.extend(s.token_ids)
@@ -144,52 +133,42 @@ class ModelRunner:
                 logits_rows.extend(range(start, end))
             elif s.num_samples:
                 logits_rows.append(end - 1)
-        bs = self.block_size
-        rows_np = np.asarray(rows, dtype=np.int64)
         computed_np = np.asarray(computed, dtype=np.int64)
         counts_np = np.asarray(counts, dtype=np.int64)
         seq_lens = computed_np + counts_np
-        starts = np.zeros(len(rows) + 1, dtype=np.int64)
+        starts = np.zeros(len(computed) + 1, dtype=np.int64)
         np.cumsum(counts_np, out=starts[1:])
-        if end == len(rows):  # one token per sequence (decodes)
-            tok_rows, positions = rows_np, computed_np
-        else:
-            tok_rows = np.repeat(rows_np, counts_np)
-            positions = np.repeat(computed_np - starts[:-1], counts_np) + np.arange(end, dtype=np.int64)
-        slots = tables.table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        max_blocks = int(tables.num_blocks[rows_np].max())
+        decodes = end == len(computed)  # one token per sequence
+        positions = computed_np if decodes else (np.repeat(computed_np - starts[:-1], counts_np)
+                                                 + np.arange(end, dtype=np.int64))
         dev = self.device
         on_dev = (lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev))  # (no dispatch on CPU)
-        seq_lens_cpu = seq_lens.tolist()
-        starts_cpu = starts.tolist()
-        meta = AttentionMetadata(
-            slot_mapping=on_dev(torch.from_numpy(slots)),
-            query_start_loc=on_dev(torch.from_numpy(starts.astype(np.int32))),
-            seq_lens=on_dev(torch.from_numpy(seq_lens.astype(np.int32))),
-            block_tables=on_dev(torch.from_numpy(tables.gather(rows, max_blocks))),
-            num_decode_seqs=out.num_decodes,
-            # an upper bound: on the GPU the decode kernel's split-K choice then matches the
-            # captured graphs' (sized for max_model_len), so a batch's arithmetic does not depend
-            # on whether it fits a graph bucket
-            max_seq_len=self.max_model_len if self.device.type == "cuda" else max(seq_lens_cpu),
-            max_query_len=int(counts_np.max()),
-            seq_lens_cpu=seq_lens_cpu,
-            query_start_loc_cpu=starts_cpu,
-        )
-        if grouped:  # the same batch through each group's tables (each with its own rows)
-            metas = [meta]
-            for t, g_rows in zip(self.group_tables, group_rows):
-                g_np = np.asarray(g_rows, dtype=np.int64)
-                g_tok = g_np if end == len(rows) else np.repeat(g_np, counts_np)
-                g_slots = t.table[g_tok, positions // bs].astype(np.int64) * bs + positions % bs
-                metas.append(AttentionMetadata(
-                    slot_mapping=on_dev(torch.from_numpy(g_slots)), query_start_loc=meta.query_start_loc,
-                    seq_lens=meta.seq_lens, block_tables=on_dev(torch.from_numpy(t.gather(g_rows, max_blocks))),
-                    num_decode_seqs=meta.num_decode_seqs, max_seq_len=meta.max_seq_len,
-                    max_query_len=meta.max_query_len, seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=starts_cpu))
-            meta = metas
+        seq_lens_cpu, starts_cpu = seq_lens.tolist(), starts.tolist()
+        query_start_loc = on_dev(torch.from_numpy(starts.astype(np.int32)))
+        seq_lens_dev = on_dev(torch.from_numpy(seq_lens.astype(np.int32)))
+        max_blocks = int(groups[0].num_blocks[np.asarray(rows[0], dtype=np.int64)].max())  # (every group's alike)
+        bs = self.block_size
+        metas = []
+        for t, g_rows in zip(groups, rows):  # the same batch through each group's tables
+            g_np = np.asarray(g_rows, dtype=np.int64)
+            tok_rows = g_np if decodes else np.repeat(g_np, counts_np)
+            slots = t.table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
+            metas.append(AttentionMetadata(
+                slot_mapping=on_dev(torch.from_numpy(slots)),
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens_dev,
+                block_tables=on_dev(torch.from_numpy(t.gather(g_rows, max_blocks))),
+                num_decode_seqs=out.num_decodes,
+                # an upper bound: on the GPU the decode kernel's split-K choice then matches the
+                # captured graphs' (sized for max_model_len), so a batch's arithmetic does not
+                # depend on whether it fits a graph bucket
+                max_seq_len=self.max_model_len if dev.type == "cuda" else max(seq_lens_cpu),
+                max_query_len=int(counts_np.max()),
+                seq_lens_cpu=seq_lens_cpu,
+                query_start_loc_cpu=starts_cpu,
+            ))
         # logits rows increase, so as many as the step's tokens are every row in order (None)
-        return (torch.tensor(input_ids, dtype=torch.int64, device=dev), on_dev(torch.from_numpy(positions)), meta,
+        return (torch.tensor(input_ids, dtype=torch.int64, device=dev), on_dev(torch.from_numpy(positions)), metas,
                 None if len(logits_rows) == end else torch.tensor(logits_rows, dtype=torch.int64, device=dev))
 
     def sampling_batch(self, rows: list[tuple[Request, int]]) -> SamplingBatch:
@@ -251,67 +230,25 @@ class ModelRunner:
         return b
 
     # ------------------------------------------------------------------ the step
-    def swap(self, out: SchedulerOutput) -> None:
-        """The lower tiers' copies of a step, in this order: host slots the host tier let go of
-        to files (before this step's swap-outs reuse them), device blocks out to the host (blocks
-        evicted by this step and reused by it still hold their KV), host slots back in, files back
-        in, then the files the disk tier dropped. With ``promote_async`` on CUDA the blocks that go
-        back in are copied on the side stream (``_swap_in_async``)."""
-        if out.spill:  # each block copied out of its slot now (the swap-outs below may reuse the slot)
-            staged = self._staging(len(out.spill))
-            cpu_ops.move_kv_blocks(self.host_kv, staged.permute(1, 2, 0, *range(3, staged.dim())),
-                                   [(slot, i) for i, (slot, _, _) in enumerate(out.spill)])
-            for i, (_, key, tokens) in enumerate(out.spill):
-                self.disk.write(key, tokens, staged[i], owned=True)
-        cpu_ops.move_kv_blocks(self.kv_cache, self.host_kv, out.swap_out)
-        if out.promote_async and self.copy_stream is not None and (out.swap_in or out.load):
-            self._swap_in_async(out)
-        else:
-            cpu_ops.move_kv_blocks(self.host_kv, self.kv_cache, out.swap_in)
-            if out.load:
-                self.disk.load_into(self.kv_cache, out.load)
-        for key in out.disk_drop:
-            self.disk.delete(key)
-
-    def _staging(self, n: int, pin: bool = False) -> torch.Tensor:
-        """A host buffer for n blocks of every layer, [n, layers, 2, KVH, block_size, D]: a block a
-        contiguous run (a file's payload); ``.permute(1, 2, 0, 3, 4, 5)`` is the cache's layout."""
-        layers, two, _, kvh, bs, d = self.kv_cache.shape
-        return torch.empty((n, layers, two, kvh, bs, d), dtype=self.kv_cache.dtype, pin_memory=pin)
-
-    def _swap_in_async(self, out: SchedulerOutput) -> None:
-        """The step's swap-ins and file loads as one batch: gathered into a pinned buffer here, then
-        copied to the device and scattered into their blocks on the side stream, which first waits
-        for the work queued so far (earlier steps' kernels may still read those blocks' old KV).
-        The next ``execute`` makes the compute stream wait for them."""
-        blocks = [b for _, b in out.swap_in] + [b for _, b in out.load]
-        k = len(out.swap_in)
-        staged = self._staging(len(blocks), pin=True).permute(1, 2, 0, 3, 4, 5)
-        cpu_ops.move_kv_blocks(self.host_kv, staged, [(h, i) for i, (h, _) in enumerate(out.swap_in)])
-        if out.load:
-            self.disk.load_into(staged, [(key, k + i) for i, (key, _) in enumerate(out.load)])
-        index = torch.tensor(blocks, dtype=torch.int64).pin_memory()
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):
-            self.kv_cache.index_copy_(2, index.to(self.device, non_blocking=True),
-                                      staged.to(self.device, non_blocking=True))
-            self._copies_in_flight = torch.cuda.Event()
-            self._copies_in_flight.record(self.copy_stream)
-        self.num_async_promoted_blocks += len(blocks)
-
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        if self._copies_in_flight is not None:  # the last step's promotions, before anything reads them
-            torch.cuda.current_stream(self.device).wait_event(self._copies_in_flight)
-            self._copies_in_flight = None
-        if out.has_copies:
-            self.swap(out)
+        """The step's lower-tier copies (runner/tiers.py), then its forward pass and sampling."""
+        t0 = time.perf_counter()
+        self.tiers.wait_for_copies()
+        if out.tiers.has_copies:
+            self.tiers.execute(out.tiers)
         if not out.scheduled:  # a step of copies only (requests put off to the next step)
             return ModelOutput([], [], None)
+        model_out = self._forward(out)
+        self.tiers.last_forward_s = time.perf_counter() - t0
+        return model_out
+
+    def _forward(self, out: SchedulerOutput) -> ModelOutput:
         if out.copy_ops:
             pairs = torch.tensor([[op.src, op.dst] for op in out.copy_ops], dtype=torch.int64, device=self.device)
             self.backend.copy_blocks(self.kv_cache, pairs)
-        input_ids, positions, meta, logits_rows = self.prepare(out)
+        input_ids, positions, metas, logits_rows = self.prepare(out)
+        layer_metas = [metas[g] for g in self.kv_plan.layer_group]
         prompt_rows = self._prompt_logprob_rows(out)
         if prompt_rows:  # their logits too, after the sampling rows
             n = input_ids.shape[0]
@@ -333,12 +270,12 @@ class ModelRunner:
         if (batch is not None and logits_rows is None and not graph and len(rows) == input_ids.shape[0]
                 and argmax_only(batch) and self.model.greedy_head_ok):
             # every token samples, each its argmax: the model's C LM head takes it, no logits written
-            tokens = self.model(input_ids, positions, self.kv_cache, meta, self.backend, None, greedy=True)
+            tokens = self.model(input_ids, positions, self.layer_caches, layer_metas, self.backend, None, greedy=True)
             return self._split(out, SamplerOutput(tokens.tolist(), None, None, None, None))
         if graph:
-            logits = self.graphs.replay(input_ids, positions, meta)
+            logits = self.graphs.replay(input_ids, positions, metas[0])
         else:
-            logits = self.model(input_ids, positions, self.kv_cache, meta, self.backend, logits_rows)
+            logits = self.model(input_ids, positions, self.layer_caches, layer_metas, self.backend, logits_rows)
         prompt_lps = None
         if prompt_rows:
             n = logits.shape[0] - len(prompt_rows)

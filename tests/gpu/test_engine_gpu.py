@@ -106,7 +106,8 @@ def test_replay_reads_new_inputs(gpu_model):
         ids = torch.tensor(tokens, device="cuda")
         pos = torch.arange(n, dtype=torch.int64, device="cuda")
         replayed = g.replay(ids, pos, meta).clone()
-        eager = runner.model(ids, pos, runner.kv_cache, meta, runner.backend, torch.arange(n, device="cuda"))
+        eager = runner.model(ids, pos, runner.kv_cache, [meta] * len(runner.kv_cache), runner.backend,
+                             torch.arange(n, device="cuda"))
         return replayed, eager
 
     assert g.bucket_for(3) == 4
