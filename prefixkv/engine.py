@@ -111,17 +111,11 @@ class LLMEngine:
 
     def _plan_kv_groups(self, shape):
         """KV cache groups for this model (kv/groups.py): by attention type when some layers are
-        windowed, unless disabled or a host/disk tier is set (they keep whole blocks)."""
+        windowed, unless disabled."""
         from prefixkv.kv.groups import plan_kv_groups
 
-        cache = self.config.cache
         windows = shape.layer_windows or (None,) * shape.num_layers
-        hybrid = not cache.disable_hybrid_kv_cache_manager
-        if hybrid and any(w is not None for w in windows) and (cache.host_cache_bytes or cache.disk_cache_dir):
-            logger.warning("kv cache: the host/disk tiers keep whole blocks, so %s's sliding-window layers keep "
-                           "every block too (no KV cache groups)", shape.model_type)
-            hybrid = False
-        plan = plan_kv_groups(windows, hybrid)
+        plan = plan_kv_groups(windows, not self.config.cache.disable_hybrid_kv_cache_manager)
         if plan.hybrid:
             logger.info("kv cache: %d groups of %d layers (windows %s); out-of-window blocks are freed",
                         plan.num_groups, plan.layers_per_page, list(plan.windows))

@@ -284,3 +284,32 @@ TwoWindowsKVMachine.TestCase.settings = settings(
     max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestTwoWindowsKVMachine = TwoWindowsKVMachine.TestCase
+
+
+class WindowedTieredKVMachine(TieredKVMachine):
+    """The host tier under a full-attention group and a windowed one (window 3 tokens): every
+    group's pages go down when evicted and come back for a hit, which needs each group's pages of
+    its window at the hit's end, from the device or the tier."""
+
+    WINDOWS = (None, 3)
+
+
+WindowedTieredKVMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestWindowedTieredKVMachine = WindowedTieredKVMachine.TestCase
+
+
+class WindowedDiskTieredKVMachine(TieredKVMachine):
+    """Two windows (3 and 6 tokens, no full group: no radix index) over a 2-slot host tier and the
+    disk tier."""
+
+    WINDOWS = (3, 6)
+    HOST = 2
+    DISK = DISK_BLOCKS
+
+
+WindowedDiskTieredKVMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestWindowedDiskTieredKVMachine = WindowedDiskTieredKVMachine.TestCase

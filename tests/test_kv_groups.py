@@ -191,3 +191,42 @@ def test_mistral_window_serves_prompts_longer_than_its_pool(tiny_mistral_window)
                max_num_batched_tokens=16, disable_hybrid_kv_cache_manager=True)
     with pytest.raises(ValueError, match=r"prompt: 200 tokens need 51 KV blocks but the cache has only 20"):
         kept.generate(prompts[:1], SamplingParams(max_tokens=12))
+
+
+def test_a_windowed_groups_pages_go_down_a_tier_and_come_back():
+    """With the host tier (kv/tiers.py): an evicted page of every group gets a host slot, the
+    windowed ones as the full ones; a returning prompt gets every full block from the tier and,
+    of the windowed group, only the blocks its window sees at the hit's end; fresh pages, loaded
+    before its step."""
+    from prefixkv.kv import TierConnector
+
+    tiers = TierConnector(num_host_pages=16)
+    kv = KVCacheCoordinator(16, 4, enable_prefix_caching=True, windows=(None, 8), lower=tiers)
+    N = kv.NULL
+    toks = list(range(100, 121))  # 21 tokens: 5 full blocks
+    assert kv.allocate_slots("a", 0, 21) == []
+    kv.cache_blocks("a", toks, 21)
+    assert kv.block_tables["a"] == ([0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 11])
+    kv.free("a")
+    # everything goes: the windowed pages first (let go of in that order), then the full ones tail first
+    assert kv.evict(16) == [1, 3, 5, 7, 9, 8, 6, 4, 2, 0]
+    plan = tiers.take_plan([])
+    assert plan.saves == [(1, 0), (3, 1), (5, 2), (7, 3), (9, 4), (8, 5), (6, 6), (4, 7), (2, 8), (0, 9)]
+    tiers.begin_step(False)
+    kv.check_integrity()
+    m = kv.match_prefix(toks + [7, 8])
+    assert m.num_tokens == 0
+    m = kv.match_prefix(toks + [7, 8], lower=True)
+    # a query at 20 sees 13 .. 20: the windowed group needs blocks 3 and 4 only
+    assert m.num_tokens == 20 and m.blocks == ([N] * 5, [N] * 5)
+    assert [(r.group, r.index) for r in m.lower] == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 3), (1, 4)]
+    assert kv.allocate_slots("b", 20, 3, prefix=m) == []
+    assert kv.block_tables["b"] == ([12, 13, 14, 15, 10, 3], [N, N, N, 11, 1, 5])
+    plan = tiers.take_plan([])
+    assert plan.loads == [(9, 12), (8, 13), (7, 14), (6, 15), (5, 10), (3, 11), (4, 1)] and not plan.saves
+    assert tiers.host.num_used == 3  # the windowed blocks 0-2 the hit did not need stay there
+    kv.check_integrity()
+    kv.cache_blocks("b", toks + [7, 8], 20)  # the loaded pages are the device caches' again
+    assert kv.match_prefix(toks + [7, 8]).blocks == ([12, 13, 14, 15, 10], [N, N, N, 11, 1])
+    kv.free("b")
+    kv.check_integrity()
