@@ -461,7 +461,7 @@ def cmd_roofline(args: argparse.Namespace, command: str) -> int:
         eng.step()
     for _ in range(3):
         eng.step()
-    m = eng.model
+    m = eng.runner.model
     packed = [mod.packed for mod in m.modules() if getattr(mod, "packed", None) is not None]
     weight_bytes = 0
     for mod in m.modules():
@@ -568,7 +568,7 @@ def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: in
         kv.free(sid)
     # running requests in decode: context_tokens computed, their full blocks in the tree
     params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True, output_kind="delta")
-    groups = {}
+    parents = {}
     for i in range(num_running):
         toks = [(i * 13 + k * 7) % 251 for k in range(context_tokens)]
         toks[0], toks[1] = 2000 + i // 251, i % 251
@@ -579,9 +579,9 @@ def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: in
         req.status = RequestStatus.RUNNING
         sched.running.append(req)
         sched.requests[req.seq_id] = req
-        g = RequestState(req.request_id, None, array("q", toks), params)
-        g.seqs[0] = req
-        groups[req.request_id] = g
+        parent = RequestState(req.request_id, None, array("q", toks), params)
+        parent.seqs[0] = req
+        parents[req.request_id] = parent
     while kv.pool.num_free:  # no free block: decode growth must evict cached prefixes
         sid = f"pad{kv.pool.num_free}"
         kv.allocate_slots(sid, 0, bs)
@@ -594,14 +594,14 @@ def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: in
     eng = LLMEngine.__new__(LLMEngine)
     eng.config = SimpleNamespace(scheduler=sched.config)
     eng.scheduler = sched
-    eng._groups = {**groups, **{r.request_id: RequestState(r.request_id, None, r.prompt_token_ids, r.sampling_params,
-                                                           seqs={0: r}) for r in sched.waiting}}
+    eng._parents = {**parents, **{r.request_id: RequestState(r.request_id, None, r.prompt_token_ids, r.sampling_params,
+                                                            seqs={0: r}) for r in sched.waiting}}
     eng.output = OutputProcessor(_FakeTokenizer(), [], 1 << 30)
     eng.check_integrity_each_step = False
     eng.num_steps = 0
     eng.dead = None
-    for g in eng._groups.values():  # detokenize=False requests: no text work
-        g.params.detokenize = False
+    for parent in eng._parents.values():  # detokenize=False requests: no text work
+        parent.params.detokenize = False
     prep_runner = SimpleNamespace(block_size=bs, device=torch.device("cpu"), max_model_len=1 << 30,
                                   block_tables=[BlockTables(blocks_per_req, num_running)])
     prep = []

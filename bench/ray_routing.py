@@ -104,7 +104,7 @@ def cmd_ray_routing(args: argparse.Namespace, command: str) -> int:
 
     from bench.cli_impl import load_tokenizer
     from bench.run import machine_info
-    from prefixkv.config import CacheConfig, EngineConfig, SchedulerConfig
+    from prefixkv.engine_args import EngineArgs
     from prefixkv.serve import build_app
     from prefixkv.server.serving import ServerConfig
 
@@ -121,8 +121,8 @@ def cmd_ray_routing(args: argparse.Namespace, command: str) -> int:
     per_prompt = -(-(args.system_tokens + args.question_tokens + args.output_tokens) // bs)
     # half the system prompts, and room to compute one request's whole prompt beside them
     num_blocks = args.num_kv_blocks or (args.groups // 2) * -(-args.system_tokens // bs) + per_prompt
-    cfg = EngineConfig(model=args.model, dtype=args.dtype, cache=CacheConfig(block_size=bs, num_kv_blocks=num_blocks),
-                       scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
+    cfg = EngineArgs(model=args.model, dtype=args.dtype, block_size=bs, num_kv_blocks=num_blocks,
+                     max_num_seqs=args.max_num_seqs).create_engine_config()
     ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
     port = _port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -30,7 +30,7 @@ SPEC_TOKENS = 4
 
 
 @dataclass
-class EngineArgs:
+class SystemArgs:
     """What every system is sized by: the engine's limits, mirrored by the peers where they have them."""
 
     model: str | None = None
@@ -149,7 +149,7 @@ class KVProbe:
 class PrefixKVSystem(System):
     kind = "prefixkv"
 
-    def __init__(self, name: str, args: EngineArgs) -> None:
+    def __init__(self, name: str, args: SystemArgs) -> None:
         self.name = name
         self.args = args
         self.llm = None
@@ -303,7 +303,7 @@ class HFCBSystem(System):
     kind = "hf"
     name = "hf-cb"
 
-    def __init__(self, model_path, args: EngineArgs, page_size: int = 256) -> None:
+    def __init__(self, model_path, args: SystemArgs, page_size: int = 256) -> None:
         self.model_path, self.args, self.page_size = model_path, args, page_size
         self.num_blocks = -(-args.kv_tokens // page_size)
 
@@ -401,7 +401,7 @@ class VLLMSystem(System):
     kind = "vllm"
     in_process = False  # it computes in its own processes: no CPU-time figure
 
-    def __init__(self, name: str, model_path, args: EngineArgs, block_size: int) -> None:
+    def __init__(self, name: str, model_path, args: SystemArgs, block_size: int) -> None:
         self.name, self.model_path, self.args, self.block_size = name, model_path, args, block_size
         self.proc = None
         self._init: dict = {}
@@ -500,7 +500,7 @@ class VLLMSystem(System):
                     **{k: v for k, v in self._init.items() if k != "ok"})
 
 
-def make_system(name: str, args: EngineArgs, model_path) -> System:
+def make_system(name: str, args: SystemArgs, model_path) -> System:
     from dataclasses import replace
 
     if name == "prefixkv":

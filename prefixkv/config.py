@@ -162,6 +162,7 @@ class EngineConfig:
                  f"must be one of {SUPPORTED_DEVICES}, got {self.device!r}")
         require(self.dtype in SUPPORTED_DTYPES, "dtype",
                  f"must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        require(self.dtype != "float64" or self.device == "cpu", "dtype", "float64 is supported on cpu only")
         require(isinstance(self.gpu_memory_utilization, (int, float)) and 0.0 < self.gpu_memory_utilization <= 1.0,
                  "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         require(self.batch_invariant is None or isinstance(self.batch_invariant, bool), "batch_invariant",

@@ -77,13 +77,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int | None = None, num_host_blocks: int = 0, num_disk_blocks: int = 0,
-                 kv_windows: tuple[int | None, ...] = (None,)) -> None:
+                 max_model_len: int | None = None, kv_windows: tuple[int | None, ...] = (None,),
+                 tiers: TierConnector | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
-        # the host and disk tiers' scheduler side; the engine binds the worker that runs its plans
-        self.tiers = TierConnector(num_host_blocks, num_disk_blocks)
+        # the host and disk tiers' scheduler side (none by default), bound to the worker that runs its plans
+        self.tiers = tiers or TierConnector()
         # kv_windows: per KV cache group (kv/groups.py) its sliding window or None; counts are in pages
         self.kv = KVCacheCoordinator(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                      kv_windows, lower=self.tiers)

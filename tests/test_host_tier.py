@@ -27,7 +27,7 @@ def _bytes_per_block(llm) -> int:
     from prefixkv.runner.model_runner import ModelRunner
 
     e = llm.engine
-    return ModelRunner.bytes_per_block(e.model, e.config.cache.block_size, e.runner.kv_cache.dtype)
+    return ModelRunner.bytes_per_block(e.runner.model, e.config.cache.block_size, e.runner.kv_cache.dtype)
 
 
 def test_a_conversation_evicted_from_the_device_comes_back_from_host(tiny_llama):

@@ -139,7 +139,7 @@ def test_engine_frees_out_of_window_blocks_and_fits_more_requests(tiny_gemma3, l
                   max_num_batched_tokens=512, disable_hybrid_kv_cache_manager=disable)
         eng = llm.engine
         eng.check_integrity_each_step = True
-        assert eng.kv_plan.num_groups == (1 if disable else 3)
+        assert eng.runner.kv_plan.num_groups == (1 if disable else 3)
         assert eng.info.num_kv_blocks == (110 if disable else 330)  # pages: one layer each with groups
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         for i, p in enumerate(long_prompts):

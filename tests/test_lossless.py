@@ -252,7 +252,7 @@ def test_lower_tiers_are_invisible(request, arch, tier, tmp_path):
     llm = LLM(**kw, **tiers_kw)
     eng = llm.engine
     eng.check_integrity_each_step = True
-    windows = eng.kv_plan.windows
+    windows = eng.runner.kv_plan.windows
     assert any(w is not None for w in windows) == (arch != "tiny_llama")  # windows freed beside the tiers
     outs1 = llm.generate(first, sp)
     second = [p + o.outputs[0].token_ids + [7, 8, 9] for p, o in zip(first, outs1)]

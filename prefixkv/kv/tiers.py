@@ -95,7 +95,9 @@ class TierReads(Protocol):
 
 
 class TierWorkerInfo(Protocol):
-    loads_async: bool
+    num_host_pages: int
+    num_disk_pages: int
+    loads_async: bool  # loads run beside the forward pass (a CUDA side stream)
 
     def stored_pages(self) -> list[tuple[PageKey, tuple[int, ...]]]:
         """(key, tokens) of every valid file found at start, oldest first."""
@@ -111,15 +113,20 @@ class TierConnector:
         self._loading: set[int] = set()  # device pages the step's plan loads into
         self.num_read_waits = 0  # admissions put off while a request's pages were read from files
 
+    @classmethod
+    def bound_to(cls, worker: TierWorkerInfo) -> TierConnector:
+        """The connector of the tiers this worker holds, bound to it."""
+        connector = cls(worker.num_host_pages, worker.num_disk_pages)
+        connector.bind(worker)
+        return connector
+
     @property
     def enabled(self) -> bool:
         return self.host is not None
 
-    def bind(self, worker: TierWorkerInfo | None) -> None:
+    def bind(self, worker: TierWorkerInfo) -> None:
         """Connect the worker: how it copies, its reads, and the files an earlier run left (the
         disk tier's index again; files past its size go with the first plan)."""
-        if worker is None:
-            return
         self.load_async = worker.loads_async
         if self.disk is not None:
             self.reads = worker

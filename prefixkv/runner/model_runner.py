@@ -1,26 +1,34 @@
-"""Turns a SchedulerOutput into tensors, runs the model and samples.
+"""The model runner: builds itself from the engine's configuration, then turns each
+SchedulerOutput into tensors, runs the model and samples.
 
-Per step: run the lower tiers' copies (runner/tiers.py), apply copy-on-write block copies, build
-input_ids / positions and each KV cache group's slot_mapping / block_tables / seq_lens, run the
-forward pass (logits only for rows that sample), sample.
+Construction (nano-vllm's ``ModelRunner``): load the model, plan its KV cache groups
+(kv/groups.py), size and allocate the KV cache, choose the attention backend and batch invariance,
+set up the lower tiers' worker (runner/tiers.py), capture the CUDA graphs.
+
+Per step: run the lower tiers' copies, apply copy-on-write block copies, build input_ids /
+positions and each KV cache group's slot_mapping / block_tables / seq_lens, run the forward pass
+(logits only for rows that sample), sample.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from prefixkv import hugepages
-from prefixkv.attention import AttentionBackend, AttentionMetadata, kv_cache_shape
-from prefixkv.config import CacheConfig
+from prefixkv.attention import AttentionBackend, AttentionMetadata, get_backend, kv_cache_shape
+from prefixkv.config import EngineConfig
 from prefixkv.kv.groups import KVGroupPlan, plan_kv_groups
-from prefixkv.model.llama import LlamaModel
+from prefixkv.model.loader import DTYPES, load_hf_config, load_model, resolve_dtype
 from prefixkv.request import Request
 from prefixkv.runner.block_table import BlockTables
+from prefixkv.runner.memory import kv_cache_bytes_for, profile_activation_peak
 from prefixkv.runner.sampler import SamplingBatch, SamplerOutput, argmax_only, mix_seed, sample
 from prefixkv.runner.tiers import TierWorker
 from prefixkv.scheduler import SchedulerOutput
@@ -28,6 +36,8 @@ from prefixkv.spec_decode import accept_greedy
 
 if TYPE_CHECKING:
     from prefixkv.runner.cuda_graph import CudaGraphRunner
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,57 +53,132 @@ class ModelOutput:
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model: LlamaModel,
-        backend: AttentionBackend,
-        num_blocks: int,
-        block_size: int,
-        device: str,
-        dtype: torch.dtype,
-        eos_token_ids: list[int],
-        max_model_len: int,
-        kv_plan: KVGroupPlan | None = None,
-        cache: CacheConfig | None = None,
-        model_path=None,
-    ) -> None:
-        self.max_model_len = max_model_len
-        self.model = model
-        self.backend = backend
-        self.block_size = block_size
-        self.device = torch.device(device)
-        self.dtype = dtype
-        s = model.shape
-        self.vocab_size = s.vocab_size
+    def __init__(self, config: EngineConfig, model_path: Path, eos_token_ids: list[int]) -> None:
+        if config.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: 'cuda' requested but torch sees no CUDA device")
+        self.config = config
+        self.device = torch.device(config.device)
         self.eos_token_ids = eos_token_ids
+        self.dtype_name = resolve_dtype(config.dtype, config.device, load_hf_config(model_path))
+        self.dtype = DTYPES[self.dtype_name]
+        self.model, self.hf_config = load_model(model_path, self.dtype_name, config.device,
+                                                cpu_linear=config.cpu_linear, cpu_ops=config.fused_cpu_ops)
+        s = self.model.shape
+        self.vocab_size = s.vocab_size
+        self.max_model_len = self._max_model_len()
+        self.block_size = bs = config.cache.block_size
+        self.kv_plan = self._plan_kv_groups()
+        self.num_pages = self._num_pages()
+        self.backend, self.batch_invariant = self._attention_backend()
         # [layers_per_page, 2, num_pages + 1, KVH, block_size, D] (a model without sliding windows:
         # layers_per_page = num_layers); the last page is the dummy page. Layer i lives at slot
-        # kv_plan.layer_slot[i] of the pages of its KV cache group (kv/groups.py).
-        self.kv_plan = kv_plan or plan_kv_groups((None,) * s.num_layers)
-        shape = kv_cache_shape(self.kv_plan.layers_per_page, num_blocks, s.num_kv_heads, block_size, s.head_dim)
+        # kv_plan.layer_slot[i] of the pages of its KV cache group.
+        shape = kv_cache_shape(self.kv_plan.layers_per_page, self.num_pages, s.num_kv_heads, bs, s.head_dim)
         if self.device.type == "cpu":  # huge pages: a block read touches one page, not several
-            self.kv_cache = hugepages.empty(shape, dtype=dtype).zero_()
+            self.kv_cache = hugepages.empty(shape, dtype=self.dtype).zero_()
         else:
-            self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.layer_caches = [self.kv_cache[slot] for slot in self.kv_plan.layer_slot]  # per layer: its view
+        self.block_tables = [BlockTables(-(-self.max_model_len // bs)) for _ in self.kv_plan.windows]  # per group
+        self.tiers = TierWorker.from_config(config.cache, self.kv_cache, model_path,
+                                            (self.kv_plan.layer_group, self.kv_plan.layer_slot))
         self.graphs: CudaGraphRunner | None = None
-        max_blocks = -(-max_model_len // block_size)
-        self.block_tables = [BlockTables(max_blocks) for _ in range(self.kv_plan.num_groups)]  # one per group
-        # the host and disk tiers' worker side (runner/tiers.py)
-        plan = self.kv_plan
-        self.tiers = TierWorker.from_config(cache or CacheConfig(block_size=block_size), self.kv_cache, model_path,
-                                            (plan.layer_group, plan.layer_slot))
+        self.graph_capture_seconds = self._capture_cuda_graphs()
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
-        """Capture decode graphs for every batch bucket; returns the capture time in seconds."""
+    def _max_model_len(self) -> int:
+        config, s = self.config, self.model.shape
+        max_len = config.max_model_len or s.max_position_embeddings
+        if s.longrope_short_max is not None and max_len > s.longrope_short_max:
+            # past its original length transformers' LongRoPE switches every position to the long
+            # factors (recomputing the cache): outputs that a paged cache cannot reproduce yet
+            if config.max_model_len is not None:
+                raise ValueError(f"max_model_len: {s.model_type}'s LongRoPE is served up to its original "
+                                 f"{s.longrope_short_max} tokens (the short factors); got {config.max_model_len}")
+            logger.warning("max_model_len: %s's LongRoPE is served up to its original %d tokens (the short "
+                           "factors), not %d", s.model_type, s.longrope_short_max, max_len)
+            max_len = s.longrope_short_max
+        return max_len
+
+    def _plan_kv_groups(self) -> KVGroupPlan:
+        """KV cache groups for this model: by attention type when some layers are windowed, unless disabled."""
+        s = self.model.shape
+        plan = plan_kv_groups(s.layer_windows or (None,) * s.num_layers,
+                              not self.config.cache.disable_hybrid_kv_cache_manager)
+        if plan.hybrid:
+            logger.info("kv cache: %d groups of %d layers (windows %s); out-of-window blocks are freed",
+                        plan.num_groups, plan.layers_per_page, list(plan.windows))
+        return plan
+
+    def _num_pages(self) -> int:
+        """Pages in the KV cache. A page holds one block of the layers of one group (every layer,
+        without groups); ``num_kv_blocks`` counts whole-model blocks: the same memory in pages."""
+        cfg, s, lpg = self.config, self.model.shape, self.kv_plan.layers_per_page
+        if cfg.cache.num_kv_blocks:
+            return cfg.cache.num_kv_blocks * s.num_layers // lpg
+        if cfg.cache.kv_cache_memory_bytes is not None:
+            budget = cfg.cache.kv_cache_memory_bytes
+        elif cfg.device != "cuda":
+            budget = 1 << 30
+        else:
+            peak = profile_activation_peak(self.model, cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs)
+            free, total = torch.cuda.mem_get_info()
+            budget = kv_cache_bytes_for(total, free, cfg.gpu_memory_utilization, peak)
+        return max(1, budget // self.bytes_per_block(self.model, self.block_size, self.dtype, lpg))
+
+    def _attention_backend(self) -> tuple[AttentionBackend, bool]:
+        """The attention backend, and whether this runner is batch-invariant (on wherever it can be,
+        unless ``batch_invariant=False``; ``True`` where it cannot be is a ValueError)."""
+        cfg = self.config
+        backend = get_backend(cfg.attention_backend or ("cpu" if cfg.device == "cpu" else "cuda"))
+        if cfg.batch_invariant is False:
+            return backend, False
+        why = self._batch_invariance_blocker(backend)
+        if why is not None and cfg.batch_invariant:
+            raise ValueError(f"batch_invariant: {why}")
+        backend.batch_invariant = why is None
+        return backend, why is None
+
+    def _batch_invariance_blocker(self, backend: AttentionBackend) -> str | None:
+        """Why this runner cannot be batch-invariant, or None. The mode needs every op of the
+        forward pass to compute a row the same way whatever the other rows: on CPU in float32 the
+        C GEMM (rows bitwise independent of M), the fused C elementwise kernels and the C
+        attention backend with one routine per query token (attention/cpu.py)."""
+        from prefixkv.model.linear import Linear
+
+        cfg = self.config
+        if cfg.device != "cpu" or self.dtype != torch.float32:
+            return f"is implemented for device 'cpu' in float32 (got {cfg.device!r}, {self.dtype_name})"
+        if backend.name != "cpu":
+            return f"needs attention_backend 'cpu' (got {backend.name!r})"
+        if any(m.kind != "c" for m in self.model.modules() if isinstance(m, Linear)):
+            return "needs cpu_linear 'c' (the C GEMM: oneDNN's and MKL's rows depend on the batch size)"
+        if not (cfg.fused_cpu_ops and self.model.model.norm.fused):
+            return "needs fused_cpu_ops (the C RMSNorm, RoPE and SiLU kernels)"
+        s = self.model.shape
+        return backend.batch_invariance_blocker(s.num_heads, cfg.cache.block_size, s.head_dim, self.dtype)
+
+    def _capture_cuda_graphs(self) -> float:
+        """Decode graphs for every batch bucket (CUDA, the CUDA backend, not ``enforce_eager``);
+        returns the capture time in seconds."""
+        cfg, s = self.config, self.model.shape
+        if cfg.device != "cuda" or cfg.enforce_eager or self.backend.name != "cuda":
+            return 0.0
+        if s.is_moe:  # the torch MoE path picks each step's experts on the host: no graph holds it
+            logger.warning("model: %s's sparse MoE layers route on the host; decode runs eagerly (no CUDA graphs)",
+                           s.model_type)
+            return 0.0
+        if self.kv_plan.num_groups > 1:  # the graphs hold one block table
+            logger.warning("model: %s's KV cache groups (sliding-window layers) decode eagerly (no CUDA graphs)",
+                           s.model_type)
+            return 0.0
         from prefixkv.runner.cuda_graph import CudaGraphRunner
 
-        self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_cache, max_num_seqs, max_model_len,
-                                      self.block_size)
+        self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_cache, cfg.scheduler.max_num_seqs,
+                                      self.max_model_len, self.block_size)
         return self.graphs.capture()
 
     @staticmethod
-    def bytes_per_block(model: LlamaModel, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    def bytes_per_block(model, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
         """Bytes of one block of KV for every layer (or for ``num_layers`` layers: a page)."""
         s = model.shape
         return ((num_layers or s.num_layers) * 2 * s.num_kv_heads * block_size * s.head_dim

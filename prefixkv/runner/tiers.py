@@ -15,6 +15,7 @@ HiCache's "timeout" prefetch policy).
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,7 +23,9 @@ from prefixkv import cpu_ops
 from prefixkv.config import CacheConfig
 from prefixkv.kv.keys import PageKey
 from prefixkv.kv.tiers import TierPlan
-from prefixkv.runner.disk_store import DiskKVStore, kv_fingerprint
+
+if TYPE_CHECKING:
+    from prefixkv.runner.disk_store import DiskKVStore
 
 MAX_WAIT_S = 0.1  # the most a scheduling pass waits for a request's file reads
 
@@ -62,7 +65,9 @@ class TierWorker:
             raise ValueError(f"kv_host_cache_gb: {cache.host_cache_bytes} bytes hold no KV block ({page_bytes} "
                              f"bytes each)")
         disk, num_disk = None, 0
-        if cache.disk_cache_dir is not None:
+        if cache.disk_cache_dir is not None:  # (its module, and crc32c, load only then)
+            from prefixkv.runner.disk_store import DiskKVStore, kv_fingerprint
+
             slots, two, _, kvh, bs, d = kv_cache.shape
             page_shape = (slots, two, kvh, bs, d)
             disk = DiskKVStore(cache.disk_cache_dir, kv_fingerprint(model_path, kv_cache.dtype, bs, page_shape, layout),

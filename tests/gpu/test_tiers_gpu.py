@@ -29,7 +29,7 @@ def _per_block_gb(llm) -> float:
     from prefixkv.runner.model_runner import ModelRunner
 
     e = llm.engine
-    return ModelRunner.bytes_per_block(e.model, e.config.cache.block_size, e.runner.kv_cache.dtype) / (1 << 30)
+    return ModelRunner.bytes_per_block(e.runner.model, e.config.cache.block_size, e.runner.kv_cache.dtype) / (1 << 30)
 
 
 @pytest.mark.parametrize("disk", [False, True])
