@@ -19,6 +19,13 @@ from prefixkv.kv.groups import window_start
 BLOCK_SIZE = 2
 NUM_BLOCKS = 12
 TOKENS = st.integers(min_value=1, max_value=3)  # a tiny alphabet: lots of shared prefixes
+SETTINGS = settings(max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40,
+                    deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _test_case(machine: type[RuleBasedStateMachine]):
+    machine.TestCase.settings = SETTINGS
+    return machine.TestCase
 
 
 class KVMachine(RuleBasedStateMachine):
@@ -143,10 +150,7 @@ class KVMachine(RuleBasedStateMachine):
                     assert self.truth[b][p % BLOCK_SIZE] == tok, (seq, g, p)
 
 
-KVMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
-TestKVMachine = KVMachine.TestCase
+TestKVMachine = _test_case(KVMachine)
 
 
 HOST_SLOTS = 5
@@ -222,10 +226,7 @@ class TieredKVMachine(KVMachine):
                 assert self.files[key] == list(tokens), (key, self.files[key], tokens)
 
 
-TieredKVMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
-TestTieredKVMachine = TieredKVMachine.TestCase
+TestTieredKVMachine = _test_case(TieredKVMachine)
 
 
 class DiskTieredKVMachine(TieredKVMachine):
@@ -236,10 +237,7 @@ class DiskTieredKVMachine(TieredKVMachine):
     DISK = DISK_BLOCKS
 
 
-DiskTieredKVMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
-TestDiskTieredKVMachine = DiskTieredKVMachine.TestCase
+TestDiskTieredKVMachine = _test_case(DiskTieredKVMachine)
 
 
 
@@ -256,10 +254,7 @@ class GroupedKVMachine(KVMachine):
         self.kv = KVCacheCoordinator(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, windows=self.WINDOWS)
 
 
-GroupedKVMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
-TestGroupedKVMachine = GroupedKVMachine.TestCase
+TestGroupedKVMachine = _test_case(GroupedKVMachine)
 
 
 class WindowedAnchorKVMachine(GroupedKVMachine):
@@ -268,10 +263,7 @@ class WindowedAnchorKVMachine(GroupedKVMachine):
     WINDOWS = (4,)
 
 
-WindowedAnchorKVMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
-TestWindowedAnchorKVMachine = WindowedAnchorKVMachine.TestCase
+TestWindowedAnchorKVMachine = _test_case(WindowedAnchorKVMachine)
 
 
 class TwoWindowsKVMachine(GroupedKVMachine):
@@ -280,10 +272,7 @@ class TwoWindowsKVMachine(GroupedKVMachine):
     WINDOWS = (3, 6)
 
 
-TwoWindowsKVMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
-TestTwoWindowsKVMachine = TwoWindowsKVMachine.TestCase
+TestTwoWindowsKVMachine = _test_case(TwoWindowsKVMachine)
 
 
 class WindowedTieredKVMachine(TieredKVMachine):
@@ -294,10 +283,7 @@ class WindowedTieredKVMachine(TieredKVMachine):
     WINDOWS = (None, 3)
 
 
-WindowedTieredKVMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
-TestWindowedTieredKVMachine = WindowedTieredKVMachine.TestCase
+TestWindowedTieredKVMachine = _test_case(WindowedTieredKVMachine)
 
 
 class WindowedDiskTieredKVMachine(TieredKVMachine):
@@ -309,7 +295,4 @@ class WindowedDiskTieredKVMachine(TieredKVMachine):
     DISK = DISK_BLOCKS
 
 
-WindowedDiskTieredKVMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
-TestWindowedDiskTieredKVMachine = WindowedDiskTieredKVMachine.TestCase
+TestWindowedDiskTieredKVMachine = _test_case(WindowedDiskTieredKVMachine)
