@@ -232,6 +232,11 @@ class ModelRunner:
         query_start_loc = on_dev(torch.from_numpy(starts.astype(np.int32)))
         seq_lens_dev = on_dev(torch.from_numpy(seq_lens.astype(np.int32)))
         max_blocks = int(groups[0].num_blocks[np.asarray(rows[0], dtype=np.int64)].max())  # (every group's alike)
+        # an upper bound: on the GPU the decode kernel's split-K choice then matches the captured
+        # graphs' (sized for max_model_len), so a batch's arithmetic does not depend on whether it
+        # fits a graph bucket
+        max_seq_len = self.max_model_len if dev.type == "cuda" else max(seq_lens_cpu)
+        max_query_len = int(counts_np.max())
         bs = self.block_size
         metas = []
         for t, g_rows in zip(groups, rows):  # the same batch through each group's tables
@@ -244,11 +249,8 @@ class ModelRunner:
                 seq_lens=seq_lens_dev,
                 block_tables=on_dev(torch.from_numpy(t.gather(g_rows, max_blocks))),
                 num_decode_seqs=out.num_decodes,
-                # an upper bound: on the GPU the decode kernel's split-K choice then matches the
-                # captured graphs' (sized for max_model_len), so a batch's arithmetic does not
-                # depend on whether it fits a graph bucket
-                max_seq_len=self.max_model_len if dev.type == "cuda" else max(seq_lens_cpu),
-                max_query_len=int(counts_np.max()),
+                max_seq_len=max_seq_len,
+                max_query_len=max_query_len,
                 seq_lens_cpu=seq_lens_cpu,
                 query_start_loc_cpu=starts_cpu,
             ))
