@@ -1,7 +1,7 @@
 """The boundaries in the import graph: the KV cache bookkeeping (kv/) and the scheduler import no
 torch; the engine imports no disk-tier module (the tiers are the connector's and the worker's), and
 importing it does not load the disk store; nothing under kv/ imports from the scheduler, the
-runner or the engine."""
+runner or the engine; no package imports another's private names."""
 
 from __future__ import annotations
 
@@ -50,3 +50,22 @@ def test_the_engine_imports_no_disk_module():
     assert "disk" not in (PKG / "engine.py").read_text().lower()
     loaded = _loaded("import prefixkv.engine, prefixkv.llm")
     assert "prefixkv.runner.disk_store" not in loaded and "crc32c" not in loaded
+
+
+def _package(module: str) -> str:
+    """The package a module belongs to (a package is its own)."""
+    path = PKG.parent.joinpath(*module.split("."))
+    return module if path.is_dir() else module.rsplit(".", 1)[0]
+
+
+def test_no_private_name_is_imported_across_packages():
+    """A name with a leading underscore is its package's own: another package imports public names."""
+    crossing = []
+    for f in sorted(PKG.rglob("*.py")):
+        mine = ".".join(f.relative_to(PKG.parent).with_suffix("").parts[:-1])
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("prefixkv"):
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                if private and _package(node.module) != mine:
+                    crossing.append((str(f.relative_to(PKG.parent)), node.module, private))
+    assert not crossing, crossing

@@ -33,7 +33,7 @@ from prefixkv.server.cache_view import parse_max_nodes, summary_payload, trim_tr
 from prefixkv.server.metrics import ReplicaCollector
 from prefixkv.server.pages import PAGE_HEADERS, PAGES, STATIC_DIR, static_file
 from prefixkv.server.protocol import ProtocolError
-from prefixkv.server.serving import ApiError, OpenAIServing, Reply, ServerConfig, _timeout_at, bad_request
+from prefixkv.server.serving import ApiError, OpenAIServing, Reply, ServerConfig, bad_request, timeout_at
 
 logger = logging.getLogger(__name__)
 
@@ -319,7 +319,7 @@ class OpenAIIngress:
                                 "bytes", code="request_too_large")
         chunks, size = [], 0
         try:
-            async with _timeout_at(t0 + self.config.request_timeout):
+            async with timeout_at(t0 + self.config.request_timeout):
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > limit:

@@ -35,8 +35,8 @@ from prefixkv.server.serving import (  # noqa: F401 - ServerConfig and ApiError 
     OpenAIServing,
     Reply,
     ServerConfig,
-    _timeout_at,
     bad_request,
+    timeout_at,
 )
 from prefixkv.server.webui import WebUI
 
@@ -119,7 +119,7 @@ class _AioServer:
             raise ApiError(413, f"the request body ({request.content_length} bytes) is larger than the "
                                 f"server's limit of {limit} bytes", code="request_too_large")
         try:  # the request timeout counts from arrival, so a body that trickles in is cut off too
-            async with _timeout_at(t0 + self.config.request_timeout):
+            async with timeout_at(t0 + self.config.request_timeout):
                 return await request.read()  # aiohttp raises 413 past client_max_size (chunked bodies)
         except TimeoutError:
             raise ApiError(408, "the request body did not arrive within the request timeout",

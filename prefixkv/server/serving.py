@@ -89,10 +89,10 @@ _SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 if sys.version_info >= (3, 11):
-    _timeout_at = asyncio.timeout_at
+    timeout_at = asyncio.timeout_at
 else:  # Python 3.10: the same contract, without Task.uncancel
     @contextlib.asynccontextmanager
-    async def _timeout_at(when: float):
+    async def timeout_at(when: float):
         task = asyncio.current_task()
         fired = False
 
@@ -766,7 +766,7 @@ class OpenAIServing:
         handed_over = False  # a stream's EventStream aborts its requests when the transport closes it
         try:
             with _admission_errors(aliases):
-                async with _timeout_at(deadline):
+                async with timeout_at(deadline):
                     ids = await self._off_loop(lambda: self._prepare_prompts(prompts, params))
                     self._check_room(ids, params, aliases)
                     if getattr(req, "echo", False):
@@ -792,7 +792,7 @@ class OpenAIServing:
         finals: list[RequestOutput | None] = [None] * len(streams)
         ttft = None
         try:
-            async with _timeout_at(deadline), contextlib.aclosing(_merge(streams)) as merged:
+            async with timeout_at(deadline), contextlib.aclosing(_merge(streams)) as merged:
                 async for i, out in merged:
                     if ttft is None:
                         ttft = loop.time() - t0
@@ -880,7 +880,7 @@ class OpenAIServing:
         """One prompt into the engine (its grammar compiled off the loop, its room checked): the
         stream of its outputs, or an ApiError (400, 503 overloaded, 504) with nothing started."""
         with _admission_errors(aliases):
-            async with _timeout_at(deadline):
+            async with timeout_at(deadline):
                 await self._off_loop(lambda: self._prepare_prompts([], params))
                 self._check_room([prompt_ids], params, aliases)
                 (stream,) = await self.add_requests(req, [(request_id, prompt_ids)], params, retention)
