@@ -169,8 +169,8 @@ class AsyncEngine:
         # its request fail with engine_dead never finds /health ok afterwards
         return not self._closing and self.fatal_error is None and self._thread.is_alive()
 
-    # what the OpenAI layer (server/serving.py) reads of an engine; a Ray Serve ingress's
-    # ``RemoteEngine`` (serve/ingress.py) answers the same
+    # what the API layers read of an engine (server/serving.py ``EngineClient``); a Ray Serve
+    # ingress's ``RemoteEngine`` (serve/ingress.py) answers the same
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -25,6 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, Response, StreamingResponse
 
 from prefixkv.async_engine import RequestAbortedError, RequestFailedError
+from prefixkv.config import RuntimeInfo
 from prefixkv.errors import ReplicaDiedError
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.serve.replica import SUMMARY_NODES, ReplicaRequest
@@ -98,15 +98,15 @@ def _load_stats(routing_stats: dict[str, Any]) -> dict[str, float]:
 
 
 class RemoteEngine:
-    """The engine client surface ``OpenAIServing`` needs, over the replicas' deployment handle."""
+    """An ``EngineClient`` (server/serving.py) over the replicas' deployment handle."""
 
     def __init__(self, handle: Any, facts: dict[str, Any], tokenizer: Any, deployment: str) -> None:
         from prefixkv.structured_outputs import GrammarCompiler
 
         self.handle = handle.options(stream=True)
         self.tokenizer = tokenizer
-        self.info = SimpleNamespace(max_model_len=facts["max_model_len"], vocab_size=facts["vocab_size"],
-                                    eos_token_ids=facts["eos_token_ids"], num_kv_blocks=facts["num_kv_blocks"])
+        self.info = RuntimeInfo(num_kv_blocks=facts["num_kv_blocks"], max_model_len=facts["max_model_len"],
+                                eos_token_ids=facts["eos_token_ids"], vocab_size=facts["vocab_size"])
         self.max_waiting_requests = facts["max_waiting_requests"]
         self.default_sampling = facts["default_sampling"]
         self.deployment = deployment

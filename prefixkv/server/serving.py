@@ -33,11 +33,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import msgspec
 
-from prefixkv.async_engine import AsyncEngine, RequestAbortedError, RequestStream
+from prefixkv.async_engine import RequestAbortedError, RequestStream
+from prefixkv.config import RuntimeInfo
 from prefixkv.errors import EngineDeadError, EngineFatalError, ReplicaDiedError
 from prefixkv.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from prefixkv.sampling_params import SamplingParams
@@ -501,17 +502,46 @@ def _usage(finals: list[RequestOutput]) -> Usage:
 
 
 # ---------------------------------------------------------------------- the API
+@runtime_checkable
+class EngineClient(Protocol):
+    """What the API layers need of an engine: ``AsyncEngine`` (async_engine.py, the engine on a
+    thread of this process) and the Ray Serve ingress's ``RemoteEngine`` (serve/ingress.py, whose
+    requests run on engine replicas) are both one."""
+
+    @property
+    def tokenizer(self) -> Any:
+        """Chat templates and tokenization (used off the event loop, one call at a time)."""
+
+    @property
+    def info(self) -> RuntimeInfo:
+        """max_model_len, vocab_size, eos_token_ids, num_kv_blocks."""
+
+    @property
+    def max_waiting_requests(self) -> int: ...
+
+    @property
+    def default_sampling(self) -> dict[str, Any]:
+        """The model's generation_config.json defaults for unset sampling fields."""
+
+    @property
+    def is_running(self) -> bool: ...
+
+    def compile_grammar(self, structured_outputs: Any) -> None:
+        """Validate (and cache) a request's grammar; ValueError for a bad one. Thread-safe."""
+
+    def stats(self) -> dict[str, Any]:
+        """The engine statistics (``LLMEngine.stats``; summed over replicas)."""
+
+    async def add_requests(self, requests: list[tuple[str, Any]], params: SamplingParams) -> list[Any]:
+        """Queue the requests in one command, all or none; a stream of ``RequestOutput`` each, with
+        ``abort()``."""
+
+
 class OpenAIServing:
     """The routes' logic. ``t0`` (the request's arrival, ``loop.time()``) starts its timeout and its
-    latency metrics; bodies are the raw request bytes.
+    latency metrics; bodies are the raw request bytes. ``engine``: any ``EngineClient``."""
 
-    ``engine`` is an ``AsyncEngine``, or anything with its client surface: ``tokenizer``, ``info``
-    (max_model_len, vocab_size), ``max_waiting_requests``, ``default_sampling``,
-    ``compile_grammar``, ``add_requests`` (streams of ``RequestOutput`` with ``abort()``),
-    ``stats()`` and ``is_running`` -- e.g. the Ray Serve ingress's ``RemoteEngine``, whose
-    requests run on engine replicas."""
-
-    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         self.metrics = ServerMetrics(engine.stats, config.model_name)
