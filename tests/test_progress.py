@@ -130,7 +130,8 @@ class Recorded(Task):
 @pytest.fixture
 def recorded(monkeypatch):
     Recorded.made = []
-    for where in ("prefixkv.engine", "prefixkv.model.loader", "prefixkv.runner.model_runner", "prefixkv.cpu_ops"):
+    for where in ("prefixkv.engine", "prefixkv.llm", "prefixkv.model.loader", "prefixkv.runner.model_runner",
+                  "prefixkv.cpu_ops"):
         monkeypatch.setattr(f"{where}.Task", Recorded)
     return Recorded.made
 
