@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="runs per tree")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     if "--" not in argv:
+        p.parse_args(argv)  # (--help)
         p.error("the workload's flags go after --")
     k = argv.index("--")
     a, workload = p.parse_args(argv[:k]), argv[k + 1:]
