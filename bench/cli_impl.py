@@ -11,11 +11,11 @@ from bench import workloads as wl
 from bench.corpus import TokenStream
 from bench.report import ratio_table, table
 from bench.run import rewrite_result, run_and_report
-from bench.systems import OPTIONAL, PEERS, EngineArgs, PrefixKVSystem, make_system
+from bench.systems import OPTIONAL, PEERS, PrefixKVSystem, SystemArgs, make_system
 
 
-def engine_args(args: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(model=args.model, dtype=args.dtype, block_size=args.block_size,
+def engine_args(args: argparse.Namespace) -> SystemArgs:
+    return SystemArgs(model=args.model, dtype=args.dtype, block_size=args.block_size,
                       max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                       kv_tokens=args.kv_tokens, max_admitted_prefill_tokens=args.max_admitted_prefill_tokens)
 
@@ -99,7 +99,7 @@ def cmd_ablate(args: argparse.Namespace, command: str) -> int:
     w = build_workload(args.on, args, tok)
     base = replace(engine_args(args), enable_prefix_caching=True)
     wanted = {a.strip() for a in args.ablations.split(",") if a.strip()}
-    variants: list[tuple[str, EngineArgs]] = [("prefixkv", base)]
+    variants: list[tuple[str, SystemArgs]] = [("prefixkv", base)]
     if "policy" in wanted:
         variants.append(("policy=static", replace(base, scheduling_policy="static", max_admitted_prefill_tokens=None)))
     if "cache" in wanted:

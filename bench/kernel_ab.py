@@ -118,7 +118,7 @@ def layers(args: argparse.Namespace, libs: dict) -> dict:
               num_kv_blocks=max(64, args.batch * -(-(args.system_tokens + args.question_tokens + args.warm
                                                      + 4 * args.passes) // args.block_size) + 8))
     eng = llm.engine
-    why = fused_stack.blocker(eng.model)
+    why = fused_stack.blocker(eng.runner.model)
     if why is not None:
         raise SystemExit(f"kernel-ab --part layers: the fused layer stack does not run here ({why})")
     fns = {name: lib.decoder_layers_f32 for name, lib in libs.items()}

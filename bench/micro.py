@@ -63,8 +63,7 @@ def scheduler_overhead(num_running: int, steps: int, prompt_tokens: int, block_s
         sched.add_request(r)
     runner = SimpleNamespace(block_size=block_size, device=torch.device("cpu"), vocab_size=49152,
                              eos_token_ids=[2], max_model_len=1 << 30,
-                             block_tables=BlockTables(-(-(prompt_tokens + steps + 8) // block_size)),
-                             group_tables=[])
+                             block_tables=[BlockTables(-(-(prompt_tokens + steps + 8) // block_size))])
     while True:  # prefill everything, untimed
         out = sched.schedule()
         all_decode = out.num_decodes == num_running  # (a property of the live requests: read before update)
@@ -207,7 +206,7 @@ def simulate_paged(trace, budget_tokens: int, block_size: int, max_num_seqs: int
         held = slots = 0
         for s in out.scheduled:
             held += s.num_computed_tokens + s.num_scheduled_tokens
-            slots += len(sched.kv.block_tables[s.req.seq_id]) * block_size
+            slots += len(sched.kv.block_tables[s.req.seq_id][0]) * block_size
         running.append(len(sched.running))
         if slots:
             util.append(held / slots)
@@ -462,7 +461,7 @@ def cmd_roofline(args: argparse.Namespace, command: str) -> int:
         eng.step()
     for _ in range(3):
         eng.step()
-    m = eng.model
+    m = eng.runner.model
     packed = [mod.packed for mod in m.modules() if getattr(mod, "packed", None) is not None]
     weight_bytes = 0
     for mod in m.modules():
@@ -569,7 +568,7 @@ def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: in
         kv.free(sid)
     # running requests in decode: context_tokens computed, their full blocks in the tree
     params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True, output_kind="delta")
-    groups = {}
+    parents = {}
     for i in range(num_running):
         toks = [(i * 13 + k * 7) % 251 for k in range(context_tokens)]
         toks[0], toks[1] = 2000 + i // 251, i % 251
@@ -580,13 +579,12 @@ def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: in
         req.status = RequestStatus.RUNNING
         sched.running.append(req)
         sched.requests[req.seq_id] = req
-        g = RequestState(req.request_id, None, array("q", toks), params)
-        g.seqs[0] = req
-        groups[req.request_id] = g
+        parent = RequestState(req.request_id, None, array("q", toks), params)
+        parent.seqs[0] = req
+        parents[req.request_id] = parent
     while kv.pool.num_free:  # no free block: decode growth must evict cached prefixes
         sid = f"pad{kv.pool.num_free}"
         kv.allocate_slots(sid, 0, bs)
-        kv.num_indexed_blocks[sid] = 0
     for i in range(num_waiting):
         toks = [3000 + i] + [(i + k) % 251 for k in range(waiting_tokens - 1)]
         sched.add_request(Request(f"w{i}", toks, SamplingParams(max_tokens=4), num_running + i, 0))
@@ -596,17 +594,17 @@ def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: in
     eng = LLMEngine.__new__(LLMEngine)
     eng.config = SimpleNamespace(scheduler=sched.config)
     eng.scheduler = sched
-    eng._groups = {**groups, **{r.request_id: RequestState(r.request_id, None, r.prompt_token_ids, r.sampling_params,
-                                                           seqs={0: r}) for r in sched.waiting}}
+    eng._parents = {**parents, **{r.request_id: RequestState(r.request_id, None, r.prompt_token_ids, r.sampling_params,
+                                                            seqs={0: r}) for r in sched.waiting}}
     eng.output = OutputProcessor(_FakeTokenizer(), [], 1 << 30)
     eng.check_integrity_each_step = False
     eng.num_steps = eng.num_prefill_tokens = eng.num_decode_steps = 0
     eng.prefill_s = eng.decode_s = 0.0
     eng.dead = None
-    for g in eng._groups.values():  # detokenize=False requests: no text work
-        g.params.detokenize = False
+    for parent in eng._parents.values():  # detokenize=False requests: no text work
+        parent.params.detokenize = False
     prep_runner = SimpleNamespace(block_size=bs, device=torch.device("cpu"), max_model_len=1 << 30,
-                                  block_tables=BlockTables(blocks_per_req, num_running), group_tables=[])
+                                  block_tables=[BlockTables(blocks_per_req, num_running)])
     prep = []
 
     def execute(out):
@@ -615,19 +613,19 @@ def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: in
         prep.append(time.perf_counter() - t)
         return ModelOutput(_fake_sampled(out), [None] * len(out.scheduled))
 
-    eng.runner = SimpleNamespace(execute=execute, disk=None)  # no disk tier
+    eng.runner = SimpleNamespace(execute=execute)
     evict_calls = []
-    real_evict = kv.radix.evict
+    real_evict = kv._evict
 
-    def counting_evict(n):
+    def counting_evict(n, save=True):
         evict_calls.append(n)
-        return real_evict(n)
+        return real_evict(n, save)
 
-    kv.radix.evict = counting_evict
+    kv._evict = counting_evict
     eng.step()  # hands the runner every table whole (not counted)
     del prep[:], evict_calls[:]
     host = []
-    v0, w0 = kv.radix.num_visits, prep_runner.block_tables.num_entries_written
+    v0, w0 = kv.radix.num_visits, prep_runner.block_tables[0].num_entries_written
     full_gcs = []  # ms of each full (oldest-generation) collection during the counted steps
     gc_start = [0.0]
 
@@ -655,7 +653,7 @@ def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: in
                 full_gc_count=len(full_gcs), full_gc_ms=[round(x, 1) for x in full_gcs],
                 prepare_ms_median=round(statistics.median(prep) * 1e3, 3),
                 evictions=sum(evict_calls), radix_visits_per_step=round((kv.radix.num_visits - v0) / steps, 1),
-                table_entries_written_per_step=round((prep_runner.block_tables.num_entries_written - w0) / steps, 1))
+                table_entries_written_per_step=round((prep_runner.block_tables[0].num_entries_written - w0) / steps, 1))
 
 
 class _FakeTokenizer:

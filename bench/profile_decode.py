@@ -222,7 +222,7 @@ def main(argv=None) -> int:
 
     # attention variants on the live KV cache (layer 0 inputs shapes)
     reqs = list(sched.running)
-    tables = [eng.scheduler.kv.block_tables[r.seq_id] for r in reqs]
+    tables = [eng.scheduler.kv.block_tables[r.seq_id][0] for r in reqs]
     nbmax = max(len(x) for x in tables)
     bt = torch.zeros((len(tables), nbmax), dtype=torch.int32)
     for i, x in enumerate(tables):
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     while shared < min(len(x) for x in tables) and len({x[shared] for x in tables}) == 1 \
             and (shared + 1) * eng.config.cache.block_size <= min(seq_lens):
         shared += 1
-    s = eng.model.shape
+    s = eng.runner.model.shape
     q = torch.randn(len(reqs), s.num_heads, s.head_dim)
     layer = runner.kv_cache[0]
     scale = s.head_dim ** -0.5

@@ -22,8 +22,8 @@ def time_kernels(eng) -> dict[str, float]:
     from prefixkv.model.linear import Linear
 
     spent: dict[str, float] = collections.defaultdict(float)
-    eng.model.fused_stack_blocker = "bench.profile_step: the kernels timed one by one"
-    for mod in eng.model.modules():  # the C GEMM: each packed Linear's bound call
+    eng.runner.model.fused_stack_blocker = "bench.profile_step: the kernels timed one by one"
+    for mod in eng.runner.model.modules():  # the C GEMM: each packed Linear's bound call
         if isinstance(mod, Linear) and mod.kind == "c":
             def timed_gemm(x, _fn=mod.c_gemm):
                 t = time.perf_counter()
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             eng.step()
         profiled = (time.perf_counter() - t0) / a.steps
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-    fused = eng.model.fused_stack_blocker == ""
+    fused = eng.runner.model.fused_stack_blocker == ""
     spent = time_kernels(eng)
     t0 = time.perf_counter()
     for _ in range(a.steps):

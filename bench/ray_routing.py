@@ -210,7 +210,7 @@ def cmd_ray_routing(args: argparse.Namespace, command: str) -> int:
 
     from bench.cli_impl import load_tokenizer
     from bench.run import _loadavg, machine_info
-    from prefixkv.config import CacheConfig, EngineConfig, SchedulerConfig
+    from prefixkv.engine_args import EngineArgs
     from prefixkv.serve import build_app
     from prefixkv.server.serving import ServerConfig
 
@@ -233,8 +233,8 @@ def cmd_ray_routing(args: argparse.Namespace, command: str) -> int:
     per_prompt = -(-(args.system_tokens + args.question_tokens + args.output_tokens) // bs)
     # half the system prompts, and room to compute one request's whole prompt beside them
     num_blocks = args.num_kv_blocks or (args.groups // 2) * -(-args.system_tokens // bs) + per_prompt
-    cfg = EngineConfig(model=args.model, dtype=args.dtype, cache=CacheConfig(block_size=bs, num_kv_blocks=num_blocks),
-                       scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
+    cfg = EngineArgs(model=args.model, dtype=args.dtype, block_size=bs, num_kv_blocks=num_blocks,
+                     max_num_seqs=args.max_num_seqs).create_engine_config()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"ray-routing-{time.strftime('%Y%m%d-%H%M%S')}.json"

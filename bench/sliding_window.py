@@ -102,8 +102,8 @@ def run_mode(model_dir: Path, args: argparse.Namespace, vocab: int, disable: boo
     wall = time.perf_counter() - t0
     kv = eng.scheduler.kv
     return {"mode": "blocks kept (one group)" if disable else "out-of-window blocks freed (KV cache groups)",
-            "disable_hybrid_kv_cache_manager": disable, "kv_groups": eng.kv_plan.num_groups,
-            "layers_per_page": eng.kv_plan.layers_per_page, "num_pages": kv.num_blocks,
+            "disable_hybrid_kv_cache_manager": disable, "kv_groups": eng.runner.kv_plan.num_groups,
+            "layers_per_page": eng.runner.kv_plan.layers_per_page, "num_pages": kv.num_blocks,
             "wall_s": round(wall, 3), "output_tokens": num_out, "output_tokens_per_s": round(num_out / wall, 1),
             "peak_running": peak, "preemptions": eng.scheduler.num_preemptions,
             "prefix_hit_fraction": round(kv.num_hit_tokens / max(kv.num_queried_tokens, 1), 4),

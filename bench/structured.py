@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(a.repeat):
         order = [("constrained", constrained), ("unconstrained", free)]
         for name, params in (order if r % 2 == 0 else order[::-1]):
-            llm.engine.scheduler.kv.radix.reset()  # every repeat prefills the same way
+            llm.engine.scheduler.kv.reset_cache()  # every repeat prefills the same way
             t0 = time.perf_counter()
             outs = llm.chat(convs, params, use_tqdm=False)
             times[name].append(time.perf_counter() - t0)

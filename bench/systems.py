@@ -30,7 +30,7 @@ SPEC_TOKENS = 4
 
 
 @dataclass
-class EngineArgs:
+class SystemArgs:
     """What every system is sized by: the engine's limits, mirrored by the peers where they have them."""
 
     model: str | None = None
@@ -125,9 +125,10 @@ class KVProbe:
         log_held = log_slots = 0
         fill: dict[int, int] = {}
         for r in sched.running:
-            table = kv.block_tables.get(r.seq_id)
-            if table is None:
+            tables = kv.block_tables.get(r.seq_id)
+            if tables is None:
                 continue
+            table = tables[0]
             n = held.get(r.seq_id, r.num_computed_tokens)
             log_held += n
             log_slots += len(table) * bs
@@ -148,7 +149,7 @@ class KVProbe:
 class PrefixKVSystem(System):
     kind = "prefixkv"
 
-    def __init__(self, name: str, args: EngineArgs) -> None:
+    def __init__(self, name: str, args: SystemArgs) -> None:
         self.name = name
         self.args = args
         self.llm = None
@@ -170,7 +171,7 @@ class PrefixKVSystem(System):
     def reset(self) -> None:
         super().reset()
         assert not self.engine.has_unfinished()
-        self.engine.scheduler.kv.radix.reset()
+        self.engine.scheduler.kv.reset_cache()
         assert self.engine.scheduler.kv.num_used_blocks == 0
         self._stats0 = self.engine.stats()
         self._steps0 = self.engine.num_steps
@@ -302,7 +303,7 @@ class HFCBSystem(System):
     kind = "hf"
     name = "hf-cb"
 
-    def __init__(self, model_path, args: EngineArgs, page_size: int = 256) -> None:
+    def __init__(self, model_path, args: SystemArgs, page_size: int = 256) -> None:
         self.model_path, self.args, self.page_size = model_path, args, page_size
         self.num_blocks = -(-args.kv_tokens // page_size)
 
@@ -400,7 +401,7 @@ class VLLMSystem(System):
     kind = "vllm"
     in_process = False  # it computes in its own processes: no CPU-time figure
 
-    def __init__(self, name: str, model_path, args: EngineArgs, block_size: int) -> None:
+    def __init__(self, name: str, model_path, args: SystemArgs, block_size: int) -> None:
         self.name, self.model_path, self.args, self.block_size = name, model_path, args, block_size
         self.proc = None
         self._init: dict = {}
@@ -499,7 +500,7 @@ class VLLMSystem(System):
                     **{k: v for k, v in self._init.items() if k != "ok"})
 
 
-def make_system(name: str, args: EngineArgs, model_path) -> System:
+def make_system(name: str, args: SystemArgs, model_path) -> System:
     from dataclasses import replace
 
     if name == "prefixkv":

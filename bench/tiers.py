@@ -19,6 +19,14 @@ Peers on the same turns: transformers ``generate`` (one turn at a time, no cache
 ``--no-hf`` skips it) and, with ``--vllm``, vLLM's CPU build (``tools/peer-vllm-cpu``) given the
 recompute run's token ids in the same order and concurrency, its KV pool as large as the device
 pool (vLLM's CPU build has no host tier); the restart's last turns on a new vLLM process.
+
+``--gemma3-shape``: the same turns on a Gemma-3-shaped model (``bench/sliding_window.py``'s: every
+sixth layer global, the others a sliding window of ``--window`` tokens; random weights, float32)
+with the host tier and with the disk tier under a small host tier, each with the windows' blocks
+freed (KV cache groups, the default) and with every block kept (``disable_hybrid_kv_cache_manager``),
+in the same device, host and disk memory, and without a tier: returning turns' TTFT of each.
+
+    python -m bench.tiers --gemma3-shape [--window 256] [--layers 12] [--hidden 256]
 """
 
 from __future__ import annotations
@@ -203,6 +211,68 @@ def _same(a: list, b: list) -> str:
     return f"{sum(x == y for x, y in zip(a, b))}/{len(b)}"
 
 
+def _gemma3_shape(a: argparse.Namespace, argv: list[str]) -> int:
+    """Returning turns' TTFT on a Gemma-3-shaped model with each tier, windows freed vs every block
+    kept, in the same memory (``--device-blocks`` counts whole-model blocks in both)."""
+    from bench.run import machine_info, write_result
+    from bench.sliding_window import build_model
+    from prefixkv import LLM
+
+    order = _order(a.conversations, a.turns, a.seed)
+    tmp = Path(tempfile.mkdtemp(prefix="prefixkv-gemma3-tiers-"))
+    model_dir = tmp / "model"
+    model_dir.mkdir()
+    build_model(model_dir, a)
+    results = {}
+    try:
+        for tier in ("host tier", "disk tier (small host tier above it)", "no tier"):
+            for kept in (False, True):
+                if tier == "no tier" and kept:
+                    continue
+                kw = dict(model=str(model_dir), dtype="float32", num_kv_blocks=a.device_blocks,
+                          max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=max(16, a.concurrency),
+                          max_admitted_prefill_tokens=a.max_admitted_prefill_tokens,
+                          disable_hybrid_kv_cache_manager=kept)
+                disk_dir = tmp / "disk"
+                shutil.rmtree(disk_dir, ignore_errors=True)
+                if tier == "host tier":
+                    kw.update(kv_host_cache_gb=a.host_gb)
+                elif tier != "no tier":
+                    kw.update(kv_host_cache_gb=a.disk_host_gb, kv_disk_cache_dir=str(disk_dir),
+                              kv_disk_cache_gb=a.disk_gb)
+                llm = LLM(**kw)
+                llm.generate(["warm up"], None)
+                name = f"{tier}, {'every block kept' if kept else 'windows freed'}"
+                results[name] = _run(llm, order, a.max_tokens, _histories(a.conversations, a.doc_facts), a.concurrency)
+                results[name]["kv_groups"] = llm.engine.runner.kv_plan.num_groups
+                _show(name, results[name])
+                del llm
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    outs = [r["outputs"] for r in results.values()]
+    identical = all(o == outs[0] for o in outs)
+
+    def speedup(tier: str) -> float:
+        kept, freed = results[f"{tier}, every block kept"], results[f"{tier}, windows freed"]
+        return round(kept["returning_ttft_p50_ms"] / freed["returning_ttft_p50_ms"], 2)
+
+    base = results["no tier, windows freed"]["returning_ttft_p50_ms"]
+    summary = dict(returning_ttft_p50_freed_vs_kept_host=speedup("host tier"),
+                   returning_ttft_p50_freed_vs_kept_disk=speedup("disk tier (small host tier above it)"),
+                   **{f"returning_ttft_p50_speedup_vs_no_tier: {n}": round(base / r["returning_ttft_p50_ms"], 2)
+                      for n, r in results.items() if not n.startswith("no tier")},
+                   outputs_identical=identical)
+    print("summary:", json.dumps(summary))
+    for r in results.values():
+        r.pop("outputs")
+        r.pop("turns", None)
+    doc = dict(workload="tiers-gemma3-shape", command="python -m bench.tiers " + " ".join(argv), params=vars(a),
+               machine=machine_info(a.threads), results=results, summary=summary, num_turns=len(order))
+    path = write_result(doc, a.out, f"tiers-gemma3-shape-{time.strftime('%Y%m%d-%H%M%S')}")
+    print(f"wrote {path}")
+    return 0 if identical else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     import sys
 
@@ -231,10 +301,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))
+    p.add_argument("--gemma3-shape", action="store_true",
+                   help="a Gemma-3-shaped model, windows freed vs every block kept, with each tier")
+    p.add_argument("--window", type=int, default=256, help="--gemma3-shape: the sliding layers' window")
+    p.add_argument("--layers", type=int, default=12, help="--gemma3-shape: layers")
+    p.add_argument("--hidden", type=int, default=256, help="--gemma3-shape: hidden size")
     a = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(a.threads)
+    if a.gemma3_shape:
+        return _gemma3_shape(a, argv)
     from bench.run import machine_info, write_result
     from prefixkv import LLM
 

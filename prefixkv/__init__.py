@@ -9,10 +9,14 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     # The engine pulls in torch and transformers; load it on first use.
-    if name in ("LLM", "LLMEngine"):
-        from prefixkv import engine
+    if name == "LLM":
+        from prefixkv.llm import LLM
 
-        return getattr(engine, name)
+        return LLM
+    if name == "LLMEngine":
+        from prefixkv.engine import LLMEngine
+
+        return LLMEngine
     if name == "AsyncEngine":
         from prefixkv.async_engine import AsyncEngine
 

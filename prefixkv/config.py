@@ -35,8 +35,8 @@ class CacheConfig:
     disk_cache_bytes: int = 0
     # A model with sliding-window layers keeps its layers' KV in groups by attention type, and a
     # windowed group's blocks that fall wholly before its window go back to the pool as a request
-    # advances (kv/groups.py). True keeps every layer's KV for every block in one group (as for a
-    # model without windows), e.g. to compare; the host and disk tiers need it for such models.
+    # advances (kv/groups.py); the host and disk tiers keep every group's pages alike. True keeps
+    # every layer's KV for every block in one group (as for a model without windows), e.g. to compare.
     disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
@@ -162,6 +162,7 @@ class EngineConfig:
                  f"must be one of {SUPPORTED_DEVICES}, got {self.device!r}")
         require(self.dtype in SUPPORTED_DTYPES, "dtype",
                  f"must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        require(self.dtype != "float64" or self.device == "cpu", "dtype", "float64 is supported on cpu only")
         require(isinstance(self.gpu_memory_utilization, (int, float)) and 0.0 < self.gpu_memory_utilization <= 1.0,
                  "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         require(self.batch_invariant is None or isinstance(self.batch_invariant, bool), "batch_invariant",

@@ -86,7 +86,8 @@ class SeqOutputState:
 
 @dataclass
 class RequestState:
-    """One request (all its n samples) as the engine and the output processor see it."""
+    """One request as the engine and the output processor see it: the parent of its n sequences
+    (samples 0 .. n-1; kept in ``seqs``)."""
 
     request_id: str
     prompt: str | None
@@ -113,24 +114,24 @@ class OutputProcessor:
         """One token's text alone (vLLM's ``Logprob.decoded_token``)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def state(self, group: RequestState, seq: Request) -> SeqOutputState:
-        st = group.states.get(seq.sample_index)
+    def state(self, parent: RequestState, seq: Request) -> SeqOutputState:
+        st = parent.states.get(seq.sample_index)
         if st is None:
-            st = SeqOutputState(IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids,
-                                                       skip_special_tokens=group.params.skip_special_tokens))
-            group.states[seq.sample_index] = st
+            st = SeqOutputState(IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids,
+                                                       skip_special_tokens=parent.params.skip_special_tokens))
+            parent.states[seq.sample_index] = st
         return st
 
-    def process_tokens(self, group: RequestState, seq: Request) -> tuple[RequestStatus, int | str | None] | None:
+    def process_tokens(self, parent: RequestState, seq: Request) -> tuple[RequestStatus, int | str | None] | None:
         """Detokenize a sequence's new tokens (several after an accepted speculative draft) and apply
         the stop conditions to each in turn; tokens after the one that finishes it are dropped from
         ``seq.token_ids``. Returns (status, stop reason) if it finished; the caller then calls
         ``finish`` and frees the sequence."""
-        st = self.state(group, seq)
+        st = self.state(parent, seq)
         finish = None
         while st.num_processed < seq.num_output_tokens:
             st.num_processed += 1
-            finish = self._process_token(group, seq, st, seq.num_prompt_tokens + st.num_processed - 1)
+            finish = self._process_token(parent, seq, st, seq.num_prompt_tokens + st.num_processed - 1)
             if finish is not None:
                 del seq.token_ids[seq.num_prompt_tokens + st.num_processed:]
                 del seq.logprobs[st.num_processed:]  # (a stop inside an accepted draft)
@@ -141,10 +142,10 @@ class OutputProcessor:
                                                 rank))
         return finish
 
-    def _process_token(self, group: RequestState, seq: Request, st: SeqOutputState,
+    def _process_token(self, parent: RequestState, seq: Request, st: SeqOutputState,
                        i: int) -> tuple[RequestStatus, int | str | None] | None:
         """Token ``i`` of ``seq``: detokenize it and check the stop conditions."""
-        p = group.params
+        p = parent.params
         tok = seq.token_ids[i]
         n_out = i + 1 - seq.num_prompt_tokens
         if seq.matcher is not None and not seq.matcher.consume_token(tok):
@@ -171,24 +172,24 @@ class OutputProcessor:
             return RequestStatus.FINISHED_LENGTH, None
         return None
 
-    def finish(self, group: RequestState, seq: Request, status: RequestStatus, reason: int | str | None) -> None:
-        st = self.state(group, seq)
+    def finish(self, parent: RequestState, seq: Request, status: RequestStatus, reason: int | str | None) -> None:
+        st = self.state(parent, seq)
         if st.finish_reason is not None:
             return
-        if group.params.detokenize and not isinstance(reason, str):
+        if parent.params.detokenize and not isinstance(reason, str):
             st.text.append(st.detok.flush())  # a stop string already cut the text
         st.finish_reason, st.stop_reason = status.value, reason
-        group.num_finished += 1
+        parent.num_finished += 1
 
-    def make_output(self, group: RequestState) -> RequestOutput:
-        p = group.params
+    def make_output(self, parent: RequestState) -> RequestOutput:
+        p = parent.params
         cumulative = p.output_kind == "cumulative"
         stops = p.stop
-        states = group.states
+        states = parent.states
         outs = []
         for idx in (states if len(states) == 1 else sorted(states)):
             st = states[idx]
-            seq = group.seqs[idx]
+            seq = parent.seqs[idx]
             finished = st.finish_reason is not None
             text = st.text
             sendable = text.length
@@ -217,20 +218,20 @@ class OutputProcessor:
                 ids, out_text, out_lps = delta_ids, delta, delta_lps
             outs.append(CompletionOutput(idx, ids, out_text, st.finish_reason, st.stop_reason, out_lps, delta,
                                          delta_ids, delta_lps, None if lps is None else self.decode_token))
-        plps = group.prompt_logprobs
-        if plps is not None and len(plps) < len(group.prompt_token_ids) - 1:
+        plps = parent.prompt_logprobs
+        if plps is not None and len(plps) < len(parent.prompt_token_ids) - 1:
             plps = None  # until the whole prompt is computed
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
-                             group.num_finished == p.n, group.seqs[0].num_cached_tokens, None, plps,
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
+                             parent.num_finished == p.n, parent.seqs[0].num_cached_tokens, None, plps,
                              None if plps is None else self.decode_token)
 
     @staticmethod
-    def record_prompt_logprobs(group: RequestState, entries: list[tuple[int, float, int, list]]) -> None:
-        """A step's prompt logprobs for ``group``, (position, logprob, rank, top) each; positions
+    def record_prompt_logprobs(parent: RequestState, entries: list[tuple[int, float, int, list]]) -> None:
+        """A step's prompt logprobs for ``parent``, (position, logprob, rank, top) each; positions
         already recorded (a preempted request computes its prompt again) are skipped."""
         for pos, lp, rank, top in entries:
-            if pos == len(group.prompt_logprobs) + 1:
-                group.prompt_logprobs.append(TokenLogprob(group.prompt_token_ids[pos], lp, top, rank))
+            if pos == len(parent.prompt_logprobs) + 1:
+                parent.prompt_logprobs.append(TokenLogprob(parent.prompt_token_ids[pos], lp, top, rank))
 
 
 def find_stop(text: TextBuffer, stops: list[str], prev_len: int) -> tuple[int, str] | None:

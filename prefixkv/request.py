@@ -2,7 +2,7 @@
 
 One ``Request`` is one sequence being generated. A user request with ``n > 1`` starts as one
 sequence (sample 0) that prefills the prompt; when the prompt is done, the scheduler forks it
-into ``n`` sequences that share the prompt's blocks (``parent_id`` names the group).
+into ``n`` sequences that share the prompt's blocks (``seq_id``: ``seq_id_of(request_id, k)``).
 
 Token bookkeeping (``token_ids`` = prompt + output so far)::
 
@@ -23,6 +23,11 @@ from array import array
 from prefixkv.sampling_params import SamplingParams
 
 
+def seq_id_of(request_id: str, sample_index: int) -> str:
+    """The id of sample ``sample_index`` of a request (its sequence in the scheduler)."""
+    return f"{request_id}#{sample_index}"
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -41,7 +46,7 @@ class Request:
     __slots__ = (
         "seq_id", "request_id", "sample_index", "num_prompt_tokens", "token_ids", "sampling_params",
         "num_computed_tokens", "num_cached_tokens", "status", "arrival_order", "wait_start_step",
-        "num_preemptions", "seed", "logprobs", "needs_fork", "ngram", "matcher",
+        "num_preemptions", "seed", "logprobs", "needs_fork", "ngram", "matcher", "block_hashes",
     )
 
     def __init__(
@@ -55,7 +60,7 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.sample_index = sample_index
-        self.seq_id = f"{request_id}#{sample_index}"
+        self.seq_id = seq_id_of(request_id, sample_index)
         # prompt + output: an int64 array, not a list, so the garbage collector never walks a
         # request's tokens (a list's every element is visited by each full collection: at 256
         # requests of 32k tokens that was a 0.2 s pause every ~70 steps, tests/test_scale.py)
@@ -77,6 +82,9 @@ class Request:
         # llguidance matcher of a structured-outputs request (prefixkv/structured_outputs.py): it
         # has consumed exactly this sequence's output tokens
         self.matcher = None
+        # the chain hashes of its full blocks, as far as the KV cache needed them (kv/keys.py; an
+        # int64 array, as token_ids)
+        self.block_hashes = array("q")
 
     @property
     def can_speculate(self) -> bool:
@@ -117,6 +125,7 @@ class Request:
         child.status = self.status
         child.needs_fork = False
         child.matcher = None if self.matcher is None else self.matcher.deep_copy()
+        child.block_hashes = array("q", self.block_hashes)
         return child
 
     def __repr__(self) -> str:

@@ -23,17 +23,16 @@ with one system prompt compute it once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prefixkv.config import AUTO_ADMITTED_PREFILL_TOKENS, CacheConfig, SchedulerConfig
-from prefixkv.kv import CopyOp, KVCacheManager, MatchResult
+from prefixkv.kv import CopyOp, KVCacheCoordinator, MatchResult, TableDelta, TierConnector, TierPlan
 from prefixkv.request import Request, RequestStatus
 from prefixkv.spec_decode import NgramIndex
 
 # How many waiting requests the cache-aware ordering looks at per step.
 _ORDER_WINDOW = 128
-_PREFETCH_AHEAD = 8  # waiting requests past those admitted whose disk-tier reads a pass starts
+_PREFETCH_AHEAD = 8  # waiting requests past those admitted whose lower-tier reads a pass starts
 
 
 @dataclass(slots=True)
@@ -50,9 +49,9 @@ class ScheduledRequest:
     draft: list[int] = field(default_factory=list)
     # Copied when the step is scheduled (later changes to the request do not reach them):
     token_ids: list[int] = field(default_factory=list)  # the query tokens
-    # the block table's change since the request was last scheduled: (first changed index, the
-    # ids from there to its end), None if unchanged (the runner keeps every live table)
-    block_delta: tuple[int, list[int]] | None = None
+    # its block tables' change since the request was last scheduled, None if unchanged (the
+    # runner keeps every live table)
+    block_delta: TableDelta | None = None
 
 
 @dataclass(slots=True)
@@ -67,64 +66,36 @@ class SchedulerOutput:
     # tables dropped since the last step (finished, aborted, preempted): the runner forgets them
     # before it applies this step's block_delta entries
     released_seq_ids: list[str] = field(default_factory=list)
-    # the host tier's copies, before anything else of the step: (device block, host slot) out of
-    # the device (blocks evicted this step, reused by it), then (host slot, device block) back in
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    # the disk tier's: (host slot, key, tokens) written to files before the swap-outs reuse the
-    # slots; (key, device block) read after the swap-ins; keys whose files go, last
-    spill: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
-    load: list[tuple[int, int]] = field(default_factory=list)
-    disk_drop: list[int] = field(default_factory=list)
-    # no request of this step reads the blocks of swap_in and load (their requests were put off to
-    # the next step): the runner may copy them in beside the forward pass (a CUDA side stream) as
-    # long as the next step's forward waits for them
-    promote_async: bool = False
-    # requests admitted this step whose blocks these copies bring in (computed from the next step
-    # on): a step that fails fails them too, their KV unwritten
-    deferred: list[Request] = field(default_factory=list)
-
-    @property
-    def has_copies(self) -> bool:
-        """Whether the lower tiers have copies (or file drops) for the runner in this step."""
-        return bool(self.swap_out or self.swap_in or self.spill or self.load or self.disk_drop)
+    # the lower tiers' copies, before anything else of the step (kv/tiers.py); a step may carry
+    # copies only: the loads of requests put off to the next step
+    tiers: TierPlan = field(default_factory=TierPlan)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.scheduled or self.has_copies)
+        return not (self.scheduled or self.tiers.has_copies)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int | None = None, num_host_blocks: int = 0, num_disk_blocks: int = 0,
-                 kv_windows: tuple[int | None, ...] = (None,)) -> None:
+                 max_model_len: int | None = None, kv_windows: tuple[int | None, ...] = (None,),
+                 tiers: TierConnector | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
+        # the host and disk tiers' scheduler side (none by default), bound to the worker that runs its plans
+        self.tiers = tiers or TierConnector()
         # kv_windows: per KV cache group (kv/groups.py) its sliding window or None; counts are in pages
-        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                 num_host_blocks, num_disk_blocks, kv_windows)
+        self.kv = KVCacheCoordinator(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                     kv_windows, lower=self.tiers)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # seq_id -> live request
         self.num_preemptions = 0
         self.num_steps = 0
         self.watermark_blocks = int(config.watermark * num_blocks)
-        # seq_id -> (radix version, match) of waiting requests: re-matched only when the tree changed
+        # seq_id -> (cache version, match) of waiting requests: re-matched only when the cache changed
         self._match_cache: dict[str, tuple[int, MatchResult]] = {}
-        # the disk tier's prefetch (the engine sets it: DiskKVStore.prefetch behind it): given the keys
-        # of a waiting request's blocks that come from files, whether all are in memory (else their
-        # reads start and the request waits, while the others are scheduled). With ``wait`` (a
-        # request this pass would admit) the engine may wait a bounded while for reads nearly done.
-        self.disk_prefetch: Callable[[list[int], bool], bool] | None = None
-        self.num_disk_waits = 0  # admissions put off while a request's blocks were read from files
-        # Promotions overlapped with compute (the engine sets it where the runner copies on a side
-        # stream, i.e. CUDA): a request admitted with blocks from the host or disk tier, or matching
-        # blocks promoted this step, gets its blocks (and their copies) now and its first tokens
-        # scheduled from the next step on, so no forward waits for a copy of its own step.
-        self.defer_promotions = False
-        self._promoting: set[int] = set()  # device blocks whose copies this step's output carries
-        self.num_deferred_promotions = 0  # requests admitted that way
+        self.num_deferred_promotions = 0  # requests admitted with loads beside the forward (TierConnector.load_async)
         self.num_draft_tokens = 0  # speculative tokens proposed ...
         self.num_accepted_tokens = 0  # ... and accepted
         # max_admitted_prefill_tokens: the cap it starts from (None: no cap), and with "auto" how many
@@ -171,8 +142,7 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
-        self.kv.begin_step()
-        self._promoting.clear()  # last step's copies are in before this step's forward
+        self.tiers.begin_step(bool(self.running))
         budget = self.config.max_num_batched_tokens
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
@@ -182,7 +152,7 @@ class Scheduler:
 
         kv, running = self.kv, self.running
         chunked = self.config.enable_chunked_prefill
-        deferred: list[Request] = []  # admitted with promotions, computed from the next step
+        deferred: list[Request] = []  # admitted with lower-tier loads, computed from the next step
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -211,7 +181,7 @@ class Scheduler:
             if ops:
                 copy_ops.extend(ops)
             end = computed + num_new
-            kv.cache_blocks(req.seq_id, req.token_ids, end)
+            kv.cache_blocks(req.seq_id, req.token_ids, end, req.block_hashes)
             samples = 0
             if end >= num_tokens:
                 samples = req.sampling_params.n if req.needs_fork else 1
@@ -231,9 +201,6 @@ class Scheduler:
             c = s.num_computed_tokens
             s.token_ids = [req.token_ids[c], *s.draft] if s.draft else req.token_ids[c:c + s.num_scheduled_tokens].tolist()
             s.block_delta = delta
-        # (a step may carry copies only: the promotions of requests put off to the next step)
-        swap_out, swap_in = self.kv.take_swaps()
-        spill, load, disk_drop = self.kv.take_disk_ops()
         return SchedulerOutput(
             scheduled=scheduled,
             num_decodes=len(decodes),
@@ -243,13 +210,7 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             # kept for a step that reaches the runner
             released_seq_ids=self.kv.take_released() if scheduled else [],
-            swap_out=swap_out,
-            swap_in=swap_in,
-            spill=spill,
-            load=load,
-            disk_drop=disk_drop,
-            promote_async=self.defer_promotions,
-            deferred=deferred,
+            tiers=self.tiers.take_plan(deferred),
         )
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
@@ -319,12 +280,12 @@ class Scheduler:
 
     def _admission_order(self) -> list[tuple[Request, MatchResult]]:
         window = self.waiting[:_ORDER_WINDOW]
-        version, cache = self.kv.radix.version, self._match_cache
+        version, cache = self.kv.version, self._match_cache
         cands = []
         for r in window:
             hit = cache.get(r.seq_id)
             if hit is None or hit[0] != version:
-                hit = cache[r.seq_id] = (version, self.kv.match_prefix(r.token_ids, touch=False))
+                hit = cache[r.seq_id] = (version, self.kv.match_prefix(r.token_ids, r.block_hashes, touch=False))
             cands.append((r, hit[1]))
         max_wait = self.config.max_wait_steps
 
@@ -336,25 +297,20 @@ class Scheduler:
         cands.sort(key=key)
         return cands
 
+    def _lookup(self, req: Request, touch: bool = True) -> MatchResult:
+        """The prefix ``req`` can start from: the device's cached pages and what the lower tiers
+        hold beyond them. A request that wants its prompt's logprobs computes every prompt token."""
+        if req.sampling_params.prompt_logprobs is not None:
+            return self.kv.match_prefix(())
+        return self.kv.match_prefix(req.token_ids, req.block_hashes, touch=touch, lower=True)
+
     def _prefetch_ahead(self, reqs: list[Request]) -> None:
         """Start the file reads of waiting requests that this pass does not admit, so that their
-        blocks are in memory when their turn comes (a hint: a stale match only reads in vain)."""
-        if self.disk_prefetch is None:
+        pages are in memory when their turn comes (a hint: a stale match only reads in vain)."""
+        if self.tiers.reads is None:
             return
-        version = self.kv.radix.version
         for req in reqs[:_PREFETCH_AHEAD]:
-            if req.sampling_params.prompt_logprobs is None:
-                hit = self._match_cache.get(req.seq_id)
-                match = hit[1] if hit is not None and hit[0] == version else self.kv.match_prefix(req.token_ids,
-                                                                                                  touch=False)
-                self._disk_ready(self.kv.match_host(req.token_ids, match), wait=False)
-
-    def _disk_ready(self, host_keys: list[int], wait: bool) -> bool:
-        """Whether the blocks of ``host_keys`` that come from files are all in memory (their reads
-        start otherwise; with ``wait`` the engine may wait a bounded while for them); True without a
-        disk tier or without such blocks."""
-        disk_keys = self.kv.disk_keys(host_keys) if host_keys and self.disk_prefetch is not None else []
-        return not disk_keys or self.disk_prefetch(disk_keys, wait)
+            self.tiers.prefetch(self._lookup(req, touch=False).lower)
 
     @property
     def admission_cap(self) -> int | None:
@@ -364,22 +320,27 @@ class Scheduler:
             return base
         return min(base << self._admission_cap_doublings, max(base, self.config.max_num_batched_tokens))
 
+    def _admission_closed(self, budget: int) -> bool:
+        """Nobody can be admitted this step: no budget, no seat, or (with others running) not one
+        page above the watermark."""
+        if budget <= 0 or len(self.running) >= self.config.max_num_seqs:  # (seats >= running sequences)
+            return True
+        return (self.num_seats >= self.config.max_num_seqs
+                or bool(self.running) and self.kv.num_reclaimable_blocks <= self.watermark_blocks)
+
     def _admit(self, budget: int, prefills: list[ScheduledRequest], deferred: list[Request]) -> int:
+        """Admit waiting requests in ``_admission_order`` while the budget, the seats, the pages and
+        the admission cap allow; those whose pages are still being read from files wait while the
+        others go on. Returns what is left of the budget."""
         if not self.waiting:
             self._admission_cap_doublings = 0  # (a burst aborted while waiting starts nothing)
             return budget
-        full = budget <= 0 or len(self.running) >= self.config.max_num_seqs  # (seats >= running sequences)
-        seats = 0 if full else self.num_seats
-        if (full or seats >= self.config.max_num_seqs
-                or self.running and self.kv.num_reclaimable_blocks <= self.watermark_blocks):
-            # nobody can be admitted (not one block to be had, or no seat): match nobody, but
-            # start the reads of those who come next
+        if self._admission_closed(budget):  # match nobody, but start the reads of those who come next
             self._prefetch_ahead(self.waiting)
             return budget
+        seats, admitted_tokens = self.num_seats, 0  # admitted_tokens: prompt tokens scheduled for those admitted
         admitted: list[Request] = []
-        admitted_tokens = 0  # prompt tokens scheduled this step for those admitted
-        cap = self.admission_cap
-        held = False  # whether the cap held a request back
+        cap, held = self.admission_cap, False  # held: whether the cap held a request back
         order = self._admission_order()
         rest = None  # where admission stopped: those from there on get their reads started
         for pos, (req, _) in enumerate(order):
@@ -387,55 +348,32 @@ class Scheduler:
             if budget <= 0 or seats + n > self.config.max_num_seqs and (self.running or admitted):
                 rest = pos
                 break
-            # match again: it touches the LRU, and counts blocks cached by requests admitted just now;
-            # where the device match ends, the lower tiers may go on (blocks copied back in). A request
-            # that wants its prompt's logprobs computes every prompt token.
-            if req.sampling_params.prompt_logprobs is None:
-                match = self.kv.match_prefix(req.token_ids)
-                host_keys = self.kv.match_host(req.token_ids, match)
-            else:
-                match, host_keys = MatchResult([], 0), []
-            cached = match.num_tokens + len(host_keys) * self.block_size
-            defer = self.defer_promotions and bool(host_keys or not self._promoting.isdisjoint(match.block_ids))
-            uncached = req.num_tokens - cached
+            # match again: it touches the LRU and counts pages cached by requests admitted just now
+            hit = self._lookup(req)
+            defer = self.tiers.load_async and bool(hit.lower or self.tiers.loads_into(hit.blocks))
+            uncached = req.num_tokens - hit.num_tokens
             num_new = 0 if defer else uncached
             if cap is not None and admitted_tokens >= cap and uncached <= budget:
-                # it would finish its prefill in this step (or, its blocks promoted beside this
-                # step, in the next) beside those admitted: it comes a step later; one that only
-                # starts a chunked prefill here is still admitted
-                rest = pos
-                held = True
+                # it would finish its prefill in this step (or, its pages loaded beside this step,
+                # in the next) beside those admitted: it comes a step later; one that only starts
+                # a chunked prefill is still admitted
+                rest, held = pos, True
                 break
             fits = num_new <= budget or self.config.enable_chunked_prefill or not (self.running or admitted)
-            # its blocks from files: read, or (if it would be admitted now) read within the engine's
+            # its pages from files: read, or (if it would be admitted now) read within the worker's
             # bounded wait; else it waits, the others go on
-            if not self._disk_ready(host_keys, wait=fits):
-                self.num_disk_waits += 1
+            if not self.tiers.ready(hit.lower, wait=fits):
                 continue
             if not fits:
                 rest = pos + 1
                 break
             num_new = min(num_new, budget)
-            reserve = self.watermark_blocks if self.running or admitted else 0
-            ops = self.kv.allocate_slots(req.seq_id, cached, num_new, prefix=match, reserve=reserve,
-                                         host_keys=host_keys)
-            if ops is None:
+            if not self._start(req, hit, num_new, reserve=self.watermark_blocks if self.running or admitted else 0):
                 rest = pos + 1
                 break
-            assert not ops
-            if req.num_computed_tokens == 0 and req.num_preemptions == 0:
-                req.num_cached_tokens = cached
-                self.kv.record_query(req.num_tokens, cached, len(host_keys) * self.block_size)
-            req.num_computed_tokens = cached
-            self.kv.cache_blocks(req.seq_id, req.token_ids, cached + num_new)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._match_cache.pop(req.seq_id, None)
             admitted.append(req)
             seats += n
-            if defer:  # its blocks come in beside this step's forward; its tokens from the next step
-                first = len(match.block_ids)
-                self._promoting.update(self.kv.block_tables[req.seq_id][first:first + len(host_keys)])
+            if defer:  # its pages come in beside this step's forward; its tokens from the next step
                 deferred.append(req)
                 self.num_deferred_promotions += 1
                 admitted_tokens += uncached  # prefilled in the next step, counted here
@@ -443,20 +381,48 @@ class Scheduler:
             prefills.append(self._scheduled(req, num_new))
             budget -= num_new
             admitted_tokens += num_new
-        if self._admission_cap_grows:
-            # grown while it holds requests back, back to its start once a pass got through the
-            # queue; a pass that stopped for the budget, seats or blocks leaves it as it is (a burst
-            # larger than a step's budget keeps the cap it reached)
-            if held:
-                self._admission_cap_doublings = min(self._admission_cap_doublings + 1, 30)
-            elif rest is None:
-                self._admission_cap_doublings = 0
-        if rest is not None and self.disk_prefetch is not None:
+        self._grow_admission_cap(held, rest is None)
+        if rest is not None:
             self._prefetch_ahead([r for r, _ in order[rest:rest + _PREFETCH_AHEAD]])
         if admitted:  # all from the ordering window at the head of the queue
             ids = {id(r) for r in admitted}
             self.waiting[:_ORDER_WINDOW] = [r for r in self.waiting[:_ORDER_WINDOW] if id(r) not in ids]
         return budget
+
+    def _start(self, req: Request, hit: MatchResult, num_new: int, reserve: int) -> bool:
+        """Give ``req`` its tables (starting with ``hit``) for ``num_new`` tokens after the hit and
+        make it running; False, and nothing changed, if the pages cannot be had."""
+        cached = hit.num_tokens
+        if self.kv.allocate_slots(req.seq_id, cached, num_new, prefix=hit, reserve=reserve) is None:
+            return False
+        if req.num_computed_tokens == 0 and req.num_preemptions == 0:
+            req.num_cached_tokens = cached
+            lower = len({r.index for r in hit.lower})
+            self.kv.record_query(req.num_tokens, cached, lower * self.block_size)
+        req.num_computed_tokens = cached
+        self.kv.cache_blocks(req.seq_id, req.token_ids, cached + num_new, req.block_hashes)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._match_cache.pop(req.seq_id, None)
+        return True
+
+    def _grow_admission_cap(self, held: bool, got_through: bool) -> None:
+        """With "auto": doubled while it holds requests back, back to its start once a pass got
+        through the queue; a pass that stopped for the budget, seats or pages leaves it as it is
+        (a burst larger than a step's budget keeps the cap it reached)."""
+        if not self._admission_cap_grows:
+            return
+        if held:
+            self._admission_cap_doublings = min(self._admission_cap_doublings + 1, 30)
+        elif got_through:
+            self._admission_cap_doublings = 0
+
+    def reset_cache(self, failed: SchedulerOutput | None = None) -> None:
+        """After a step failed (``failed``, or an interrupted one): every cached page no request
+        holds goes, on the device and in the host tier, and the files that step was to write
+        (their KV can no longer be trusted)."""
+        self.kv.reset_cache()
+        self.tiers.reset(failed.tiers if failed is not None else TierPlan())
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -496,7 +462,7 @@ class Scheduler:
             assert 1 <= len(toks) <= len(sched.draft) + 1, (toks, sched.draft)
             req.num_computed_tokens = sched.num_computed_tokens + len(toks)
             req.token_ids.extend(toks)
-            self.kv.cache_blocks(req.seq_id, req.token_ids, req.num_computed_tokens)
+            self.kv.cache_blocks(req.seq_id, req.token_ids, req.num_computed_tokens, req.block_hashes)
             self.kv.trim(req.seq_id, req.num_tokens)  # blocks that held only rejected tokens
             self.num_accepted_tokens += len(toks) - 1
             changed.append(req)
@@ -531,5 +497,5 @@ class Scheduler:
             f"tables for {sorted(self.kv.block_tables)} but running {sorted(live)}")
         bs = self.block_size
         for r in self.running:
-            table = self.kv.block_tables[r.seq_id]
-            assert len(table) * bs >= r.num_computed_tokens, (r, table)
+            tables = self.kv.block_tables[r.seq_id]
+            assert len(tables[0]) * bs >= r.num_computed_tokens, (r, tables)

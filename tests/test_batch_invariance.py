@@ -139,11 +139,11 @@ def test_on_by_default_where_possible(tiny_llama):
     """Unset (None), the mode is on wherever the engine can make it so (CPU float32 with the C
     kernels: it costs <= 3%, bench/RESULTS.md) and off elsewhere, without an error."""
     on = LLM(model=str(tiny_llama), dtype="float32", num_kv_blocks=64)
-    assert on.engine.batch_invariant is gemm_available()
+    assert on.engine.runner.batch_invariant is gemm_available()
     assert on.engine.runner.backend.batch_invariant is gemm_available()
     for kw in (dict(dtype="float64"), dict(dtype="float32", cpu_linear="onednn"),
                dict(dtype="float32", attention_backend="torch"), dict(dtype="float32", batch_invariant=False)):
-        assert LLM(model=str(tiny_llama), num_kv_blocks=64, **kw).engine.batch_invariant is False, kw
+        assert LLM(model=str(tiny_llama), num_kv_blocks=64, **kw).engine.runner.batch_invariant is False, kw
 
 
 def test_cli_flags():

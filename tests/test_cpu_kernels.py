@@ -247,7 +247,7 @@ def test_fused_ops_model_matches_plain_model(tiny_llama):
     res = {}
     for fused in (False, True):
         llm = LLM(model=str(tiny_llama), fused_cpu_ops=fused, block_size=4, num_kv_blocks=256)
-        assert llm.engine.model.model.norm.fused is fused
+        assert llm.engine.runner.model.model.norm.fused is fused
         res[fused] = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, logprobs=0, ignore_eos=True))
     diff = 0.0
     for a, b in zip(res[False], res[True]):

@@ -41,12 +41,12 @@ def test_blocks_spill_to_disk_and_come_back(tiny_llama, tmp_path, probe):
     outs2 = []
     for p in second:
         outs2 += llm.generate([p], SP)
-    kv = llm.engine.scheduler.kv
-    assert kv.disk.num_written > 0 and kv.disk.num_read >= 0
-    assert llm.engine.runner.disk.num_bytes_read > 0  # some history came back from files
+    disk, store = llm.engine.scheduler.tiers.disk, llm.engine.runner.tiers.disk
+    assert disk.num_written > 0 and disk.num_read >= 0
+    assert store.num_bytes_read > 0  # some history came back from files
     assert [o.outputs[0].token_ids for o in outs1 + outs2] == hf_reference(tiny_llama, first + second, max_tokens=6)
-    llm.engine.runner.disk.flush()  # the writer thread's queue
-    assert kv.disk.num_used <= 400 and len(list(llm.engine.runner.disk.dir.glob("*.kvb"))) == kv.disk.num_used
+    store.flush()  # the writer thread's queue
+    assert disk.num_used <= 400 and len(list(store.dir.glob("*.kvb"))) == disk.num_used
     llm.engine.check_integrity()
 
 
@@ -68,7 +68,7 @@ def _restart_after(tiny_llama, tmp_path, probe, damage) -> tuple[list, LLM]:
     a = _llm(tiny_llama, tmp_path, probe=probe)
     turn1 = a.generate(convs, SP)
     a.close()
-    files = sorted(a.engine.runner.disk.dir.glob("*.kvb"))
+    files = sorted(a.engine.runner.tiers.disk.dir.glob("*.kvb"))
     assert files
     damage(files)
     b = _llm(tiny_llama, tmp_path, probe=probe)
@@ -86,7 +86,7 @@ def test_a_flipped_byte_is_detected_and_nothing_wrong_is_used(tiny_llama, tmp_pa
             f.write_bytes(bytes(data))
 
     outs, b = _restart_after(tiny_llama, tmp_path, probe, flip)
-    d = b.engine.runner.disk
+    d = b.engine.runner.tiers.disk
     assert d.num_discarded > 0 and d.num_bytes_read == 0  # every file was damaged: none was read
     assert b.engine.stats()["prefix_host_hit_tokens"] == 0
 
@@ -97,7 +97,7 @@ def test_a_truncated_file_and_a_leftover_temporary_file(tiny_llama, tmp_path, pr
         (files[0].parent / "0000000000000000.tmp").write_bytes(b"half a write")  # killed mid-spill
 
     outs, b = _restart_after(tiny_llama, tmp_path, probe, cut)
-    d = b.engine.runner.disk
+    d = b.engine.runner.tiers.disk
     assert d.num_discarded == 1 and not list(d.dir.glob("*.tmp"))
     assert d.num_bytes_read > 0  # the intact files were used
 
@@ -109,8 +109,8 @@ def test_another_fingerprint_is_never_read(tiny_llama, tmp_path, probe):
     gb = _bytes_per_block(probe) / (1 << 30)
     other = LLM(model=str(tiny_llama), dtype="float64", block_size=8, num_kv_blocks=20, kv_host_cache_gb=8 * gb,
                 kv_disk_cache_dir=str(tmp_path), kv_disk_cache_gb=400 * gb)  # another block size: another layout
-    assert other.engine.runner.disk.dir != a.engine.runner.disk.dir
-    assert other.engine.scheduler.kv.disk.num_used == 0
+    assert other.engine.runner.tiers.disk.dir != a.engine.runner.tiers.disk.dir
+    assert other.engine.scheduler.tiers.disk.num_used == 0
     out = other.generate(_conversations(2)[:1], SP)[0]
     assert out.num_cached_tokens == 0
 
@@ -168,8 +168,8 @@ def test_kill_9_during_spills_then_restart(tiny_llama, tmp_path, probe):
             proc.kill()
         proc.stdout.close()
     b = _llm(tiny_llama, tmp_path, probe=probe)
-    d = b.engine.runner.disk
-    assert b.engine.scheduler.kv.disk.num_used > 0 and not list(d.dir.glob("*.tmp"))
+    d = b.engine.runner.tiers.disk
+    assert b.engine.scheduler.tiers.disk.num_used > 0 and not list(d.dir.glob("*.tmp"))
     convs = _round(0)  # the oldest prompts: spilled to files long before the kill
     outs = b.generate(convs, SP)
     assert [o.outputs[0].token_ids for o in outs] == hf_reference(tiny_llama, convs, max_tokens=6)
@@ -183,12 +183,12 @@ def test_the_server_engines_shutdown_writes_the_cache(tiny_llama, tmp_path, prob
 
     a = _llm(tiny_llama, tmp_path, probe=probe)
     a.generate(_conversations(1), SP)
-    assert a.engine.scheduler.kv.disk.num_used == 0  # nothing reached the disk while running
+    assert a.engine.scheduler.tiers.disk.num_used == 0  # nothing reached the disk while running
     ae = AsyncEngine(a.engine)
     ae.close()
     cached = a.engine.scheduler.kv.radix.num_cached_blocks
     assert cached > 0 and a.engine.stats()["num_disk_blocks_used"] == cached
-    assert a.engine.stats()["disk_bytes_written"] == cached * a.engine.runner.disk.payload_bytes
+    assert a.engine.stats()["disk_bytes_written"] == cached * a.engine.runner.tiers.disk.payload_bytes
 
 
 def test_a_file_damaged_while_running_is_discarded_and_recomputed(tiny_llama, tmp_path, probe):
@@ -200,7 +200,7 @@ def test_a_file_damaged_while_running_is_discarded_and_recomputed(tiny_llama, tm
     turn1 = a.generate(convs, SP)
     a.close()
     b = _llm(tiny_llama, tmp_path, probe=probe)
-    d = b.engine.runner.disk
+    d = b.engine.runner.tiers.disk
     files = sorted(d.dir.glob("*.kvb"))
     for f in files:  # after b's scan accepted them
         data = bytearray(f.read_bytes())
@@ -216,9 +216,9 @@ def test_a_file_damaged_while_running_is_discarded_and_recomputed(tiny_llama, tm
             break
         d.wait_reads(0.1)
     b.generate([[7, 8, 9]], SP)  # a step after the reader's last failure: all of them forgotten
-    left = {int(f.stem, 16) for f in d.dir.glob("*.kvb")}
+    left = {f.name for f in d.dir.glob("*.kvb")}
     assert d.num_discarded >= 1 and len(left) == len(files) - d.num_discarded
-    assert {k & 0xFFFFFFFFFFFFFFFF for k in b.engine.scheduler.kv.disk.keys()} == left  # index == files
+    assert {d._path(k).name for k in b.engine.scheduler.tiers.disk.keys()} == left  # index == files
     b.engine.check_integrity()
 
 
@@ -230,10 +230,10 @@ def test_a_damaged_file_read_without_prefetch_raises(tiny_llama, tmp_path, probe
     a = _llm(tiny_llama, tmp_path, probe=probe)
     a.generate(_conversations(1), SP)
     a.close()
-    d = a.engine.runner.disk
+    d = a.engine.runner.tiers.disk
     f = sorted(d.dir.glob("*.kvb"))[0]
-    key = int(f.stem, 16)
-    key = key - (1 << 64) if key >= 1 << 63 else key
+    h, group = f.stem.split("-")
+    key = (int(h, 16) - (1 << 64) if int(h, 16) >= 1 << 63 else int(h, 16), int(group))
     assert d.read(key).shape == d.block_shape and d.num_sync_reads == 1
     data = bytearray(f.read_bytes())
     data[-1] ^= 1
@@ -251,6 +251,11 @@ def _store(tmp_path, **kw):
     return DiskKVStore(tmp_path, "fp", 4, (2, 2, 1, 4, 3), torch.float64, **kw)
 
 
+def _keys(*blocks: int) -> list[tuple[int, int]]:
+    """Page keys (block hash, group 0)."""
+    return [(b, 0) for b in blocks]
+
+
 def _block(v: float):
     import torch
 
@@ -262,21 +267,21 @@ def test_writes_are_queued_copies_read_back_before_and_after_the_file(tmp_path):
 
     d = _store(tmp_path)
     src = _block(1.0)
-    d.write(11, (1, 2, 3, 4), src)
+    d.write((11, 0), (1, 2, 3, 4), src)
     src.fill_(9.0)  # the slot reused at once: the queued copy is what gets written
-    assert torch.equal(d.read(11), _block(1.0))  # from the copy or the file, whichever is first
+    assert torch.equal(d.read((11, 0)), _block(1.0))  # from the copy or the file, whichever is first
     sync_reads = d.num_sync_reads  # (1 if the writer thread was first)
     d.flush()
-    assert d.num_bytes_written == d.payload_bytes and (d.dir / f"{11:016x}.kvb").exists()
-    assert d.scan() == [(11, (1, 2, 3, 4))]
-    d.write(12, (5, 6, 7, 8), _block(2.0))
-    d.delete(12)  # in order: written, then deleted
-    d.write(13, (5, 6, 7, 9), _block(3.0))
-    d.delete(13)
-    d.write(13, (5, 6, 7, 9), _block(3.0))  # deleted, then written again
+    assert d.num_bytes_written == d.payload_bytes and (d.dir / f"{11:016x}-0.kvb").exists()
+    assert d.scan() == [((11, 0), (1, 2, 3, 4))]
+    d.write((12, 0), (5, 6, 7, 8), _block(2.0))
+    d.delete((12, 0))  # in order: written, then deleted
+    d.write((13, 0), (5, 6, 7, 9), _block(3.0))
+    d.delete((13, 0))
+    d.write((13, 0), (5, 6, 7, 9), _block(3.0))  # deleted, then written again
     d.flush()
-    assert sorted(p.name for p in d.dir.glob("*.kvb")) == [f"{11:016x}.kvb", f"{13:016x}.kvb"]
-    assert torch.equal(d.read(13), _block(3.0)) and d.num_sync_reads == sync_reads + 1
+    assert sorted(p.name for p in d.dir.glob("*.kvb")) == [f"{11:016x}-0.kvb", f"{13:016x}-0.kvb"]
+    assert torch.equal(d.read((13, 0)), _block(3.0)) and d.num_sync_reads == sync_reads + 1
     assert not list(d.dir.glob("*.tmp"))
 
 
@@ -293,8 +298,8 @@ def test_the_write_queue_is_bounded(tmp_path, monkeypatch):
         return real(key)
 
     monkeypatch.setattr(d, "_path", slow_path)
-    d.write(1, (1, 2, 3, 4), _block(1.0))
-    t = threading.Thread(target=d.write, args=(2, (1, 2, 3, 5), _block(2.0)))
+    d.write((1, 0), (1, 2, 3, 4), _block(1.0))
+    t = threading.Thread(target=d.write, args=((2, 0), (1, 2, 3, 5), _block(2.0)))
     t.start()
     t.join(0.3)
     assert t.is_alive() and d.num_write_waits >= 1  # waiting for room
@@ -309,45 +314,45 @@ def test_prefetch_reads_in_the_background_and_keeps_what_it_reported(tmp_path):
 
     d = _store(tmp_path)
     for k in range(6):
-        d.write(k, (k, 1, 2, 3), _block(float(k)))
+        d.write((k, 0), (k, 1, 2, 3), _block(float(k)))
     d.flush()
     bound = 3 * d.payload_bytes
     e = _store(tmp_path, prefetch_bytes=bound)  # a new process on the same files
-    assert [k for k, _ in e.scan()] == list(range(6))
+    assert [k for (k, _), _ in e.scan()] == list(range(6))
     for _ in range(200):
-        if e.prefetch([0, 1]):
+        if e.prefetch(_keys(0, 1)):
             break
         e.wait_reads(0.05)
-    assert e.prefetch([0, 1]) and e.num_prefetched == 2 and e.reads_in_flight == 0
+    assert e.prefetch(_keys(0, 1)) and e.num_prefetched == 2 and e.reads_in_flight == 0
     # the same pass: room for one more: [2, 3, 4] gets 2 read, 3 and 4 wait (0 and 1 were asked
     # for earlier in the pass: they stay)
     for _ in range(200):
-        assert not e.prefetch([2, 3, 4])
+        assert not e.prefetch(_keys(2, 3, 4))
         if not e.reads_in_flight:
             break
         e.wait_reads(0.05)
-    assert e.num_prefetched == 3 and e.prefetch([0, 1])
-    assert torch.equal(e.read(0), _block(0.0)) and torch.equal(e.read(1), _block(1.0))  # taken: room
+    assert e.num_prefetched == 3 and e.prefetch(_keys(0, 1))
+    assert torch.equal(e.read((0, 0)), _block(0.0)) and torch.equal(e.read((1, 0)), _block(1.0))  # taken: room
     e.begin_pass()  # the next pass: 3 and 4 come in (2 is kept: wanted again)
     for _ in range(200):
-        if e.prefetch([2, 3, 4]):
+        if e.prefetch(_keys(2, 3, 4)):
             break
         e.wait_reads(0.05)
-    assert e.num_prefetched == 5 and e.prefetch([2, 3, 4])
+    assert e.num_prefetched == 5 and e.prefetch(_keys(2, 3, 4))
     e.begin_pass()  # a pass that wants two others: 2 and 3 make room (least recently wanted first)
     for _ in range(200):
-        if e.prefetch([0, 1]):
+        if e.prefetch(_keys(0, 1)):
             break
         e.wait_reads(0.05)
-    assert e.num_prefetched == 7 and set(e._ready) == {4, 0, 1}
+    assert e.num_prefetched == 7 and set(e._ready) == set(_keys(4, 0, 1))
     assert e.num_sync_reads == 0 and e.num_bytes_read == 2 * e.payload_bytes
-    (e.dir / f"{5:016x}.kvb").write_bytes(b"garbage")
+    (e.dir / f"{5:016x}-0.kvb").write_bytes(b"garbage")
     e.begin_pass()
     for _ in range(200):
-        if e.prefetch([5]) or e.reads_in_flight == 0 and e.num_discarded:
+        if e.prefetch(_keys(5)) or e.reads_in_flight == 0 and e.num_discarded:
             break
         e.wait_reads(0.05)
-    assert e.take_failed() == [5] and e.num_discarded == 1 and not (e.dir / f"{5:016x}.kvb").exists()
+    assert e.take_failed() == _keys(5) and e.num_discarded == 1 and not (e.dir / f"{5:016x}-0.kvb").exists()
     assert e.take_failed() == []
 
 
@@ -379,15 +384,15 @@ def _hold_reads(store, seconds: float = 60.0) -> threading.Event:
 
 def _slow_first_forward(eng, seconds: float = 1.0) -> None:
     """The engine's next forward takes ``seconds`` longer (the bound of the pass after it)."""
-    real_execute, slow = eng.runner.execute, [True]
+    real_forward, slow = eng.runner._forward, [True]
 
-    def execute(out):
+    def forward(out):
         if slow[0]:
             slow[0] = False
             time.sleep(seconds)
-        return real_execute(out)
+        return real_forward(out)
 
-    eng.runner.execute = execute
+    eng.runner._forward = forward
 
 
 def test_a_request_waits_for_its_files_and_the_others_go_on(tiny_llama, tmp_path, probe):
@@ -396,7 +401,7 @@ def test_a_request_waits_for_its_files_and_the_others_go_on(tiny_llama, tmp_path
     the step); once they are in, it is admitted with them cached. Both outputs exact."""
     turn2 = _a_second_turn(tiny_llama, tmp_path, probe)
     b = _llm(tiny_llama, tmp_path, probe=probe)
-    d, eng = b.engine.runner.disk, b.engine
+    d, eng = b.engine.runner.tiers.disk, b.engine
     real, calls = d.prefetch, []
     hold = [True]
 
@@ -414,7 +419,7 @@ def test_a_request_waits_for_its_files_and_the_others_go_on(tiny_llama, tmp_path
             if o.finished:
                 done[o.request_id] = o
     assert calls and {r.request_id for r in eng.scheduler.waiting} == {"back"}
-    assert eng.scheduler.num_disk_waits >= 4 and d.num_bytes_read == 0
+    assert eng.scheduler.tiers.num_read_waits >= 4 and d.num_bytes_read == 0
     hold[0] = False
     while eng.has_unfinished():
         for o in eng.step():
@@ -433,7 +438,7 @@ def test_the_reads_of_a_request_that_must_wait_for_a_seat_start_early(tiny_llama
     with them cached, no step reading a file."""
     turn2 = _a_second_turn(tiny_llama, tmp_path, probe)
     b = _llm(tiny_llama, tmp_path, probe=probe, max_num_seqs=1)
-    d, eng = b.engine.runner.disk, b.engine
+    d, eng = b.engine.runner.tiers.disk, b.engine
     other = OTHER
     eng.add_request("other", other, SP)
     eng.add_request("back", turn2, SP)
@@ -454,7 +459,7 @@ def test_the_reads_of_a_request_that_must_wait_for_a_seat_start_early(tiny_llama
             if o.finished:
                 done[o.request_id] = o
     assert done["back"].num_cached_tokens >= len(turn2) - 8 and d.num_sync_reads == 0
-    assert eng.scheduler.num_disk_waits == 0  # its blocks were in before its turn
+    assert eng.scheduler.tiers.num_read_waits == 0  # its blocks were in before its turn
     ref = hf_reference(tiny_llama, [other, turn2], max_tokens=6)
     assert [done["other"].outputs[0].token_ids, done["back"].outputs[0].token_ids] == ref
 
@@ -476,12 +481,12 @@ def test_load_into_copies_slots_queued_copies_and_unread_files_into_the_cache_la
 
     d = _store(tmp_path)
     for k in range(4):
-        d.write(k, (k, 1, 2, 3), _block(float(k) + 0.5))
+        d.write((k, 0), (k, 1, 2, 3), _block(float(k) + 0.5))
     d.flush()
     e = _store(tmp_path, prefetch_bytes=3 * d.payload_bytes)  # three slots
-    assert [k for k, _ in e.scan()] == [0, 1, 2, 3]
-    _wait_ready(e, [2, 0])
-    assert sorted(e._slot_of) == [0, 2] and len(e._free_slots) == 1 and e._arena.shape == (3, *e.block_shape)
+    assert [k for (k, _), _ in e.scan()] == [0, 1, 2, 3]
+    _wait_ready(e, _keys(2, 0))
+    assert sorted(e._slot_of) == _keys(0, 2) and len(e._free_slots) == 1 and e._arena.shape == (3, *e.block_shape)
     gate = threading.Event()
     real = e._path
 
@@ -491,9 +496,9 @@ def test_load_into_copies_slots_queued_copies_and_unread_files_into_the_cache_la
         return real(key)
 
     e._path = slow_path
-    e.write(9, (9, 9, 9, 9), _block(9.5))
+    e.write((9, 0), (9, 9, 9, 9), _block(9.5))
     dst = torch.zeros(2, 2, 6, 1, 4, 3, dtype=torch.float64)  # the layout of the KV cache
-    e.load_into(dst, [(2, 5), (9, 1), (3, 0), (0, 3)])
+    e.load_into(dst, [((2, 0), 5), ((9, 0), 1), ((3, 0), 0), ((0, 0), 3)])
     gate.set()
     e.flush()
     for key, i in [(2, 5), (9, 1), (3, 0), (0, 3)]:
@@ -503,10 +508,10 @@ def test_load_into_copies_slots_queued_copies_and_unread_files_into_the_cache_la
     assert not e._ready and not e._slot_of and sorted(e._free_slots) == [0, 1, 2]  # every slot free again
     # a request larger than the buffer, alone: its blocks beyond the slots in buffers of their own
     e.begin_pass()
-    _wait_ready(e, [0, 1, 2, 3])
-    assert len(e._slot_of) == 3 and set(e._ready) == {0, 1, 2, 3} and not e._free_slots
+    _wait_ready(e, _keys(0, 1, 2, 3))
+    assert len(e._slot_of) == 3 and set(e._ready) == set(_keys(0, 1, 2, 3)) and not e._free_slots
     dst.zero_()
-    e.load_into(dst, [(k, k) for k in range(4)])
+    e.load_into(dst, [((k, 0), k) for k in range(4)])
     assert all(torch.equal(dst[:, :, k], _block(k + 0.5)) for k in range(4)) and sorted(e._free_slots) == [0, 1, 2]
 
 
@@ -522,24 +527,24 @@ def test_files_carry_the_crc32c_of_their_payload(tmp_path):
     from prefixkv.runner import disk_store
 
     d = _store(tmp_path)
-    d.write(5, (1, 2, 3, 4), _block(2.25))
+    d.write((5, 0), (1, 2, 3, 4), _block(2.25))
     d.flush()
-    path = d.dir / f"{5:016x}.kvb"
+    path = d.dir / f"{5:016x}-0.kvb"
     data = path.read_bytes()
     n0 = len(disk_store.MAGIC) + disk_store._HEADER.size + 8 * 4
     payload = data[n0:]
     assert payload == _block(2.25).numpy().tobytes()
-    crc = struct.unpack_from("<qiqI", data, len(disk_store.MAGIC))[3]
+    crc = struct.unpack_from("<qiiqI", data, len(disk_store.MAGIC))[4]  # (hash, group, block size, bytes, crc)
     assert crc == crc32c.crc32c(payload) != zlib.crc32(payload)
     assert disk_store.checksum(payload) == crc
     old = bytearray(data)
-    struct.pack_into("<I", old, len(disk_store.MAGIC) + 20, zlib.crc32(payload))
+    struct.pack_into("<I", old, len(disk_store.MAGIC) + 24, zlib.crc32(payload))
     path.write_bytes(bytes(old))
     assert d.scan() == [] and d.num_discarded == 1
-    d.write(6, (1, 2, 3, 5), _block(1.0))
+    d.write((6, 0), (1, 2, 3, 5), _block(1.0))
     d.flush()
-    path = d.dir / f"{6:016x}.kvb"
-    path.write_bytes(b"PKVBLK1\n" + path.read_bytes()[8:])
+    path = d.dir / f"{6:016x}-0.kvb"
+    path.write_bytes(b"PKVBLK2\n" + path.read_bytes()[8:])
     assert d.scan() == [] and d.num_discarded == 2
 
 
@@ -551,10 +556,10 @@ def test_wait_ready_waits_only_for_reads_that_can_end_in_time(tmp_path):
 
     d = _store(tmp_path)
     for k in range(3):
-        d.write(k, (k, 1, 2, 3), _block(float(k)))
+        d.write((k, 0), (k, 1, 2, 3), _block(float(k)))
     d.flush()
     e = _store(tmp_path)
-    assert [k for k, _ in e.scan()] == [0, 1, 2]
+    assert [k for (k, _), _ in e.scan()] == [0, 1, 2]
     gate = _hold_reads(e, 30.0)
     waits, real_wait = [], e._cv.wait
 
@@ -563,20 +568,20 @@ def test_wait_ready_waits_only_for_reads_that_can_end_in_time(tmp_path):
         return real_wait(timeout)
 
     e._cv.wait = counted
-    assert not e.prefetch([0, 1]) and e.reads_in_flight == 2
-    assert not e.wait_ready([0, 1], 0.0)
-    assert not e.wait_ready([0, 7], 30.0)  # 7 is not being read: no wait
+    assert not e.prefetch(_keys(0, 1)) and e.reads_in_flight == 2
+    assert not e.wait_ready(_keys(0, 1), 0.0)
+    assert not e.wait_ready(_keys(0, 7), 30.0)  # 7 is not being read: no wait
     e.read_s_per_block = 20.0  # two reads at that pace: 40 s, over the 30 left
-    assert not e.wait_ready([0, 1], 30.0)
-    assert not e.wait_ready([1], 30.0)  # one block, but read after 0: 40 s too
+    assert not e.wait_ready(_keys(0, 1), 30.0)
+    assert not e.wait_ready(_keys(1), 30.0)  # one block, but read after 0: 40 s too
     assert waits == [] and e.reads_in_flight == 2
     e.read_s_per_block = None
     threading.Timer(0.5, gate.set).start()
-    assert e.wait_ready([0, 1], 30.0)
+    assert e.wait_ready(_keys(0, 1), 30.0)
     assert waits and e.num_prefetched == 2 and e.reads_in_flight == 0
     assert e.read_s_per_block is not None and e.read_s_per_block > 0
     out = torch.zeros(2, 2, 2, 1, 4, 3, dtype=torch.float64)
-    e.load_into(out, [(0, 0), (1, 1)])
+    e.load_into(out, [((0, 0), 0), ((1, 0), 1)])
     assert torch.equal(out[:, :, 1], _block(1.0)) and e.num_sync_reads == 0
 
 
@@ -592,7 +597,7 @@ def test_a_returning_request_is_admitted_in_the_pass_its_reads_end(tiny_llama, t
         ref = ref or hf_reference(tiny_llama, [turn2, other], max_tokens=6)
         b = _llm(tiny_llama, tmp_path / str(bound), probe=probe)
         eng = b.engine
-        eng.disk_wait_max_s = bound
+        eng.runner.tiers.max_wait_s = bound
         _slow_first_forward(eng)  # "other"'s first forward takes a second: the bound
         eng.add_request("other", other, SP)
         done = {o.request_id: o for o in eng.step()}
@@ -626,19 +631,19 @@ def test_the_engine_makes_the_prefetch_buffer_at_start(tiny_llama, tmp_path, pro
     """The prefetch buffer exists (its pages touched) before the first read, with no more slots
     than the disk tier holds; a store made without the engine still makes it at its first read."""
     llm = _llm(tiny_llama, tmp_path, probe=probe, disk_blocks=40)
-    d = llm.engine.runner.disk
-    num_disk_blocks = llm.engine.scheduler.kv.disk.num_blocks
+    d = llm.engine.runner.tiers.disk
+    num_disk_blocks = llm.engine.scheduler.tiers.disk.num_blocks
     assert d._arena is not None and d.num_prefetched == 0
     assert d._num_slots == min(d.prefetch_bytes // d.payload_bytes, num_disk_blocks) == 40
     assert d._arena.shape == (40, *d.block_shape) and sorted(d._free_slots) == list(range(40))
     llm.close()
     e = _store(tmp_path / "alone", prefetch_bytes=1024)  # blocks of 384 bytes: 2 slots
     assert e._arena is None
-    e.write(1, (1, 2, 3, 4), _block(1.0))
+    e.write((1, 0), (1, 2, 3, 4), _block(1.0))
     e.flush()
     f = _store(tmp_path / "alone", prefetch_bytes=1024)
-    assert [k for k, _ in f.scan()] == [1]
-    _wait_ready(f, [1])
+    assert [k for (k, _), _ in f.scan()] == [1]
+    _wait_ready(f, _keys(1))
     assert f._arena.shape == (2, *f.block_shape) and f.num_prefetched == 1
 
 
@@ -649,12 +654,12 @@ def test_a_pass_waits_no_longer_than_the_last_forward_took(tiny_llama, tmp_path,
     turn2, other = _a_second_turn(tiny_llama, tmp_path, probe), OTHER
     b = _llm(tiny_llama, tmp_path, probe=probe)
     eng = b.engine
-    eng.disk_wait_max_s = 30.0
-    gate = _hold_reads(eng.runner.disk)
+    eng.runner.tiers.max_wait_s = 30.0
+    gate = _hold_reads(eng.runner.tiers.disk)
     _slow_first_forward(eng)
     eng.add_request("other", other, SP)
     done = {o.request_id: o for o in eng.step()}
-    assert eng._last_forward_s >= 1.0
+    assert eng.runner.tiers.last_forward_s >= 1.0
     eng.add_request("back", turn2, SP)
     for o in eng.step():  # waits ~1 s (the last forward), not 30, then goes on without "back"
         done[o.request_id] = o
@@ -671,3 +676,46 @@ def test_a_pass_waits_no_longer_than_the_last_forward_took(tiny_llama, tmp_path,
         tiny_llama, [turn2, other], max_tokens=6)
     eng.check_integrity()
     b.close()
+
+
+def test_a_page_spilled_in_this_step_is_read_from_the_next_one():
+    """The connector (kv/tiers.py) never asks the worker to read a file the step's own plan has
+    yet to write: neither for an admission (``ready``) nor as a hint (``prefetch``); from the
+    next step on it does."""
+    from prefixkv.kv import TierConnector
+    from prefixkv.kv.keys import EvictedPage, LowerPage
+
+    class Reads:
+        def __init__(self):
+            self.asked = []
+
+        def begin_pass(self, has_running):
+            pass
+
+        def prefetch(self, keys):
+            self.asked.append(list(keys))
+            return True
+
+        def wait_ready(self, keys):
+            self.asked.append(list(keys))
+            return True
+
+        def take_failed(self):
+            return []
+
+    tiers = TierConnector(num_host_pages=1, num_disk_pages=4)
+    tiers.reads = reads = Reads()
+    a, b = (11, 0), (12, 0)
+    tiers.save([EvictedPage(3, a, (1, 2))])
+    assert tiers.take_plan([]).saves == [(3, 0)]
+    tiers.begin_step(False)
+    tiers.save([EvictedPage(4, b, (3, 4))])  # b pushes a out of the one slot: a goes to its file
+    assert tiers._plan.spills == [(0, a, (1, 2))] and tiers.holds(a, (1, 2))
+    hit = [LowerPage(0, 0, a, (1, 2))]
+    tiers.prefetch(hit)
+    assert not tiers.ready(hit, wait=True) and reads.asked == [] and tiers.num_read_waits == 1
+    plan = tiers.take_plan([])
+    assert plan.spills == [(0, a, (1, 2))] and plan.saves == [(4, 0)]
+    tiers.begin_step(False)
+    tiers.prefetch(hit)
+    assert tiers.ready(hit, wait=False) and reads.asked == [[a], [a]]

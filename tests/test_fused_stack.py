@@ -77,7 +77,7 @@ def test_fused_stack_is_bitwise_the_python_loop(models, monkeypatch, arch, case)
     want, none, _ = _run(monkeypatch, path, vocab, False, **CASES[case])
     got, calls, llm = _run(monkeypatch, path, vocab, True, **CASES[case])
     assert none["n"] == 0
-    assert llm.engine.model.fused_stack_blocker == ""
+    assert llm.engine.runner.model.fused_stack_blocker == ""
     assert got == want
     assert calls["n"] >= 10  # every decode step at least
     if case == "variant-mode":
@@ -93,22 +93,22 @@ def test_fused_stack_is_bitwise_the_python_loop(models, monkeypatch, arch, case)
 def test_where_the_driver_does_not_run_the_loop_serves(models, monkeypatch):
     path, vocab = models["llama"]
     _, calls, llm = _run(monkeypatch, path, vocab, True, block_size=32)  # the C decode kernel's generic path
-    assert calls["n"] == 0 and llm.engine.model._stack is None
+    assert calls["n"] == 0 and llm.engine.runner.model._stack is None
     path, vocab = models["qwen3"]
     want, _, _ = _run(monkeypatch, path, vocab, False)
     got, calls, llm = _run(monkeypatch, path, vocab, True)
     assert calls["n"] == 0 and got == want
-    assert fused_stack.blocker(llm.engine.model) == "qwen3's layers have parts the driver does not run"
+    assert fused_stack.blocker(llm.engine.runner.model) == "qwen3's layers have parts the driver does not run"
 
 
 def test_blocker_names_what_stands_in_the_way(models, monkeypatch):
     path, _ = models["llama"]
     llm = LLM(model=str(path), dtype="float64", num_kv_blocks=64)
-    assert fused_stack.blocker(llm.engine.model) == "float32 on CPU only"
+    assert fused_stack.blocker(llm.engine.runner.model) == "float32 on CPU only"
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64, cpu_linear="torch")
-    assert fused_stack.blocker(llm.engine.model) == "the projections are not the C GEMM's packed weights"
+    assert fused_stack.blocker(llm.engine.runner.model) == "the projections are not the C GEMM's packed weights"
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64, fused_cpu_ops=False)
-    assert fused_stack.blocker(llm.engine.model) == "the C elementwise kernels are off"
+    assert fused_stack.blocker(llm.engine.runner.model) == "the C elementwise kernels are off"
     monkeypatch.setenv("PREFIXKV_FUSED_STACK", "0")
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
-    assert fused_stack.blocker(llm.engine.model) == "PREFIXKV_FUSED_STACK=0"
+    assert fused_stack.blocker(llm.engine.runner.model) == "PREFIXKV_FUSED_STACK=0"

@@ -1,8 +1,9 @@
-"""Stateful fuzzing of BlockPool + RadixIndex + KVCacheManager against a model of the truth: which
-tokens each physical block holds. Every match is checked against it, no write ever lands in a
-shared block, and check_integrity() holds after every rule. ``TieredKVMachine`` adds the host
-tier: the truth of each host slot too, the copies applied in the runner's order (out, then in,
-before the step's writes), every host hit checked to bring back exactly its tokens."""
+"""Stateful fuzzing of BlockPool + the per-attention-type managers + KVCacheCoordinator against a
+model of the truth: which tokens each physical page holds. Every match is checked against it, no
+write ever lands in a shared page, and check_integrity() holds after every rule.
+``TieredKVMachine`` adds the host tier (the connector, kv/tiers.py): the truth of each host slot
+too, each step's plan applied in the worker's order (spills, saves, then loads, before the step's
+writes), every lower-tier hit checked to bring back exactly its tokens."""
 
 from __future__ import annotations
 
@@ -12,31 +13,35 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from prefixkv.kv import KVCacheManager
+from prefixkv.kv import KVCacheCoordinator, TierConnector
+from prefixkv.kv.groups import window_start
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 12
 TOKENS = st.integers(min_value=1, max_value=3)  # a tiny alphabet: lots of shared prefixes
+SETTINGS = settings(max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40,
+                    deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _test_case(machine: type[RuleBasedStateMachine]):
+    machine.TestCase.settings = SETTINGS
+    return machine.TestCase
 
 
 class KVMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True)
-        self.truth: dict[int, list[int | None]] = {}  # block id -> tokens its KV holds
+        self.kv = KVCacheCoordinator(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True)
+        self.truth: dict[int, list[int | None]] = {}  # page id -> tokens its KV holds
         self.seqs: dict[str, list[int]] = {}  # seq id -> tokens computed (KV written)
         self.next_id = 0
         self.num_host_hits = 0
 
     # -- shared steps of the rules -------------------------------------------------------------
-    def _tables(self, seq: str) -> tuple[list[int], ...]:
-        """The request's block table of every KV cache group (one without groups)."""
-        return (self.kv.block_tables[seq], *self.kv.extra_tables.get(seq, ()))
-
     def _apply(self, seq: str, tokens: list[int], start: int, ops) -> None:
         for op in ops:  # the runner copies before the forward pass
             self.truth[op.dst] = list(self.truth[op.src])
-        for t in self._tables(seq):
+        for t in self.kv.block_tables[seq]:
             for p in range(start, len(tokens)):
                 b = t[p // BLOCK_SIZE]
                 assert b != self.kv.NULL, f"{seq} writes position {p} into a freed page"
@@ -47,12 +52,12 @@ class KVMachine(RuleBasedStateMachine):
 
     def _check_match(self, tokens: list[int]) -> None:
         m = self.kv.match_prefix(tokens)
-        assert m.num_tokens == len(m.block_ids) * BLOCK_SIZE and m.num_tokens <= max(0, len(tokens) - 1)
-        n = len(m.block_ids)
-        for g, pages in enumerate((m.block_ids, *m.extra)):
+        n = len(m.blocks[0])
+        assert m.num_tokens == n * BLOCK_SIZE and m.num_tokens <= max(0, len(tokens) - 1) and not m.lower
+        for g, pages in enumerate(m.blocks):
             assert len(pages) == n
             w = self.kv.windows[g]
-            start = 0 if w is None else self.kv.radix.window_start(w, m.num_tokens)
+            start = 0 if w is None else window_start(w, m.num_tokens, BLOCK_SIZE)
             for i, b in enumerate(pages):
                 if i < start:
                     assert b == self.kv.NULL, f"group {g} hands out page {b} before its window"
@@ -61,24 +66,24 @@ class KVMachine(RuleBasedStateMachine):
                 assert self.truth[b] == tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE], (g, b, self.truth[b], tokens)
 
     def _swap(self) -> None:
-        """The runner's copies between tiers at the start of a step (none without lower tiers)."""
+        """The worker's copies between tiers at the start of a step (none without lower tiers)."""
 
     def _add(self, tokens: list[int]) -> None:
         self._check_match(tokens)
-        m = self.kv.match_prefix(tokens)
-        keys = self.kv.match_host(tokens, m)  # (none without lower tiers)
-        cached = m.num_tokens + len(keys) * BLOCK_SIZE
+        m = self.kv.match_prefix(tokens, lower=True)  # the lower tiers' pages too (none without them)
+        cached = m.num_tokens
         seq = f"s{self.next_id}"
         self.next_id += 1
-        ops = self.kv.allocate_slots(seq, cached, len(tokens) - cached, prefix=m, host_keys=keys)
+        ops = self.kv.allocate_slots(seq, cached, len(tokens) - cached, prefix=m)
         if ops is None:
             assert seq not in self.kv.block_tables
             return
         assert ops == []
         self._swap()
-        table = self.kv.block_tables[seq]
-        for i in range(len(m.block_ids), cached // BLOCK_SIZE):  # what came back from a lower tier
-            assert self.truth[table[i]] == tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE], (i, tokens)
+        tables = self.kv.block_tables[seq]
+        for r in m.lower:  # what came back from a lower tier
+            assert self.truth[tables[r.group][r.index]] == tokens[r.index * BLOCK_SIZE:(r.index + 1) * BLOCK_SIZE], \
+                (r, tokens)
             self.num_host_hits += 1
         self._apply(seq, tokens, cached, ops)
 
@@ -117,9 +122,8 @@ class KVMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, NUM_BLOCKS))
     def evict(self, n):
         before = self.kv.pool.num_evictable
-        freed = self.kv.radix.evict(n)
-        # every evictable block is reachable leaf-first (with KV cache groups: every evictable page;
-        # a leaf's block goes with all its pages, n + groups - 1 at most)
+        freed = self.kv.evict(n)
+        # every evictable page is reachable (a cached unit goes with all its pages: n + groups - 1 at most)
         assert min(n, before) <= len(freed) <= min(before, n + len(self.kv.windows) - 1), (n, before, freed)
         for b in freed:
             self.truth.pop(b, None)
@@ -132,12 +136,12 @@ class KVMachine(RuleBasedStateMachine):
     @invariant()
     def integrity(self):
         self.kv.check_integrity()
-        for b, toks in self.kv.radix.cached_blocks().items():
+        for b, toks in self.kv.cached_blocks().items():
             assert self.truth[b] == list(toks), (b, self.truth[b], toks)
         for seq, tokens in self.seqs.items():
-            for g, t in enumerate(self._tables(seq)):
+            for g, t in enumerate(self.kv.block_tables[seq]):
                 w = self.kv.windows[g]
-                start = 0 if w is None else self.kv.radix.window_start(w, len(tokens))
+                start = 0 if w is None else window_start(w, len(tokens), BLOCK_SIZE)
                 for p, tok in enumerate(tokens):
                     b = t[p // BLOCK_SIZE]
                     if b == self.kv.NULL:
@@ -146,10 +150,7 @@ class KVMachine(RuleBasedStateMachine):
                     assert self.truth[b][p % BLOCK_SIZE] == tok, (seq, g, p)
 
 
-KVMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
-TestKVMachine = KVMachine.TestCase
+TestKVMachine = _test_case(KVMachine)
 
 
 HOST_SLOTS = 5
@@ -157,9 +158,15 @@ DISK_BLOCKS = 6
 
 
 class TieredKVMachine(KVMachine):
+    WINDOWS: tuple = (None,)
+    HOST: int = HOST_SLOTS
+    DISK: int = 0
+
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, num_host_blocks=HOST_SLOTS)
+        self.tiers = TierConnector(self.HOST, self.DISK)
+        self.kv = KVCacheCoordinator(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, windows=self.WINDOWS,
+                                     lower=self.tiers)
         self.host_truth: dict[int, list[int | None]] = {}  # host slot -> tokens its KV holds
         self.files: dict[int, list[int | None]] = {}  # disk-tier key -> tokens its file holds
         self.gone: list[list[int]] = []  # tokens of freed sequences: prompts that come back
@@ -179,65 +186,58 @@ class TieredKVMachine(KVMachine):
         self._add(data.draw(st.sampled_from(self.gone)))
 
     def _swap(self) -> None:
-        """What the runner does at the start of a step; then the next step begins."""
-        spill, load, drop = self.kv.take_disk_ops()
-        for slot, key, tokens in spill:  # files first: the slots may be reused below
+        """What the worker does with the step's plan; then the next step begins."""
+        plan = self.tiers.take_plan([])
+        for slot, key, tokens in plan.spills:  # files first: the slots may be reused below
             assert self.host_truth[slot] == list(tokens), (slot, tokens)
             self.files[key] = list(self.host_truth[slot])
-        out, inn = self.kv.take_swaps()
-        # the runner copies each list with one batched index_copy_: a slot (or block) twice in a
+        out, inn = plan.saves, plan.loads
+        # the worker copies each list with one batched index_copy_: a slot (or page) twice in a
         # list would leave which copy wins undefined
         assert len({s for _, s in out}) == len(out) and len({b for _, b in inn}) == len(inn), (out, inn)
         for b, slot in out:
             self.host_truth[slot] = list(self.truth[b])
         for slot, b in inn:
             self.truth[b] = list(self.host_truth[slot])
-        for key, b in load:
+        for key, b in plan.file_loads:
             self.truth[b] = list(self.files[key])
-        for key in drop:
+        for key in plan.drops:
             del self.files[key]
-        self.kv.begin_step()
+        self.tiers.begin_step(False)
 
     @rule(n=st.integers(1, NUM_BLOCKS))
     def evict(self, n):
         before = self.kv.pool.num_evictable
         free_before = self.kv.pool.num_free
-        self.kv._evict(n)
-        assert self.kv.pool.num_free - free_before == min(n, before)
+        self.kv.evict(n)
+        freed = self.kv.pool.num_free - free_before
+        assert min(n, before) <= freed <= min(before, n + len(self.kv.windows) - 1), (n, before, freed)
         self._swap()
 
     @invariant()
     def host_integrity(self):
-        host = self.kv.host
+        host, disk = self.tiers.host, self.tiers.disk
         assert host.num_used <= host.num_slots
         for key, (slot, tokens) in host._entries.items():
             assert self.host_truth[slot] == list(tokens), (slot, self.host_truth[slot], tokens)
-        if self.kv.disk is not None:
-            assert self.kv.disk.num_used <= DISK_BLOCKS and set(self.kv.disk._entries) == set(self.files)
-            for key, tokens in self.kv.disk._entries.items():
+        if disk is not None:
+            assert disk.num_used <= self.DISK and set(disk._entries) == set(self.files)
+            for key, tokens in disk._entries.items():
                 assert self.files[key] == list(tokens), (key, self.files[key], tokens)
 
 
-TieredKVMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
-TestTieredKVMachine = TieredKVMachine.TestCase
+TestTieredKVMachine = _test_case(TieredKVMachine)
 
 
 class DiskTieredKVMachine(TieredKVMachine):
     """The same with a disk tier under a 2-slot host tier: blocks the host lets go of go to files
     (written before their slot is reused), and come back from them."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, num_host_blocks=2,
-                                 num_disk_blocks=DISK_BLOCKS)
+    HOST = 2
+    DISK = DISK_BLOCKS
 
 
-DiskTieredKVMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
-TestDiskTieredKVMachine = DiskTieredKVMachine.TestCase
+TestDiskTieredKVMachine = _test_case(DiskTieredKVMachine)
 
 
 
@@ -251,25 +251,19 @@ class GroupedKVMachine(KVMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, windows=self.WINDOWS)
+        self.kv = KVCacheCoordinator(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, windows=self.WINDOWS)
 
 
-GroupedKVMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
-TestGroupedKVMachine = GroupedKVMachine.TestCase
+TestGroupedKVMachine = _test_case(GroupedKVMachine)
 
 
 class WindowedAnchorKVMachine(GroupedKVMachine):
-    """Every layer windowed (Mistral v0.1): one group, whose pages the tree too loses out of the window."""
+    """Every layer windowed (Mistral v0.1): one group, no radix index; its cache keeps pages by hash."""
 
     WINDOWS = (4,)
 
 
-WindowedAnchorKVMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
-TestWindowedAnchorKVMachine = WindowedAnchorKVMachine.TestCase
+TestWindowedAnchorKVMachine = _test_case(WindowedAnchorKVMachine)
 
 
 class TwoWindowsKVMachine(GroupedKVMachine):
@@ -278,7 +272,27 @@ class TwoWindowsKVMachine(GroupedKVMachine):
     WINDOWS = (3, 6)
 
 
-TwoWindowsKVMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("PREFIXKV_FUZZ_EXAMPLES", "500")), stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
-TestTwoWindowsKVMachine = TwoWindowsKVMachine.TestCase
+TestTwoWindowsKVMachine = _test_case(TwoWindowsKVMachine)
+
+
+class WindowedTieredKVMachine(TieredKVMachine):
+    """The host tier under a full-attention group and a windowed one (window 3 tokens): every
+    group's pages go down when evicted and come back for a hit, which needs each group's pages of
+    its window at the hit's end, from the device or the tier."""
+
+    WINDOWS = (None, 3)
+
+
+TestWindowedTieredKVMachine = _test_case(WindowedTieredKVMachine)
+
+
+class WindowedDiskTieredKVMachine(TieredKVMachine):
+    """Two windows (3 and 6 tokens, no full group: no radix index) over a 2-slot host tier and the
+    disk tier."""
+
+    WINDOWS = (3, 6)
+    HOST = 2
+    DISK = DISK_BLOCKS
+
+
+TestWindowedDiskTieredKVMachine = _test_case(WindowedDiskTieredKVMachine)

@@ -27,7 +27,7 @@ def _bytes_per_block(llm) -> int:
     from prefixkv.runner.model_runner import ModelRunner
 
     e = llm.engine
-    return ModelRunner.bytes_per_block(e.model, e.config.cache.block_size, e.runner.kv_cache.dtype)
+    return ModelRunner.bytes_per_block(e.runner.model, e.config.cache.block_size, e.runner.kv_cache.dtype)
 
 
 def test_a_conversation_evicted_from_the_device_comes_back_from_host(tiny_llama):
@@ -66,17 +66,17 @@ def test_host_capacity_is_strict_and_lru(tiny_llama):
     probe = _llm(tiny_llama, 0.0)
     llm = _llm(tiny_llama, 12 * _bytes_per_block(probe) / (1 << 30))  # 12 slots
     sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    kv = llm.engine.scheduler.kv
+    kv, tiers = llm.engine.scheduler.kv, llm.engine.scheduler.tiers
     for c in range(12):
         llm.generate(_conversations(12)[c:c + 1], sp)
-        assert kv.host.num_used <= 12
+        assert tiers.host.num_used <= 12
         kv.check_integrity()
-    assert kv.host.num_used == 12 and kv.host.num_stored > 12  # full, and older entries were replaced
+    assert tiers.host.num_used == 12 and tiers.host.num_stored > 12  # full, and older entries were replaced
     # least recently used first: the first conversation's own blocks are gone from both tiers (only
     # the shared system prompt is left), while more recently evicted ones come back from the host
     convs = _conversations(12)
-    assert kv.match_prefix(convs[0]).num_tokens == len(SYSTEM) and kv.match_host(convs[0], kv.match_prefix(convs[0])) == []
-    assert any(kv.match_host(p, kv.match_prefix(p)) for p in convs[1:])
+    assert kv.match_prefix(convs[0]).num_tokens == len(SYSTEM) and kv.match_prefix(convs[0], lower=True).lower == ()
+    assert any(kv.match_prefix(p, lower=True).lower for p in convs[1:])
 
 
 def test_preemption_and_n_gt_1_with_the_host_tier(tiny_llama):
@@ -109,8 +109,8 @@ def test_a_failed_step_clears_the_host_tier_and_the_engine_goes_on(tiny_llama):
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     convs = _conversations(8)
     llm.generate(convs, sp)
-    kv = llm.engine.scheduler.kv
-    assert kv.host.num_used > 0
+    kv, tiers = llm.engine.scheduler.kv, llm.engine.scheduler.tiers
+    assert tiers.host.num_used > 0
     real = llm.engine.runner.execute
 
     def broken(out):
@@ -119,7 +119,7 @@ def test_a_failed_step_clears_the_host_tier_and_the_engine_goes_on(tiny_llama):
     llm.engine.runner.execute = broken
     outs = llm.generate(convs[:1], sp)
     assert outs[0].outputs[0].finish_reason == "error"
-    assert kv.host.num_used == 0  # nothing of a failed step (its copies included) can be trusted
+    assert tiers.host.num_used == 0  # nothing of a failed step (its copies included) can be trusted
     llm.engine.runner.execute = real
     kv.check_integrity()
     got = [o.outputs[0].token_ids for o in llm.generate(convs[:3], sp)]
@@ -128,9 +128,9 @@ def test_a_failed_step_clears_the_host_tier_and_the_engine_goes_on(tiny_llama):
 
 @pytest.mark.parametrize("disk", [False, True])
 def test_deferred_promotions_wait_a_step_while_the_others_run(tiny_llama, tmp_path, disk):
-    """The CUDA runner copies promoted blocks on a side stream beside the forward pass
-    (``defer_promotions``, set by the engine there; set by hand here, where the runner copies at
-    once): a request whose blocks come from a lower tier, or who matches blocks promoted in the same
+    """The CUDA worker copies promoted blocks on a side stream beside the forward pass
+    (``TierConnector.load_async``, set from the worker there; set by hand here, where the worker
+    copies at once): a request whose blocks come from a lower tier, or who matches blocks promoted in the same
     step, is admitted with its blocks and copies but computes nothing in that step; the others
     are scheduled; from the next step on it runs. Greedy output equal to transformers'."""
     probe = _llm(tiny_llama, 0.0)
@@ -143,19 +143,20 @@ def test_deferred_promotions_wait_a_step_while_the_others_run(tiny_llama, tmp_pa
     eng = llm.engine
     eng.check_integrity_each_step = True
     sched = eng.scheduler
-    assert sched.defer_promotions is False  # CPU: the copies run before the forward, nobody waits
+    assert sched.tiers.load_async is False  # CPU: the copies run before the forward, nobody waits
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     first = _conversations(8)
     outs1 = llm.generate(first, sp)
-    sched.defer_promotions = True
+    sched.tiers.load_async = True
     steps = []  # per step: (seq ids whose blocks it copies in, seq ids it schedules)
     real = sched.schedule
 
     def spy():
         out = real()
-        promoted = {b for _, b in out.swap_in} | {b for _, b in out.load}
-        readers = {sid for sid, table in sched.kv.block_tables.items() if promoted.intersection(table)}
-        steps.append((readers, {s.req.seq_id for s in out.scheduled}, out.promote_async))
+        promoted = {b for _, b in out.tiers.loads} | {b for _, b in out.tiers.file_loads}
+        readers = {sid for sid, tables in sched.kv.block_tables.items()
+                   if any(promoted.intersection(t) for t in tables)}
+        steps.append((readers, {s.req.seq_id for s in out.scheduled}, out.tiers.load_async))
         return out
 
     sched.schedule = spy
@@ -190,7 +191,7 @@ def test_a_failed_step_fails_the_requests_it_put_off(tiny_llama):
     probe = _llm(tiny_llama, 0.0)
     llm = _llm(tiny_llama, 200 * _bytes_per_block(probe) / (1 << 30))
     eng = llm.engine
-    eng.scheduler.defer_promotions = True
+    eng.scheduler.tiers.load_async = True
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     convs = _conversations(8)
     outs1 = llm.generate(convs, sp)  # the first conversations end up in the host tier
@@ -198,8 +199,8 @@ def test_a_failed_step_fails_the_requests_it_put_off(tiny_llama):
     real, seen = eng.runner.execute, []
 
     def broken(out):
-        if out.swap_in:
-            seen.append([r.request_id for r in out.deferred])
+        if out.tiers.loads:
+            seen.append([r.request_id for r in out.tiers.deferred])
             raise RuntimeError("injected copy failure")
         return real(out)
 
@@ -208,7 +209,7 @@ def test_a_failed_step_fails_the_requests_it_put_off(tiny_llama):
     assert seen == [[outs[0].request_id]]  # its step copied for it and scheduled nothing of it
     assert outs[0].outputs[0].finish_reason == "error" and "injected copy failure" in outs[0].error
     kv = eng.scheduler.kv
-    assert kv.num_used_blocks == 0 and kv.host.num_used == 0
+    assert kv.num_used_blocks == 0 and eng.scheduler.tiers.host.num_used == 0
     kv.check_integrity()
     eng.runner.execute = real
     got = [o.outputs[0].token_ids for o in llm.generate(second[:2], sp)]
@@ -216,7 +217,7 @@ def test_a_failed_step_fails_the_requests_it_put_off(tiny_llama):
 
 
 def test_max_admitted_prefill_tokens_spreads_deferred_promotions_too(tiny_llama):
-    """With the copies beside the forward (``defer_promotions``, the CUDA runner's way; set by hand
+    """With the copies beside the forward (``TierConnector.load_async``, the CUDA worker's way; set by hand
     here), a returning turn is admitted a step before it computes: its new tokens count towards
     max_admitted_prefill_tokens in the step that admits it, so returning turns are put off and
     then prefilled one a step, not together. Outputs equal to transformers'."""
@@ -229,13 +230,13 @@ def test_max_admitted_prefill_tokens_spreads_deferred_promotions_too(tiny_llama)
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     first = _conversations(8)
     outs1 = llm.generate(first, sp)
-    sched.defer_promotions = True
+    sched.tiers.load_async = True
     steps = []  # per step: (seq ids put off, seq ids prefilling: more than one token scheduled)
     real = sched.schedule
 
     def spy():
         out = real()
-        steps.append(({r.seq_id for r in out.deferred},
+        steps.append(({r.seq_id for r in out.tiers.deferred},
                        {s.req.seq_id for s in out.scheduled if s.num_scheduled_tokens > 1}))
         return out
 

@@ -80,7 +80,7 @@ def test_a_models_packed_weights_share_one_arena(tiny_llama):
     if not cpu_ops.gemm_available():
         pytest.skip("no C GEMM in this build")
     llm = LLM(model=str(tiny_llama), dtype="float32")
-    m = llm.engine.model
+    m = llm.engine.runner.model
     packed = [mod.packed for mod in m.modules() if isinstance(mod, Linear) and mod.kind == "c"]
     assert len(packed) == 4 * m.shape.num_layers + 1  # qkv, o, gate_up, down per layer; the LM head
     bases = {p.untyped_storage().data_ptr() for p in packed}

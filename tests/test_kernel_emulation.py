@@ -380,7 +380,7 @@ def test_engine_with_the_cuda_backend_equals_transformers(emulator, tmp_path, ar
         outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
         forks = llm.generate(prompts[1:3], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, n=2))
     assert emulator.num_launches > launches
-    assert llm.engine.kv_plan.num_groups == (3 if arch == "gemma3" else 1)
+    assert llm.engine.runner.kv_plan.num_groups == (3 if arch == "gemma3" else 1)
     assert [o.token_ids for o in outs] == refs
     assert [[c.token_ids for c in o.outputs] for o in forks] == [[r[:6], r[:6]] for r in refs[1:3]]
     assert llm.engine.scheduler.kv.num_used_blocks == 0

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from prefixkv.config import CacheConfig, SchedulerConfig
-from prefixkv.kv import BlockPool, CopyOp, KVCacheManager, RadixIndex
+from prefixkv.kv import BlockPool, CopyOp, KVCacheCoordinator, RadixIndex
 from prefixkv.request import Request, RequestStatus
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.scheduler import Scheduler
@@ -40,15 +40,15 @@ def test_radix_match_insert_split_and_lru_eviction():
     pool = BlockPool(8)
     tree = RadixIndex(pool, block_size=2)
     a = _hold(pool, 3)  # [0, 1, 2]
-    assert tree.insert([1, 2, 3, 4, 5, 6], a) == 3
+    assert tree.insert([1, 2, 3, 4, 5, 6], (a,)) == 3
     assert pool.ref_cnt[:3].tolist() == [2, 2, 2]
     # a diverging sequence shares the first block, then splits the node
     b = [0] + _hold(pool, 2)  # [0, 3, 4]; block 0 is the tree's
     pool.incref(0)
-    assert tree.insert([1, 2, 9, 9, 7, 7], b) == 2
-    assert tree.match([1, 2, 3, 4, 5, 6, 8])[:2] == ([0, 1, 2], 6)
-    assert tree.match([1, 2, 9, 9, 7])[:2] == ([0, 3], 4)  # whole blocks only
-    assert tree.match([5, 5])[:2] == ([], 0)
+    assert tree.insert([1, 2, 9, 9, 7, 7], (b,)) == 2
+    assert tree.match([1, 2, 3, 4, 5, 6, 8])[:2] == (([0, 1, 2],), 6)
+    assert tree.match([1, 2, 9, 9, 7])[:2] == (([0, 3],), 4)  # whole blocks only
+    assert tree.match([5, 5])[:2] == (([],), 0)
     tree.check_integrity()
     # requests let go: blocks stay cached, evictable
     for blk in a + b:
@@ -57,7 +57,7 @@ def test_radix_match_insert_split_and_lru_eviction():
     tree.match([1, 2, 9, 9])  # touch the second branch: the first becomes least recently used
     assert tree.evict(2) == [2, 1]  # LRU leaf, from its tail block up
     assert tree.evict(10) == [4, 3, 0]
-    assert tree.match([1, 2])[:2] == ([], 0)
+    assert tree.match([1, 2])[:2] == (([],), 0)
     tree.check_integrity()
     pool.check_integrity()
 
@@ -66,10 +66,10 @@ def test_radix_never_evicts_locked_blocks_and_keeps_its_own_duplicate():
     pool = BlockPool(6)
     tree = RadixIndex(pool, block_size=2)
     a = _hold(pool, 2)
-    tree.insert([1, 2, 3, 4], a)
+    tree.insert([1, 2, 3, 4], (a,))
     dup = _hold(pool, 2)  # another request computed the same tokens into its own blocks
-    assert tree.insert([1, 2, 3, 4], dup) == 0
-    assert tree.match([1, 2, 3, 4])[:2] == ([0, 1], 4)
+    assert tree.insert([1, 2, 3, 4], (dup,)) == 0
+    assert tree.match([1, 2, 3, 4])[:2] == (([0, 1],), 4)
     assert tree.evict(4) == []  # a still holds 0 and 1
     pool.decref(a[1])
     assert tree.evict(4) == [1]  # the tail is free to go; block 0 stays locked
@@ -77,17 +77,17 @@ def test_radix_never_evicts_locked_blocks_and_keeps_its_own_duplicate():
 
 
 def test_manager_allocate_match_free_exact_ids():
-    kv = KVCacheManager(num_blocks=6, block_size=4)
+    kv = KVCacheCoordinator(num_blocks=6, block_size=4)
     prompt = list(range(10, 20))  # 10 tokens -> 3 blocks
     assert kv.allocate_slots("a", 0, 10) == []
-    assert kv.block_tables["a"] == [0, 1, 2]
+    assert kv.block_tables["a"] == ([0, 1, 2],)
     kv.cache_blocks("a", prompt, 10)  # blocks 0 and 1 are full
     assert kv.pool.ref_cnt.tolist() == [2, 2, 1, 0, 0, 0]
     m = kv.match_prefix(prompt + [99])
-    assert m[:2] == ([0, 1], 8)
-    assert kv.match_prefix(prompt[:8])[:2] == ([0], 4)  # the last token is always computed
+    assert m[:2] == (([0, 1],), 8)
+    assert kv.match_prefix(prompt[:8])[:2] == (([0],), 4)  # the last token is always computed
     assert kv.allocate_slots("b", 8, 3, prefix=m) == []
-    assert kv.block_tables["b"] == [0, 1, 3] and kv.pool.ref_cnt[:4].tolist() == [3, 3, 1, 1]
+    assert kv.block_tables["b"] == ([0, 1, 3],) and kv.pool.ref_cnt[:4].tolist() == [3, 3, 1, 1]
     kv.check_integrity()
     kv.free("a")
     kv.free("b")
@@ -97,7 +97,7 @@ def test_manager_allocate_match_free_exact_ids():
 
 
 def test_manager_allocation_failure_changes_nothing():
-    kv = KVCacheManager(num_blocks=3, block_size=4)
+    kv = KVCacheCoordinator(num_blocks=3, block_size=4)
     assert kv.allocate_slots("a", 0, 8) == []
     assert kv.allocate_slots("b", 0, 8) is None
     assert "b" not in kv.block_tables and kv.pool.ref_cnt.tolist() == [1, 1, 0]
@@ -105,17 +105,17 @@ def test_manager_allocation_failure_changes_nothing():
 
 
 def test_fork_shares_partial_block_and_copies_on_first_write():
-    kv = KVCacheManager(num_blocks=8, block_size=4)
+    kv = KVCacheCoordinator(num_blocks=8, block_size=4)
     kv.allocate_slots("p", 0, 6)  # blocks [0, 1]; block 1 is partial (2 of 4 slots)
     kv.fork("p", "c1")
     kv.fork("p", "c2")
     assert kv.pool.ref_cnt[:2].tolist() == [3, 3]
     # each sequence's next token goes into the shared partial block: copy-on-write
     assert kv.allocate_slots("c1", 6, 1) == [CopyOp(1, 2)]
-    assert kv.block_tables["c1"] == [0, 2]
+    assert kv.block_tables["c1"] == ([0, 2],)
     assert kv.allocate_slots("c2", 6, 1) == [CopyOp(1, 3)]
     assert kv.allocate_slots("p", 6, 1) == []  # the last holder writes in place
-    assert kv.block_tables == {"p": [0, 1], "c1": [0, 2], "c2": [0, 3]}
+    assert kv.block_tables == {"p": ([0, 1],), "c1": ([0, 2],), "c2": ([0, 3],)}
     assert kv.pool.ref_cnt[:4].tolist() == [3, 1, 1, 1]
     kv.check_integrity()
     for s in ("p", "c1", "c2"):
@@ -140,22 +140,22 @@ def test_scheduler_chunks_prefill_and_mixes_decodes():
     out = s.schedule()
     assert [(x.req.seq_id, x.num_computed_tokens, x.num_scheduled_tokens, x.num_samples) for x in out.scheduled] == [("r0#0", 0, 8, 0)]
     # the step's inputs as copies: its query tokens, its whole new table
-    assert [(x.token_ids, x.block_delta) for x in out.scheduled] == [(list(range(1, 9)), (0, [0, 1]))]
+    assert [(x.token_ids, x.block_delta) for x in out.scheduled] == [(list(range(1, 9)), (0, ([0, 1],)))]
     s.update(out, [[]])
     s.add_request(b)
     out = s.schedule()  # a's last 2 prompt tokens, then b's whole prompt
     assert [(x.req.seq_id, x.num_computed_tokens, x.num_scheduled_tokens, x.num_samples) for x in out.scheduled] == [
         ("r0#0", 8, 2, 1), ("r1#0", 0, 3, 1)]
     # only what changed: a's third block, b's whole table
-    assert [(x.token_ids, x.block_delta) for x in out.scheduled] == [([9, 10], (2, [2])), ([50, 51, 52], (0, [3]))]
+    assert [(x.token_ids, x.block_delta) for x in out.scheduled] == [([9, 10], (2, ([2],))), ([50, 51, 52], (0, ([3],)))]
     s.update(out, [[7], [9]])
     out = s.schedule()  # both decode, each into room left in its last block: no table changed
     assert out.num_decodes == 2 and out.num_batched_tokens == 2
     assert [(x.token_ids, x.block_delta) for x in out.scheduled] == [([7], None), ([9], None)]
-    assert s.kv.block_tables == {"r0#0": [0, 1, 2], "r1#0": [3]}
+    assert s.kv.block_tables == {"r0#0": ([0, 1, 2],), "r1#0": ([3],)}
     s.update(out, [[8], [11]])
     out = s.schedule()  # b's decode starts its second block
-    assert [(x.token_ids, x.block_delta) for x in out.scheduled] == [([8], None), ([11], (1, [4]))]
+    assert [(x.token_ids, x.block_delta) for x in out.scheduled] == [([8], None), ([11], (1, ([4],)))]
     s.check_integrity()
 
 
@@ -339,7 +339,7 @@ def test_scheduler_n_forks_share_prompt_blocks():
     assert out.scheduled[0].num_samples == 3
     changed = s.update(out, [[11, 12, 13]])
     assert sorted(c.seq_id for c in changed) == ["r0#0", "r0#1", "r0#2"]
-    assert s.kv.block_tables == {"r0#0": [0, 1], "r0#1": [0, 1], "r0#2": [0, 1]}
+    assert s.kv.block_tables == {"r0#0": ([0, 1],), "r0#1": ([0, 1],), "r0#2": ([0, 1],)}
     assert s.kv.pool.ref_cnt[:2].tolist() == [4, 3]  # block 0 is also in the radix tree
     out = s.schedule()
     assert out.copy_ops == [CopyOp(1, 2), CopyOp(1, 3)]
@@ -367,10 +367,10 @@ def test_randomized_run_keeps_integrity_and_leaks_nothing():
                 s.finish_request(req, RequestStatus.FINISHED_LENGTH)
         s.check_integrity()
         # the tree's blocks hold exactly the tokens it claims (checked against each sequence)
-        cached = s.kv.radix.cached_blocks()
+        cached = s.kv.cached_blocks()
         for r in s.running:
-            table = s.kv.block_tables[r.seq_id]
-            for i in range(s.kv.num_indexed_blocks[r.seq_id]):
+            (table,) = s.kv.block_tables[r.seq_id]
+            for i in range(s.kv.managers[0].num_indexed[r.seq_id]):
                 if table[i] in cached:
                     assert cached[table[i]] == tuple(r.token_ids[i * 4:(i + 1) * 4])
     while s.has_unfinished():
@@ -453,14 +453,14 @@ def _radix_with_a_fork():
     pool = BlockPool(16)
     radix = RadixIndex(pool, 2)
     a = [pool.allocate() for _ in range(3)]
-    radix.insert([1, 2, 3, 4, 5, 6], a)
+    radix.insert([1, 2, 3, 4, 5, 6], (a,))
     for b in a:
         pool.decref(b)  # request A finished: the tree alone holds its blocks
-    hit = radix.match([1, 2, 3, 4, 9, 9]).block_ids
+    (hit,) = radix.match([1, 2, 3, 4, 9, 9]).blocks
     for b in hit:
         pool.incref(b)
     b2 = pool.allocate()
-    radix.insert([1, 2, 3, 4, 9, 9], hit + [b2])
+    radix.insert([1, 2, 3, 4, 9, 9], (hit + [b2],))
     return pool, radix
 
 
@@ -494,7 +494,7 @@ def test_radix_summary_is_bounded_however_wide_the_tree():
     radix = RadixIndex(pool, 4)
     for i in range(1000):  # 1000 runs under the root, run i of (i % 7) + 1 blocks
         n = i % 7 + 1
-        radix.insert([10_000 + i] + [7] * (4 * n - 1), [pool.allocate() for _ in range(n)])
+        radix.insert([10_000 + i] + [7] * (4 * n - 1), ([pool.allocate() for _ in range(n)],))
     s = radix.summary(max_nodes=20, max_children=8)
     shown = s["root"]["children"]
     assert s["num_nodes"] == 1000 and s["root"]["num_children"] == 1000 and len(shown) == 8
@@ -513,7 +513,7 @@ def test_radix_summary_work_is_bounded_however_wide_the_tree():
     pool = BlockPool(6000)
     radix = RadixIndex(pool, 1)
     for i in range(5000):
-        radix.insert([i], [pool.allocate()])
+        radix.insert([i], ([pool.allocate()],))
     before = radix.num_visits
     s = radix.summary(max_nodes=64)
     assert radix.num_visits - before == SUMMARY_CANDIDATES  # the root's candidates; its children are leaves

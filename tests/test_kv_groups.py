@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from prefixkv import LLM, SamplingParams
-from prefixkv.kv import KVCacheManager
-from prefixkv.kv.groups import plan_kv_groups
+from prefixkv.kv import KVCacheCoordinator
+from prefixkv.kv.groups import plan_kv_groups, window_start
 
 
 def test_plan_groups_layers_by_attention_type():
@@ -39,23 +39,23 @@ def test_plan_groups_layers_by_attention_type():
 
 
 def test_windowed_pages_go_back_as_a_request_decodes():
-    kv = KVCacheManager(40, 4, enable_prefix_caching=False, windows=(None, 8))
+    kv = KVCacheCoordinator(40, 4, enable_prefix_caching=False, windows=(None, 8))
     N = kv.NULL
     assert kv.allocate_slots("a", 0, 10) == []
-    assert kv.block_tables["a"] == [0, 2, 4] and kv.extra_tables["a"] == ([1, 3, 5],)
+    assert kv.block_tables["a"] == ([0, 2, 4], [1, 3, 5])
     assert kv.pool.num_free == 34
     assert kv.allocate_slots("a", 10, 1) == []  # the query at 10 sees 3 .. 10: block 0 still needed
-    assert kv.extra_tables["a"] == ([1, 3, 5],)
+    assert kv.block_tables["a"][1:] == ([1, 3, 5],)
     assert kv.allocate_slots("a", 11, 1) == []  # 4 .. 11: block 0 of the windowed group goes back
-    assert kv.extra_tables["a"] == ([N, 3, 5],) and kv.pool.num_free == 35 and kv.pool.free_ids[-1] == 1
+    assert kv.block_tables["a"][1:] == ([N, 3, 5],) and kv.pool.num_free == 35 and kv.pool.free_ids[-1] == 1
     assert kv.allocate_slots("a", 12, 1) == []  # a new block: a page in each group
-    assert kv.block_tables["a"] == [0, 2, 4, 6] and kv.extra_tables["a"] == ([N, 3, 5, 7],)
+    assert kv.block_tables["a"] == ([0, 2, 4, 6], [N, 3, 5, 7])
     for n in range(13, 60):
         assert kv.allocate_slots("a", n, 1) == []
         blocks = -(-(n + 1) // 4)
         start = max(0, n - 7) // 4
-        extra = kv.extra_tables["a"][0]
-        assert len(kv.block_tables["a"]) == len(extra) == blocks
+        extra = kv.block_tables["a"][1]
+        assert len(kv.block_tables["a"][0]) == len(extra) == blocks
         assert extra[:start] == [N] * start and N not in extra[start:]
         assert kv.pool.num_free == 40 - blocks - (blocks - start), n  # the window holds 2-3 pages
         kv.check_integrity()
@@ -66,52 +66,52 @@ def test_windowed_pages_go_back_as_a_request_decodes():
 
 
 def test_prefix_hit_needs_only_the_windows_pages_and_released_ones_go_first():
-    kv = KVCacheManager(64, 4, enable_prefix_caching=True, windows=(None, 8))
+    kv = KVCacheCoordinator(64, 4, enable_prefix_caching=True, windows=(None, 8))
     N = kv.NULL
     toks = list(range(100, 121))  # 21 tokens: 5 full blocks
     assert kv.allocate_slots("a", 0, 21) == []
     kv.cache_blocks("a", toks, 21)
-    anchor, (extra,) = list(kv.block_tables["a"]), [list(t) for t in kv.extra_tables["a"]]
+    anchor, extra = [list(t) for t in kv.block_tables["a"]]
     assert anchor == [0, 2, 4, 6, 8, 10] and extra == [1, 3, 5, 7, 9, 11]
-    kv.free("a")  # the tree keeps the 5 full blocks' pages of both groups
-    assert kv.radix.num_cached_blocks == 10 and kv.pool.num_evictable == 10
+    kv.free("a")  # the caches keep the 5 full blocks' pages of both groups
+    assert kv.num_cached_blocks == 10 and kv.pool.num_evictable == 10
     kv.check_integrity()
     m = kv.match_prefix(toks + [7, 8])
     # a query at 20 sees 13 .. 20: of the windowed group only blocks 3 and 4 are handed out
-    assert m.num_tokens == 20 and m.block_ids == [0, 2, 4, 6, 8] and m.extra == ([N, N, N, 7, 9],)
+    assert m.num_tokens == 20 and m.blocks == ([0, 2, 4, 6, 8], [N, N, N, 7, 9])
     # released windowed pages go first, earliest first; the full group's stay
-    assert kv.radix.evict(3) == [1, 3, 5]
+    assert kv.evict(3) == [1, 3, 5]
     m = kv.match_prefix(toks + [7, 8])
-    assert m.num_tokens == 20 and m.extra == ([N, N, N, 7, 9],)
+    assert m.num_tokens == 20 and m.blocks[1:] == ([N, N, N, 7, 9],)
     assert kv.allocate_slots("b", 20, 3, prefix=m) == []
-    assert kv.block_tables["b"] == [0, 2, 4, 6, 8, 12] and kv.extra_tables["b"] == ([N, N, N, 7, 9, 13],)
+    assert kv.block_tables["b"] == ([0, 2, 4, 6, 8, 12], [N, N, N, 7, 9, 13])
     assert [kv.pool.ref_cnt[b] for b in (0, 8, 7, 9)] == [2, 2, 2, 2]
     kv.check_integrity()
     kv.free("b")
     # the page at block 3 lost: a query at 20 (or 16, 12, ...) lacks part of its window: no hit
-    assert kv.radix.evict(1) == [7]
+    assert kv.evict(1) == [7]
     m = kv.match_prefix(toks + [7, 8])
-    assert m.num_tokens == 0 and m.block_ids == [] and m.extra == ([],)
+    assert m.num_tokens == 0 and m.blocks == ([], [])
     assert kv.match_prefix(toks[:9]).num_tokens == 0  # a query at 8 sees 1 .. 8: blocks 0 and 1, gone
-    assert kv.radix.evict(64)  # everything else
+    assert kv.evict(64)  # everything else
     kv.check_integrity()
     assert kv.pool.num_free == 64
 
 
-def test_a_windowed_anchor_loses_its_pages_in_the_tree_too():
-    """Mistral v0.1: every layer windowed, one group; the tree holds its blocks' tokens, and pages only
-    where a window may still need them."""
-    kv = KVCacheManager(32, 4, enable_prefix_caching=True, windows=(8,))
+def test_an_every_layer_windowed_model_caches_pages_out_of_its_window():
+    """Mistral v0.1: every layer windowed, one group; its cache keeps the pages a request let go of,
+    evictable in that order."""
+    kv = KVCacheCoordinator(32, 4, enable_prefix_caching=True, windows=(8,))
     N = kv.NULL
     toks = list(range(1, 30))
     assert kv.allocate_slots("a", 0, 16) == []
     kv.cache_blocks("a", toks, 16)
     assert kv.allocate_slots("a", 16, 8) == []  # from 16: blocks 0 and 1 (tokens 0 .. 7) go back
     kv.cache_blocks("a", toks, 24)
-    assert kv.block_tables["a"][:3] == [N, N, 2]
-    assert kv.pool.num_evictable == 2  # the tree's copies of blocks 0 and 1
+    assert kv.block_tables["a"][0][:3] == [N, N, 2]
+    assert kv.pool.num_evictable == 2  # the cache's copies of blocks 0 and 1
     kv.check_integrity()
-    assert kv.radix.evict(2) == [0, 1]
+    assert kv.evict(2) == [0, 1]
     assert kv.match_prefix(toks[:25]).num_tokens == 24  # a query at 24 sees 17 .. 24: blocks 4, 5
     assert kv.match_prefix(toks[:9]).num_tokens == 0  # a query at 8 would need block 0
     kv.free("a")
@@ -139,7 +139,7 @@ def test_engine_frees_out_of_window_blocks_and_fits_more_requests(tiny_gemma3, l
                   max_num_batched_tokens=512, disable_hybrid_kv_cache_manager=disable)
         eng = llm.engine
         eng.check_integrity_each_step = True
-        assert eng.kv_plan.num_groups == (1 if disable else 3)
+        assert eng.runner.kv_plan.num_groups == (1 if disable else 3)
         assert eng.info.num_kv_blocks == (110 if disable else 330)  # pages: one layer each with groups
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         for i, p in enumerate(long_prompts):
@@ -157,10 +157,10 @@ def test_engine_frees_out_of_window_blocks_and_fits_more_requests(tiny_gemma3, l
                 # decoding: scheduled from num_computed - 1, so each windowed group holds only the
                 # blocks from that query's window on (2 of 4-token blocks for a window of 4)
                 for g, w in enumerate(kv.windows):
-                    t = (kv.block_tables[r.seq_id], *kv.extra_tables.get(r.seq_id, ()))[g]
+                    t = kv.block_tables[r.seq_id][g]
                     assert len(t) == -(-r.num_computed_tokens // 4)
                     held = sum(b != kv.NULL for b in t)
-                    start = 0 if w is None else kv.radix.window_start(w, r.num_computed_tokens - 1)
+                    start = 0 if w is None else window_start(w, r.num_computed_tokens - 1, 4)
                     assert held == len(t) - start and held <= (len(t) if w is None else 2)
         assert [outs[str(i)] for i in range(len(long_prompts))] == refs
         assert eng.scheduler.kv.num_used_blocks == 0
@@ -191,3 +191,42 @@ def test_mistral_window_serves_prompts_longer_than_its_pool(tiny_mistral_window)
                max_num_batched_tokens=16, disable_hybrid_kv_cache_manager=True)
     with pytest.raises(ValueError, match=r"prompt: 200 tokens need 51 KV blocks but the cache has only 20"):
         kept.generate(prompts[:1], SamplingParams(max_tokens=12))
+
+
+def test_a_windowed_groups_pages_go_down_a_tier_and_come_back():
+    """With the host tier (kv/tiers.py): an evicted page of every group gets a host slot, the
+    windowed ones as the full ones; a returning prompt gets every full block from the tier and,
+    of the windowed group, only the blocks its window sees at the hit's end; fresh pages, loaded
+    before its step."""
+    from prefixkv.kv import TierConnector
+
+    tiers = TierConnector(num_host_pages=16)
+    kv = KVCacheCoordinator(16, 4, enable_prefix_caching=True, windows=(None, 8), lower=tiers)
+    N = kv.NULL
+    toks = list(range(100, 121))  # 21 tokens: 5 full blocks
+    assert kv.allocate_slots("a", 0, 21) == []
+    kv.cache_blocks("a", toks, 21)
+    assert kv.block_tables["a"] == ([0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 11])
+    kv.free("a")
+    # everything goes: the windowed pages first (let go of in that order), then the full ones tail first
+    assert kv.evict(16) == [1, 3, 5, 7, 9, 8, 6, 4, 2, 0]
+    plan = tiers.take_plan([])
+    assert plan.saves == [(1, 0), (3, 1), (5, 2), (7, 3), (9, 4), (8, 5), (6, 6), (4, 7), (2, 8), (0, 9)]
+    tiers.begin_step(False)
+    kv.check_integrity()
+    m = kv.match_prefix(toks + [7, 8])
+    assert m.num_tokens == 0
+    m = kv.match_prefix(toks + [7, 8], lower=True)
+    # a query at 20 sees 13 .. 20: the windowed group needs blocks 3 and 4 only
+    assert m.num_tokens == 20 and m.blocks == ([N] * 5, [N] * 5)
+    assert [(r.group, r.index) for r in m.lower] == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 3), (1, 4)]
+    assert kv.allocate_slots("b", 20, 3, prefix=m) == []
+    assert kv.block_tables["b"] == ([12, 13, 14, 15, 10, 3], [N, N, N, 11, 1, 5])
+    plan = tiers.take_plan([])
+    assert plan.loads == [(9, 12), (8, 13), (7, 14), (6, 15), (5, 10), (3, 11), (4, 1)] and not plan.saves
+    assert tiers.host.num_used == 3  # the windowed blocks 0-2 the hit did not need stay there
+    kv.check_integrity()
+    kv.cache_blocks("b", toks + [7, 8], 20)  # the loaded pages are the device caches' again
+    assert kv.match_prefix(toks + [7, 8]).blocks == ([12, 13, 14, 15, 10], [N, N, N, 11, 1])
+    kv.free("b")
+    kv.check_integrity()

@@ -262,7 +262,7 @@ def test_engine_takes_greedy_tokens_from_the_c_head_only_where_sampling_is_the_a
     for path in (tiny_llama, tiny_qwen2):
         # all four prompts in the first step (no admission cap), then 11 decode steps
         llm = LLM(model=str(path), block_size=4, num_kv_blocks=256, max_admitted_prefill_tokens=None)
-        assert llm.engine.model.greedy_head_ok
+        assert llm.engine.runner.model.greedy_head_ok
         calls.clear()
         fused = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
         assert len(calls) == 11 and set(calls) == {4}  # the 11 decode steps (the prefill step: logits of 4 rows of 134)

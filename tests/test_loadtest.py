@@ -69,7 +69,7 @@ def test_no_request_state_left_after_disconnects(tiny_llama, tmp_path):
         sched = engine.scheduler
 
         def state():
-            return (len(engine._groups), len(async_engine._sinks), len(sched.requests), len(sched.waiting),
+            return (len(engine._parents), len(async_engine._sinks), len(sched.requests), len(sched.waiting),
                     len(sched.running), len(sched.kv.block_tables))
 
         asyncio.run(async_engine.run(lambda e: e.check_integrity()))

@@ -45,7 +45,7 @@ def test_rope_table_rows_are_the_computed_values(tiny_llama, dtype):
     a position passes its end."""
     from prefixkv import LLM
 
-    model = LLM(model=str(tiny_llama), dtype=str(dtype).removeprefix("torch.")).engine.model
+    model = LLM(model=str(tiny_llama), dtype=str(dtype).removeprefix("torch.")).engine.runner.model
     g = torch.Generator().manual_seed(3)
     for t in [1, 2, 3, 7, 16, 31, 33, 100]:
         for top in (50, 5000, 9000):

@@ -99,7 +99,7 @@ def test_phi3_longrope_is_served_in_its_short_regime(tiny_phi3_longrope, caplog)
     assert LLM(model=str(tiny_phi3_longrope), dtype="float64", max_model_len=200).engine.info.max_model_len == 200
     with pytest.raises(ValueError, match=r"^max_model_len: phi3's LongRoPE is served up to its original 256 tokens"):
         LLM(model=str(tiny_phi3_longrope), dtype="float64", max_model_len=512)
-    shape = llm.engine.model.shape
+    shape = llm.engine.runner.model.shape
     assert shape.rotary_dim == 8 and shape.head_dim == 16  # partial rotary: half of each head turns
 
 
@@ -124,7 +124,7 @@ def test_batch_invariance_is_on_by_default_for_the_new_families(tiny_gemma2, tin
     """Windows and caps in the C kernels, Gemma's norms and GeGLU in C: nothing row-dependent is
     left (tests/test_batch_invariance.py checks bitwise that it holds for every family)."""
     for model_dir in (tiny_gemma2, tiny_mistral_window, tiny_mixtral):
-        assert LLM(model=str(model_dir), dtype="float32").engine.batch_invariant is True, model_dir
+        assert LLM(model=str(model_dir), dtype="float32").engine.runner.batch_invariant is True, model_dir
 
 
 
@@ -157,7 +157,7 @@ def test_qwen3_gguf_loads_through_the_one_loader_and_equals_transformers(tmp_pat
     said = [r.getMessage() for r in caplog.records if r.name == "prefixkv"]
     assert said[0] == "converting tiny-qwen3.gguf (once) ..."
     assert any(m.startswith("converting tiny-qwen3.gguf (once): done in ") for m in said)
-    assert llm.engine.model.shape.model_type == "qwen3" and llm.engine.model.shape.head_dim == 32
+    assert llm.engine.runner.model.shape.model_type == "qwen3" and llm.engine.runner.model.shape.head_dim == 32
     out = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
     assert out.token_ids == want
     # the GGUF's own tokenizer came with it (SmolLM2's, here)
@@ -207,7 +207,7 @@ def test_float32_head_dim_64_families_through_the_vector_kernels(arch, tmp_path)
     vocab = build_tokenizer(tmp_path)
     build_model(tmp_path, arch, vocab, head_dim=64)
     llm = LLM(model=str(tmp_path), dtype="float32", block_size=16, max_num_batched_tokens=24)
-    assert llm.engine.model.model.norm.fused and llm.engine.batch_invariant
+    assert llm.engine.runner.model.model.norm.fused and llm.engine.runner.batch_invariant
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)

@@ -130,7 +130,8 @@ class Recorded(Task):
 @pytest.fixture
 def recorded(monkeypatch):
     Recorded.made = []
-    for where in ("prefixkv.engine", "prefixkv.model.loader", "prefixkv.runner.model_runner", "prefixkv.cpu_ops"):
+    for where in ("prefixkv.engine", "prefixkv.llm", "prefixkv.model.loader", "prefixkv.runner.model_runner",
+                  "prefixkv.cpu_ops"):
         monkeypatch.setattr(f"{where}.Task", Recorded)
     return Recorded.made
 
@@ -141,7 +142,7 @@ def test_loading_an_engine_and_an_offline_batch_count_their_work(tiny_llama, rec
     weights = by_desc[f"loading {tiny_llama.name}"]  # every parameter of the model, one by one
     assert weights.unit == "tensors" and weights.n == weights.total > 0
     assert "loading the tokenizer" in by_desc and any(d.startswith("allocating the KV cache (") for d in by_desc)
-    if any(getattr(m, "kind", None) == "c" for m in llm.engine.model.modules()):
+    if any(getattr(m, "kind", None) == "c" for m in llm.engine.runner.model.modules()):
         assert "packing the weights for the c GEMM" in by_desc
     recorded.clear()
     prompts = ["a b c", "d e", "f"]

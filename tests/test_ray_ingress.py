@@ -119,6 +119,20 @@ def test_completions_through_the_remote_engine_are_the_engines(replica, tiny_lla
     assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]) == ref
 
 
+def test_the_replica_engine_and_the_remote_engine_are_both_engine_clients(replica, tiny_llama):
+    """``OpenAIServing`` takes an ``EngineClient``: the replica's ``AsyncEngine`` and the ingress's
+    ``RemoteEngine`` over it are both one, and the remote one tells the replica's facts."""
+    from prefixkv.config import RuntimeInfo
+    from prefixkv.server.serving import EngineClient
+
+    ing, _ = ingress(replica, tiny_llama)
+    remote = asyncio.run(ing._api()).engine
+    assert isinstance(remote, RemoteEngine) and isinstance(remote, EngineClient)
+    assert isinstance(replica.engine, EngineClient)
+    assert isinstance(remote.info, RuntimeInfo) and remote.info == replica.engine.info
+    assert remote.max_waiting_requests == replica.engine.max_waiting_requests == 4
+
+
 def test_the_api_key_and_the_body_limit_hold_at_the_ingress(replica, tiny_llama):
     ing, _ = ingress(replica, tiny_llama, api_key="sekrit", max_body_bytes=200)
     status, body = asyncio.run(call(ing, "GET", "/v1/models"))

@@ -9,7 +9,7 @@ import pytest
 
 from prefixkv.config import CacheConfig, EngineConfig, SchedulerConfig
 from prefixkv.engine import LLMEngine
-from prefixkv.kv.manager import KVCacheManager
+from prefixkv.kv import KVCacheCoordinator
 from prefixkv.request import Request
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.serve.load import MATCHED_WAITING, ReplicaLoad, SpeedMeter, queue_state
@@ -54,7 +54,7 @@ def _req(rid: str, ids: list[int], arrival: int) -> Request:
 
 
 def test_queue_state_counts_what_is_left_to_compute_beyond_the_cache():
-    kv = KVCacheManager(num_blocks=64, block_size=BS)
+    kv = KVCacheCoordinator(num_blocks=64, block_size=BS)
     prefix = list(range(100, 112))  # 3 blocks, cached
     assert kv.allocate_slots("x", 0, 12) == []
     kv.cache_blocks("x", prefix, 12)
@@ -73,7 +73,7 @@ def test_queue_state_counts_what_is_left_to_compute_beyond_the_cache():
 
 
 def test_queue_state_estimates_the_queue_past_the_matched_window():
-    kv = KVCacheManager(num_blocks=64, block_size=BS)
+    kv = KVCacheCoordinator(num_blocks=64, block_size=BS)
     prefix = list(range(100, 108))
     assert kv.allocate_slots("x", 0, 8) == []
     kv.cache_blocks("x", prefix, 8)

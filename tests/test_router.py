@@ -15,7 +15,8 @@ pytest.importorskip("ray.serve")
 
 from ray.serve._private.common import DeploymentID, ReplicaID  # noqa: E402
 
-from prefixkv.kv.manager import TIER_DEVICE, TIER_DISK, TIER_HOST, KVCacheManager  # noqa: E402
+from prefixkv.kv import KVCacheCoordinator, TierConnector  # noqa: E402
+from prefixkv.kv.tiers import TIER_DEVICE, TIER_DISK, TIER_HOST  # noqa: E402
 from prefixkv.kv.radix import block_hash  # noqa: E402
 from prefixkv.sampling_params import SamplingParams  # noqa: E402
 from prefixkv.serve import registry  # noqa: E402
@@ -87,13 +88,13 @@ def test_prompt_block_hashes_are_the_radix_index_chain_and_skip_the_last_token()
 
 
 def test_cache_digest_lists_every_cached_block_with_its_highest_tier():
-    kv = KVCacheManager(num_blocks=8, block_size=BS, num_host_blocks=4)
+    kv = KVCacheCoordinator(num_blocks=8, block_size=BS, lower=TierConnector(num_host_pages=4))
     assert kv.allocate_slots("a", 0, 12) == []
     kv.cache_blocks("a", P[:12], 12)
     kv.free("a")
     hashes = prompt_block_hashes(P[:13], BS)
     assert kv.cache_digest() == dict.fromkeys(hashes, TIER_DEVICE)
-    kv._evict(1)  # the tail block leaves the device for the host tier
+    kv.evict(1)  # the tail block leaves the device for the host tier
     d = kv.cache_digest()
     assert d == {hashes[0]: TIER_DEVICE, hashes[1]: TIER_DEVICE, hashes[2]: TIER_HOST}
     assert match_digest(prompt_block_hashes(P, BS), d) == (3, 2)

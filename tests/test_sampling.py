@@ -142,7 +142,7 @@ def test_n4_greedy_identical_and_prompt_blocks_held_once(llm):
     engine = llm.engine
     engine.add_request("n4", prompt, SamplingParams(n=4, max_tokens=6, temperature=0.0, ignore_eos=True))
     engine.step()  # prefill + 4 samples: the fork
-    tables = {k: v for k, v in engine.scheduler.kv.block_tables.items() if k.startswith("n4#")}
+    tables = {k: v for k, (v,) in engine.scheduler.kv.block_tables.items() if k.startswith("n4#")}
     assert len(tables) == 4 and len({tuple(t) for t in tables.values()}) == 1
     assert engine.scheduler.kv.num_used_blocks == 2  # the prompt's 2 blocks, held once for all 4
     shared_full, shared_partial = next(iter(tables.values()))

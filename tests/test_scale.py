@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from prefixkv.config import CacheConfig, SchedulerConfig
-from prefixkv.kv import KVCacheManager
+from prefixkv.kv import KVCacheCoordinator
 from prefixkv.kv.block_pool import BlockPool
 from prefixkv.kv.radix import RadixIndex
 from prefixkv.request import Request, RequestStatus
@@ -25,7 +25,7 @@ def _tree_with_leaves(num_leaves: int, blocks_per_leaf: int = 3) -> tuple[BlockP
         blocks = [shared] + [pool.allocate() for _ in range(blocks_per_leaf)]
         pool.incref(shared)
         tokens = [1] * BS + [t for k in range(blocks_per_leaf) for t in (i, k, 7, 9)]
-        tree.insert(tokens, blocks)
+        tree.insert(tokens, (blocks,))
         for b in blocks:
             pool.decref(b)
     pool.decref(shared)
@@ -64,7 +64,7 @@ def tree_leaf_of(freed: list[int]) -> int:
 
 
 def _visits_growing_one_sequence(num_tokens: int) -> float:
-    kv = KVCacheManager(num_blocks=num_tokens // BS + 4, block_size=BS)
+    kv = KVCacheCoordinator(num_blocks=num_tokens // BS + 4, block_size=BS)
     kv.allocate_slots("s", 0, 8)
     tokens = list(range(8))
     kv.cache_blocks("s", tokens, 8)
@@ -90,7 +90,7 @@ def test_caching_a_growing_sequence_costs_the_same_per_block_at_any_length():
 def test_matched_prefix_then_growth_extends_from_the_request_node():
     """A request that matched part of a long cached leaf caches its next block under the split
     point without walking from the root again."""
-    kv = KVCacheManager(num_blocks=64, block_size=BS)
+    kv = KVCacheCoordinator(num_blocks=64, block_size=BS)
     first = list(range(40))
     kv.allocate_slots("a", 0, 40)
     kv.cache_blocks("a", first, 40)
@@ -181,9 +181,9 @@ def test_offline_queue_bookkeeping_is_flat_per_step():
         matches = {"n": 0}
         orig = s.kv.match_prefix
 
-        def counting(tokens, touch=True):
+        def counting(tokens, *args, **kw):
             matches["n"] += 1
-            return orig(tokens, touch)
+            return orig(tokens, *args, **kw)
 
         s.kv.match_prefix = counting
         for _ in range(3):
@@ -229,8 +229,7 @@ def _prep_runner(block_size: int, max_blocks: int = 8, num_groups: int = 1):
     from prefixkv.runner.block_table import BlockTables
 
     return SimpleNamespace(block_size=block_size, device=torch.device("cpu"), max_model_len=1 << 20,
-                           block_tables=BlockTables(max_blocks, num_rows=2),
-                           group_tables=[BlockTables(max_blocks, num_rows=2) for _ in range(num_groups - 1)])
+                           block_tables=[BlockTables(max_blocks, num_rows=2) for _ in range(num_groups)])
 
 
 def _check_step_inputs(s: Scheduler, runner, out) -> None:
@@ -240,7 +239,6 @@ def _check_step_inputs(s: Scheduler, runner, out) -> None:
 
     input_ids, positions, metas, _ = ModelRunner.prepare(runner, out)
     kv, bs = s.kv, s.block_size
-    metas = metas if isinstance(metas, list) else [metas]
     assert len(metas) == len(kv.windows)
     exp_ids, exp_pos = [], []
     for x in out.scheduled:
@@ -250,7 +248,7 @@ def _check_step_inputs(s: Scheduler, runner, out) -> None:
         exp_ids += [known[x.num_computed_tokens], *x.draft] if x.draft else known[ps.start:ps.stop]
     assert positions.tolist() == exp_pos and input_ids.tolist() == exp_ids
     for g, meta in enumerate(metas):
-        tables = [(kv.block_tables[x.req.seq_id], *kv.extra_tables.get(x.req.seq_id, ()))[g] for x in out.scheduled]
+        tables = [kv.block_tables[x.req.seq_id][g] for x in out.scheduled]
         width = max(len(t) for t in tables)
         got = meta.block_tables.tolist()
         # entries a windowed group gave back (NULL here) stay stale in the runner's copy: no kernel reads them
@@ -261,7 +259,7 @@ def _check_step_inputs(s: Scheduler, runner, out) -> None:
         assert meta.slot_mapping.tolist() == exp_slots
         assert all(t[p // bs] != kv.NULL for x, t in zip(out.scheduled, tables)
                    for p in range(x.num_computed_tokens, x.num_computed_tokens + x.num_scheduled_tokens))
-    assert set(runner.block_tables.rows) <= set(s.kv.block_tables)  # released tables were forgotten
+    assert all(set(t.rows) <= set(s.kv.block_tables) for t in runner.block_tables)  # released tables were forgotten
 
 
 @pytest.mark.parametrize("windows", [(None,), (None, 6, 6)])
@@ -316,7 +314,7 @@ def test_runner_block_tables_follow_forks_preemption_drafts_and_frees(windows):
     s.add_request(Request("last", [1, 2, 3], SamplingParams(max_tokens=1), 99, 0))
     out = s.schedule()
     _check_step_inputs(s, runner, out)
-    assert list(runner.block_tables.rows) == ["last#0"]
+    assert all(list(t.rows) == ["last#0"] for t in runner.block_tables)
 
 
 def _decode_step_costs(context_tokens: int, num_running: int = 8, steps: int = 2 * BS) -> tuple[float, float]:
@@ -332,14 +330,14 @@ def _decode_step_costs(context_tokens: int, num_running: int = 8, steps: int = 2
     out = s.schedule()
     ModelRunner.prepare(runner, out)
     s.update(out, [[7] for _ in out.scheduled])
-    w0, copied = runner.block_tables.num_entries_written, 0
+    w0, copied = runner.block_tables[0].num_entries_written, 0
     for _ in range(steps):
         out = s.schedule()
         assert out.num_decodes == num_running
         copied += sum(len(x.token_ids) for x in out.scheduled)
         ModelRunner.prepare(runner, out)
         s.update(out, [[7] for _ in out.scheduled])
-    return (runner.block_tables.num_entries_written - w0) / steps, copied / steps
+    return (runner.block_tables[0].num_entries_written - w0) / steps, copied / steps
 
 
 def test_decode_step_inputs_do_not_grow_with_the_context():

@@ -340,4 +340,4 @@ def test_remote_code_in_model_dir_is_never_imported(tiny_llama, tmp_path):
         assert not marker.exists(), f"remote code ran (and then: {e!r})"
         return
     assert not marker.exists(), "remote code from the model directory ran"
-    assert type(engine.hf_config).__name__ == "LlamaConfig"
+    assert type(engine.runner.hf_config).__name__ == "LlamaConfig"

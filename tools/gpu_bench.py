@@ -377,7 +377,7 @@ def graphs(results: Results, path: Path, batches=(1, 8, 32), ctx: int = 256, ste
         rows = torch.arange(b, device="cuda")
         with torch.inference_mode():
             t_graph = cuda_time(lambda: g.replay(ids, pos, meta), 30)
-            t_eager = cuda_time(lambda: runner.model(ids, pos, runner.kv_cache, meta, runner.backend, rows), 30)
+            t_eager = cuda_time(lambda: runner.model(ids, pos, runner.kv_cache, [meta] * len(runner.kv_cache), runner.backend, rows), 30)
         row["forward_graph_seconds"], row["forward_eager_seconds"] = t_graph, t_eager
         row["forward_speedup"] = t_eager / t_graph
         # whole engine steps (scheduler, inputs, sampling included)

@@ -3,10 +3,13 @@
 A block is in exactly one of three states::
 
     free       ref_cnt == 0                    on the free list, content meaningless
-    evictable  ref_cnt == 1 and cached         held only by the radix index; reclaimable
+    evictable  ref_cnt == 1 and cached         held only by a cache; reclaimable
     in use     otherwise                       held by at least one request's block table
 
-``cached`` means the radix index holds the block (and counts as one of its holders).
+``cached`` means a cache over the pool holds the block (the radix index, or a sliding-window
+group's cache: kv/managers.py) and counts as one of its holders. ``clock`` is the LRU time those
+caches stamp their entries with: one tick per lookup or insert that touches, so that eviction can
+take the oldest entry of all of them.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ class BlockPool:
         # per-block arrays, not lists: a full garbage collection walks every element of a list
         # (10^6 blocks: ~2 million visits per collection for these two alone)
         self.ref_cnt = array("i", bytes(4 * num_blocks))
-        self.cached = bytearray(num_blocks)  # 1 while the radix index holds the block
+        self.cached = bytearray(num_blocks)  # 1 while a cache holds the block
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.num_evictable = 0
+        self.clock = 0
 
     @property
     def num_free(self) -> int:
@@ -61,14 +65,14 @@ class BlockPool:
             self.num_evictable += 1
 
     def pin(self, block_id: int) -> None:
-        """The radix index takes hold of a block a request holds."""
+        """A cache takes hold of a block a request holds."""
         assert not self.cached[block_id] and self.ref_cnt[block_id] >= 1, (
             f"pin of block {block_id}: ref_cnt={self.ref_cnt[block_id]} cached={self.cached[block_id]}")
         self.cached[block_id] = 1
         self.ref_cnt[block_id] += 1
 
     def unpin(self, block_id: int) -> None:
-        """The radix index lets go of an evictable block; it becomes free."""
+        """A cache lets go of an evictable block; it becomes free."""
         assert self.cached[block_id] and self.ref_cnt[block_id] == 1, (
             f"unpin of block {block_id}: ref_cnt={self.ref_cnt[block_id]} cached={self.cached[block_id]}")
         self.cached[block_id] = 0

@@ -14,9 +14,9 @@ returned to the pool while the request runs (vLLM's hybrid KV cache manager)::
     ...
     group 6 (window)   layers 24 25  -  -          (two slots unused)
 
-Group 0 is the anchor: the radix index keys its nodes' blocks by group 0's pages. It is a full
-group whenever the model has full-attention layers; otherwise (Mistral: every layer windowed) its
-pages too are freed out of the window and the index holds none for them (``NULL``).
+Full-attention groups come first, then windowed ones by window size. Each attention type has its
+manager (kv/managers.py): the full groups' cached pages live in the radix index, a window's in a
+map by block hash; ``window_start`` says which blocks a windowed group still needs.
 """
 
 from __future__ import annotations
@@ -52,6 +52,12 @@ class KVGroupPlan:
         for w in self.windows:
             total += blocks if w is None else min(blocks, -(-(w + chunk) // block_size) + 1)
         return total
+
+
+def window_start(window: int, num_computed: int, block_size: int) -> int:
+    """First block a windowed group still needs once ``num_computed`` tokens are computed: the next
+    query, at position ``num_computed``, sees keys from ``num_computed - window + 1`` on."""
+    return max(0, num_computed - window + 1) // block_size
 
 
 def plan_kv_groups(layer_windows: tuple[int | None, ...], hybrid: bool = True) -> KVGroupPlan:

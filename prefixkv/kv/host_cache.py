@@ -1,15 +1,15 @@
 """The host-memory tier under the device pool: bookkeeping of its slots. No torch.
 
-When the device pool evicts a cached block, its KV (all layers) is copied into a host slot
-(write-back on eviction) and the slot is keyed by the block's chain hash (``radix.block_hash``:
-the hash of everything before it and its own tokens). A request whose prefix match in the radix
-tree stops where the host tier continues it gets fresh device blocks, copied back from their
-slots before the step's forward pass, and counts them as cached tokens.
+When the device pool evicts a cached page, its KV (the layers of its group) is copied into a host
+slot (write-back on eviction: kv/tiers.py) and the slot is keyed by the page's key (kv/keys.py:
+its block's chain hash and its group). A request whose prefix hit goes on where the host tier holds
+the pages gets fresh device pages, copied back from their slots before the step's forward pass,
+and counts them as cached tokens.
 
 Slots are a fixed number (the capacity bound is strict); the least recently used entry goes when
 a new one needs a slot, but never one written in the same step (its copy has not run yet: giving
 its slot again would put two copies on one slot). A slot read by a pending copy-in is in flight: no copy-out may reuse it
-until the step that reads it has run (``deliver`` when its step goes to the runner,
+until the step that reads it has run (``deliver`` when its step goes to the worker,
 ``release_delivered`` at the next schedule).
 
 Each entry keeps its block's tokens and is matched only when they are equal too, so a hash
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from prefixkv.kv.keys import PageKey
+
 
 class HostBlockCache:
     def __init__(self, num_slots: int) -> None:
@@ -27,12 +29,12 @@ class HostBlockCache:
             raise ValueError(f"num_slots: must be >= 0, got {num_slots}")
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
-        self._entries: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()  # hash -> (slot, tokens)
-        self._in_flight: list[int] = []  # taken for a copy-in not yet handed to the runner
+        self._entries: OrderedDict[PageKey, tuple[int, tuple[int, ...]]] = OrderedDict()  # key -> (slot, tokens)
+        self._in_flight: list[int] = []  # taken for a copy-in not yet handed to the worker
         self._delivered: list[int] = []  # handed over: free once that step has run
         # keys put since the step's copies were handed over: their copy-out has not run, so their
         # slot cannot be given again (nor spilled) within the step
-        self._fresh: set[int] = set()
+        self._fresh: set[PageKey] = set()
         self.num_stored = 0  # blocks written (copy-outs)
         self.num_loaded = 0  # blocks read back (copy-ins)
 
@@ -40,9 +42,10 @@ class HostBlockCache:
     def num_used(self) -> int:
         return len(self._entries)
 
-    def put(self, key: int, tokens: tuple[int, ...]) -> tuple[int | None, tuple[int, int, tuple[int, ...]] | None]:
-        """(a slot for an evicted block: the caller copies its KV there before the slot is read,
-        or None if the tier has no slot to give or already holds this block; the least recently
+    def put(self, key: PageKey,
+            tokens: tuple[int, ...]) -> tuple[int | None, tuple[PageKey, int, tuple[int, ...]] | None]:
+        """(a slot for an evicted page: the caller copies its KV there before the slot is read,
+        or None if the tier has no slot to give or already holds this page; the least recently
         used entry this pushed out, as (key, slot, tokens), for a lower tier to take before the
         slot is overwritten, or None)."""
         if key in self._entries:
@@ -66,28 +69,28 @@ class HostBlockCache:
         self.num_stored += 1
         return slot, pushed_out
 
-    def lookup(self, key: int, tokens: tuple[int, ...]) -> int | None:
-        """The slot holding this block (same hash and same tokens), else None. Touches it."""
+    def lookup(self, key: PageKey, tokens: tuple[int, ...]) -> int | None:
+        """The slot holding this page (same key and same tokens), else None. Touches it."""
         hit = self._entries.get(key)
         if hit is None or hit[1] != tokens:
             return None
         self._entries.move_to_end(key)
         return hit[0]
 
-    def entries(self) -> list[tuple[int, int, tuple[int, ...]]]:
+    def entries(self) -> list[tuple[PageKey, int, tuple[int, ...]]]:
         """(key, slot, tokens) of every entry."""
         return [(key, slot, tokens) for key, (slot, tokens) in self._entries.items()]
 
-    def keys(self) -> list[int]:
+    def keys(self) -> list[PageKey]:
         return list(self._entries)
 
-    def lookup_key(self, key: int) -> int | None:
+    def lookup_key(self, key: PageKey) -> int | None:
         """The slot of ``key`` if held (no touch, no token check: for a key ``lookup`` matched)."""
         hit = self._entries.get(key)
         return None if hit is None else hit[0]
 
-    def take(self, key: int) -> int:
-        """Remove a looked-up entry whose block goes back to the device: its slot stays reserved
+    def take(self, key: PageKey) -> int:
+        """Remove a looked-up entry whose page goes back to the device: its slot stays reserved
         until the copy-in has run."""
         slot, _ = self._entries.pop(key)
         self._in_flight.append(slot)

@@ -12,7 +12,7 @@ It takes the steps the C decode kernel serves alone: every row one query token w
 block-table row and context length, i.e. decode steps, and in batch-invariant mode (the CPU
 default) any step, since then every prefill token is such a row too (``token_rows``). Other steps,
 and models with anything the driver does not do (windows, soft caps, q/k norms, partial rotary,
-Gemma's norms and GeGLU, MoE layers, KV cache groups, per-layer RoPE tables), keep the Python loop.
+Gemma's norms and GeGLU, MoE layers, per-layer RoPE tables), keep the Python loop.
 ``PREFIXKV_FUSED_STACK=0`` turns it off.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,8 +44,9 @@ def blocker(model: "LlamaModel") -> str | None:
         return "float32 on CPU only"
     if s.gemma or s.qk_norm or s.rotary_dim or s.is_moe or s.hidden_act != "silu" or s.attn_softcap is not None:
         return f"{s.model_type}'s layers have parts the driver does not run"
-    if any(w is not None for w in s.layer_windows) or len(set(model.layer_rope)) != 1 or model.kv_slots is not None:
-        return "sliding windows, per-layer RoPE tables or KV cache groups"
+    # (a model without sliding windows has one KV cache group: every layer one metadata)
+    if any(w is not None for w in s.layer_windows) or len(set(model.layer_rope)) != 1:
+        return "sliding windows or per-layer RoPE tables"
     if s.head_dim not in (64, 128) or s.num_heads > lib.limits[0] or s.num_heads % s.num_kv_heads:
         return f"head_dim {s.head_dim}, {s.num_heads} heads"
     for layer in model.model.layers:
@@ -58,20 +60,20 @@ def blocker(model: "LlamaModel") -> str | None:
 
 
 class FusedStack:
-    """The layer table for ``decoder_layers_f32`` over one KV cache tensor (built once: weight
+    """The layer table for ``decoder_layers_f32`` over the layers' KV caches (built once: weight
     and cache addresses do not move), and the per-step call."""
 
-    def __init__(self, model: "LlamaModel", kv_cache: torch.Tensor) -> None:
+    def __init__(self, model: "LlamaModel", kv_caches: Sequence[torch.Tensor]) -> None:
         s = model.shape
-        assert kv_cache.is_contiguous() and kv_cache.dtype == torch.float32
-        self.kv_cache = kv_cache
+        assert all(c.is_contiguous() and c.dtype == torch.float32 for c in kv_caches)
+        self.kv_caches = kv_caches  # per layer: [2, num_blocks + 1, KVH, block_size, D]
         self.shape = s
-        self.block_size = kv_cache.shape[4]
-        self.nb1 = kv_cache.shape[2]
+        self.block_size = kv_caches[0].shape[3]
+        self.nb1 = kv_caches[0].shape[1]
         self.scale = model.model.layers[0].self_attn.scale
         n = s.num_layers
         self.layers = (cpu_ops.DecoderLayerF32 * n)()
-        self._keep = []  # the tensors the table points into (besides kv_cache)
+        self._keep = []  # the tensors the table points into (besides the KV caches)
         for i, layer in enumerate(model.model.layers):
             a, m = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm._kernel_weight().contiguous(),
@@ -81,7 +83,7 @@ class FusedStack:
             e.qkv, e.qkv_bias = a.qkv_proj.packed.data_ptr(), _ptr(a.qkv_proj.bias)
             e.o, e.o_bias = a.o_proj.packed.data_ptr(), _ptr(a.o_proj.bias)
             e.gate_up, e.down = m.gate_up_proj.packed.data_ptr(), m.down_proj.packed.data_ptr()
-            e.kv_layer = kv_cache[i].data_ptr()
+            e.kv_layer = kv_caches[i].data_ptr()
             self._keep += [*norms, a.qkv_proj.packed, a.o_proj.packed, m.gate_up_proj.packed, m.down_proj.packed]
             self._keep += [b for b in (a.qkv_proj.bias, a.o_proj.bias) if b is not None]
         self.fn = cpu_ops.load().decoder_layers_f32

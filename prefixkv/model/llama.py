@@ -13,6 +13,7 @@ The whole batch is one flat run of tokens ([num_tokens, ...]); attention is the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -376,10 +377,6 @@ class LlamaModel(nn.Module):
         if not shape.tie_word_embeddings:
             self.lm_head = Linear(shape.hidden_size, shape.vocab_size, bias=False)
         self.layer_rope = shape.layer_rope or ("default",) * shape.num_layers
-        # KV cache groups (kv/groups.py): per layer its slot in a page and its group's metadata;
-        # the runner sets them for a grouped cache, else layer i reads kv_cache[i] and ``meta``
-        self.kv_slots: tuple[int, ...] | None = None
-        self.kv_groups: tuple[int, ...] | None = None
         self.set_rope(ropes)
         self.packed_lm_head: Linear | None = None
         # the one-call layer driver (model/fused_stack.py): why not ("" = it runs; None = not yet
@@ -452,10 +449,11 @@ class LlamaModel(nn.Module):
         self.fused_stack_blocker, self._stack = None, None
         return True
 
-    def _fused_stack(self, kv_cache: torch.Tensor, backend: AttentionBackend):
-        """The one-call layer driver for this KV cache (model/fused_stack.py), or None where this
-        model, backend or build cannot use it (decided once; the table is built once per cache)."""
-        if backend.name != "cpu" or kv_cache.device.type != "cpu" or kv_cache.shape[4] > 16:
+    def _fused_stack(self, kv_caches: Sequence[torch.Tensor], backend: AttentionBackend):
+        """The one-call layer driver for these layers' KV caches (model/fused_stack.py), or None
+        where this model, backend or build cannot use it (decided once; the table is built once
+        per cache)."""
+        if backend.name != "cpu" or kv_caches[0].device.type != "cpu" or kv_caches[0].shape[3] > 16:
             return None  # (blocks of more than 16 tokens: the C decode kernel's generic path)
         if self.fused_stack_blocker is None:
             from prefixkv.model import fused_stack
@@ -463,10 +461,10 @@ class LlamaModel(nn.Module):
             self.fused_stack_blocker = fused_stack.blocker(self) or ""
         if self.fused_stack_blocker:
             return None
-        if self._stack is None or self._stack.kv_cache is not kv_cache:
+        if self._stack is None or self._stack.kv_caches is not kv_caches:
             from prefixkv.model.fused_stack import FusedStack
 
-            self._stack = FusedStack(self, kv_cache)
+            self._stack = FusedStack(self, kv_caches)
         return self._stack
 
     def lm_head_weight(self) -> torch.Tensor:
@@ -515,35 +513,31 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks + 1, KVH, block_size, D]
-        meta: AttentionMetadata | list[AttentionMetadata],  # a list: one per KV cache group
+        kv_caches: Sequence[torch.Tensor],  # per layer: [2, num_blocks + 1, KVH, block_size, D]
+        metas: Sequence[AttentionMetadata],  # per layer: its KV cache group's metadata
         backend: AttentionBackend,
         logits_indices: torch.Tensor | None,  # [S] rows of the batch whose logits are needed (None: all, in order)
         greedy: bool = False,
     ) -> torch.Tensor:  # [S, vocab] float32 (float64 models: float64); greedy: [S] int64
-        """With KV cache groups, ``kv_cache`` is [layers_per_page, 2, num_pages + 1, ...] and layer
-        i uses ``kv_cache[kv_slots[i]]`` with ``meta[kv_groups[i]]``. ``greedy`` (where
-        ``greedy_head_ok``): each row's argmax token instead of its logits, the logits never
-        written (cpu_ops.lm_head_argmax: the same token as argmax of the logits returned otherwise)."""
+        """Layer i reads and writes ``kv_caches[i]`` through ``metas[i]`` (the runner maps layers
+        to KV cache groups: kv/groups.py; a whole cache tensor [num_layers, 2, ...] serves as the
+        per-layer sequence too). ``greedy`` (where ``greedy_head_ok``): each row's argmax token
+        instead of its logits, the logits never written (cpu_ops.lm_head_argmax: the same token as
+        argmax of the logits returned otherwise)."""
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         if self.shape.gemma:  # sqrt(hidden) as a tensor of the model's dtype, as transformers'
             h = h * torch.tensor(self.shape.hidden_size ** 0.5, dtype=h.dtype)
-        top = (meta[0] if isinstance(meta, list) else meta).max_seq_len  # above every position
+        top = metas[0].max_seq_len  # above every position
         tables = {k: self.rope(positions, h.dtype, k, top) for k in self.ropes}  # [T, D] cos, sin each
         residual = None
-        grouped = isinstance(meta, list)
-        stack = None if grouped else self._fused_stack(kv_cache, backend)
-        rows = stack.rows(meta, backend.batch_invariant) if stack is not None else None
+        stack = self._fused_stack(kv_caches, backend)
+        rows = stack.rows(metas[0], backend.batch_invariant) if stack is not None else None
         if rows is not None:  # every layer in one C call (model/fused_stack.py): the same bits
-            h, residual = stack(h, *tables[self.layer_rope[0]], meta, *rows)
+            h, residual = stack(h, *tables[self.layer_rope[0]], metas[0], *rows)
         else:
             for i, layer in enumerate(self.model.layers):
                 cos, sin = tables[self.layer_rope[i]]
-                if grouped:
-                    h, residual = layer(h, residual, cos, sin, kv_cache[self.kv_slots[i]], meta[self.kv_groups[i]],
-                                        backend)
-                else:
-                    h, residual = layer(h, residual, cos, sin, kv_cache[i], meta, backend)
+                h, residual = layer(h, residual, cos, sin, kv_caches[i], metas[i], backend)
         if logits_indices is not None:
             h, residual = h[logits_indices], residual[logits_indices]
         if greedy:

@@ -77,8 +77,8 @@ class CudaGraphRunner:
             max_seq_len=self.max_model_len, max_query_len=1)
 
     def _forward(self, b: int) -> torch.Tensor:
-        return self.model(self.input_ids[:b], self.positions[:b], self.kv_cache, self._meta(b), self.backend,
-                          self.logits_rows[:b])
+        return self.model(self.input_ids[:b], self.positions[:b], self.kv_cache,
+                          [self._meta(b)] * len(self.kv_cache), self.backend, self.logits_rows[:b])
 
     @torch.inference_mode()
     def capture(self) -> float:

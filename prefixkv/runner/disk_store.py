@@ -1,28 +1,32 @@
-"""The disk tier's files: one per KV block, in ``<dir>/<fingerprint>/``.
+"""The disk tier's files: one per KV page, in ``<dir>/<fingerprint>/``.
 
-The fingerprint (``kv_fingerprint``) hashes what makes a block's KV valid: the model's config,
-its weight files (names, sizes and their first and last MiB), the dtype, the block size, the
-per-block KV shape and ``FORMAT_VERSION``; a directory written by anything else is never read.
+A page is one KV cache group's KV of a block (kv/groups.py; a model without sliding windows has
+one group, whose page holds every layer), keyed by ``(block hash, group)`` (kv/keys.py). The
+fingerprint (``kv_fingerprint``) hashes what makes a page's KV valid: the model's config, its
+weight files (names, sizes and their first and last MiB), the dtype, the block size, the per-page
+KV shape, the groups' layers and ``FORMAT_VERSION``; a directory written by anything else is never
+read.
 
-A file: ``MAGIC``, then a header (block hash, block size, payload bytes, CRC-32C of the payload),
-the block's tokens (int64), then the payload (all layers' K and V of the block, the KV cache's
-dtype). Written to a temporary name and renamed, so a process killed mid-write leaves at most a
+A file: ``MAGIC``, then a header (block hash, group, block size, payload bytes, CRC-32C of the
+payload), the block's tokens (int64), then the payload (its group's layers' K and V of the block,
+the KV cache's dtype). Written to a temporary name and renamed, so a process killed mid-write leaves at most a
 ``.tmp`` file, which the next start deletes. ``scan`` (at start) reads every file whole and keeps
 only those whose header, size, tokens and checksum agree; every later read checks them again (a
 read in the step raises ``DiskKVError`` on a mismatch: the engine then fails the step's requests
 rather than attend over wrong KV).
 
-No file I/O runs in the engine step beyond a bound. ``write`` copies the block (a memcpy, so the
+No file I/O runs in the engine step beyond a bound. ``write`` copies the page (a memcpy, so the
 host slot can be reused at once) and queues the file for a writer thread; the step waits only
 while more than ``write_queue_bytes`` of copies are queued. Reads are prefetched: the scheduler
-calls ``prefetch`` for a waiting request whose prefix continues on disk, a reader thread reads and
-checks the files into slots of one buffer (the payload straight from the file into its slot), and
-the request is admitted once all of them are in (it waits, the other requests go on; a pass that
-would admit it may wait for reads about to end, ``wait_ready``, within the engine's bound);
-``load_into`` in the step then copies the blocks out of their slots in one call. A block whose file
-is still queued is read from its copy. A file that fails its check while prefetched is reported
-by ``take_failed`` and the request recomputes from there. Both threads start on demand and end
-when idle for a second.
+(kv/tiers.py, through runner/tiers.py) calls ``prefetch`` for a waiting request whose prefix
+continues on disk, a reader thread reads and checks the files into slots of one buffer (the
+payload straight from the file into its slot), and the request is admitted once all of them are
+in (it waits, the other requests go on; a pass that would admit it may wait for reads about to
+end, ``wait_ready``, within the worker's bound); ``load_into`` in the step then copies the pages
+out of their slots in one call. A page whose file is still queued is read from its copy. A file
+that fails its check (prefetched, or read in the step) is deleted and reported by
+``take_failed``, and the request recomputes from there. Both threads start on demand and end when
+idle for a second.
 """
 
 from __future__ import annotations
@@ -42,10 +46,11 @@ import numpy as np
 import torch
 
 from prefixkv import cpu_ops, hugepages
+from prefixkv.kv.keys import PageKey
 
-FORMAT_VERSION = 2  # 2: CRC-32C (1: zlib's CRC-32)
-MAGIC = b"PKVBLK2\n"
-_HEADER = struct.Struct("<qiqI")  # block hash, block size, payload bytes, CRC-32C of the payload
+FORMAT_VERSION = 3  # 3: a file per page, its group in the header (2: per block; 1: zlib's CRC-32)
+MAGIC = b"PKVBLK3\n"
+_HEADER = struct.Struct("<qiiqI")  # block hash, group, block size, payload bytes, CRC-32C of the payload
 _crc32c = None
 
 
@@ -63,12 +68,14 @@ def checksum(data) -> int:
 
 
 class DiskKVError(RuntimeError):
-    def __init__(self, message: str, key: int) -> None:
+    def __init__(self, message: str, key: PageKey) -> None:
         super().__init__(message)
-        self.key = key  # the block whose file failed
+        self.key = key  # the page whose file failed
 
 
-def kv_fingerprint(model_path: Path, dtype: torch.dtype, block_size: int, block_shape: tuple[int, ...]) -> str:
+def kv_fingerprint(model_path: Path, dtype: torch.dtype, block_size: int, block_shape: tuple[int, ...],
+                   layout: tuple = ()) -> str:
+    """``layout``: what else decides which layers a page holds (the KV cache groups' layers)."""
     h = hashlib.sha256()
     p = Path(model_path)
     files = sorted(p.iterdir()) if p.is_dir() else [p]
@@ -82,7 +89,7 @@ def kv_fingerprint(model_path: Path, dtype: torch.dtype, block_size: int, block_
                 h.update(fh.read(1 << 20))
                 fh.seek(max(0, size - (1 << 20)))
                 h.update(fh.read(1 << 20))
-    h.update(json.dumps([FORMAT_VERSION, str(dtype), block_size, list(block_shape)]).encode())
+    h.update(json.dumps([FORMAT_VERSION, str(dtype), block_size, list(block_shape), list(layout)]).encode())
     return h.hexdigest()[:24]
 
 
@@ -92,21 +99,21 @@ class DiskKVStore:
         self.dir = Path(root) / fingerprint
         self.dir.mkdir(parents=True, exist_ok=True)
         self.block_size = block_size
-        self.block_shape = block_shape  # [num_layers, 2, KVH, block_size, D]
+        self.block_shape = block_shape  # a page: [layers of its group, 2, KVH, block_size, D]
         self.dtype = dtype
         self.payload_bytes = int(np.prod(block_shape)) * torch.empty((), dtype=dtype).element_size()
         # at least one block each, whatever the bounds say
         self.write_queue_bytes = max(write_queue_bytes, self.payload_bytes)
         self.prefetch_bytes = max(prefetch_bytes, self.payload_bytes)
         self.num_bytes_written = 0
-        self.num_bytes_read = 0  # blocks handed to the step
+        self.num_bytes_read = 0  # pages handed to the step
         self.num_discarded = 0  # files found invalid (truncated, corrupt, foreign) and deleted
-        self.num_prefetched = 0  # blocks read by the reader thread
-        self.num_sync_reads = 0  # blocks the step had to read itself (not prefetched)
+        self.num_prefetched = 0  # pages read by the reader thread
+        self.num_sync_reads = 0  # pages the step had to read itself (not prefetched)
         self.num_write_waits = 0  # writes that waited for room in the queue
         self._cv = threading.Condition()
         # key -> [copy, tokens, queued writes of it]: files not written yet (reads take the copy)
-        self._pending: dict[int, list] = {}
+        self._pending: dict[PageKey, list] = {}
         self._ops: queue.SimpleQueue = queue.SimpleQueue()  # ("w" | "d", key), in order
         self._writes_queued = 0  # ops queued or running
         self._writer: threading.Thread | None = None
@@ -118,19 +125,19 @@ class DiskKVStore:
         self._num_slots = self.prefetch_bytes // self.payload_bytes
         self._arena: torch.Tensor | None = None  # [num_slots, *block_shape]
         self._free_slots: list[int] = []
-        self._reading: dict[int, int | None] = {}  # key -> its slot (None: a buffer of its own)
-        self._ready: OrderedDict[int, torch.Tensor] = OrderedDict()  # prefetched, least recently wanted first
-        self._slot_of: dict[int, int] = {}  # ready keys in a slot
-        self._failed: set[int] = set()  # keys whose file failed (read or write), not yet reported
-        self._wanted_now: set[int] = set()  # asked for by this scheduling pass (``begin_pass``)
+        self._reading: dict[PageKey, int | None] = {}  # key -> its slot (None: a buffer of its own)
+        self._ready: OrderedDict[PageKey, torch.Tensor] = OrderedDict()  # prefetched, least recently wanted first
+        self._slot_of: dict[PageKey, int] = {}  # ready keys in a slot
+        self._failed: set[PageKey] = set()  # keys whose file failed (read or write), not yet reported
+        self._wanted_now: set[PageKey] = set()  # asked for by this scheduling pass (``begin_pass``)
         self.read_s_per_block: float | None = None  # the reader's recent pace (a moving average)
 
-    def _path(self, key: int) -> Path:
-        return self.dir / f"{key & 0xFFFFFFFFFFFFFFFF:016x}.kvb"
+    def _path(self, key: PageKey) -> Path:
+        return self.dir / f"{key[0] & 0xFFFFFFFFFFFFFFFF:016x}-{key[1]}.kvb"
 
     # ------------------------------------------------------------------ writes
-    def write(self, key: int, tokens: tuple[int, ...], block: torch.Tensor, owned: bool = False) -> None:
-        """Queue the block's file; the block is copied now (its memory may be reused at once), unless
+    def write(self, key: PageKey, tokens: tuple[int, ...], block: torch.Tensor, owned: bool = False) -> None:
+        """Queue the page's file; the page is copied now (its memory may be reused at once), unless
         ``owned``: a contiguous CPU tensor of the caller's own that nothing writes to again."""
         copy = block if owned else block.detach().to("cpu", copy=True).contiguous()
         assert copy.is_contiguous() and copy.device.type == "cpu"
@@ -146,7 +153,7 @@ class DiskKVStore:
                 entry[0], entry[1], entry[2] = copy, tuple(tokens), entry[2] + 1
             self._put_op(("w", key))
 
-    def delete(self, key: int) -> None:
+    def delete(self, key: PageKey) -> None:
         with self._cv:
             self._drop_ready(key)
             self._put_op(("d", key))
@@ -160,7 +167,7 @@ class DiskKVStore:
     def _pending_bytes(self) -> int:
         return len(self._pending) * self.payload_bytes
 
-    def _put_op(self, op: tuple[str, int]) -> None:  # under the lock
+    def _put_op(self, op: tuple[str, PageKey]) -> None:  # under the lock
         self._ops.put(op)
         self._writes_queued += 1
         self._ensure_worker("_writer", self._ops, self._write_op, "prefixkv-disk-writer")
@@ -185,7 +192,7 @@ class DiskKVStore:
                 continue
             handle(item)
 
-    def _write_op(self, op: tuple[str, int]) -> None:
+    def _write_op(self, op: tuple[str, PageKey]) -> None:
         kind, key = op
         path = self._path(key)
         ok = True
@@ -195,7 +202,7 @@ class DiskKVStore:
             with self._cv:
                 copy, tokens, _ = self._pending[key]
             payload = copy.view(torch.uint8).reshape(-1).numpy()  # (a view: written as it is)
-            header = _HEADER.pack(key, len(tokens), self.payload_bytes, checksum(payload))
+            header = _HEADER.pack(key[0], key[1], len(tokens), self.payload_bytes, checksum(payload))
             tmp = path.with_suffix(".tmp")
             try:
                 with open(tmp, "wb") as f:
@@ -224,8 +231,8 @@ class DiskKVStore:
         with self._cv:
             self._wanted_now.clear()
 
-    def prefetch(self, keys: list[int]) -> bool:
-        """Whether every block of ``keys`` is in memory for ``load_into``; starts reading those that
+    def prefetch(self, keys: list[PageKey]) -> bool:
+        """Whether every page of ``keys`` is in memory for ``load_into``; starts reading those that
         are not. The scheduler asks for its waiting requests in priority order each pass: to make
         room within ``prefetch_bytes``, a call evicts prefetched blocks that no earlier call of the
         pass asked for (least recently wanted first), and reads no more than fits (one request alone
@@ -278,7 +285,7 @@ class DiskKVStore:
         self._arena = hugepages.empty((self._num_slots, *self.block_shape), dtype=self.dtype)
         self._free_slots = list(range(self._num_slots - 1, -1, -1))
 
-    def _drop_ready(self, key: int) -> torch.Tensor | None:  # under the lock
+    def _drop_ready(self, key: PageKey) -> torch.Tensor | None:  # under the lock
         """Take ``key`` out of the prefetched blocks (its slot back to the free ones; the caller must
         be done with the tensor before the lock is next let go of if it was a slot)."""
         block = self._ready.pop(key, None)
@@ -287,9 +294,9 @@ class DiskKVStore:
             self._free_slots.append(slot)
         return block
 
-    def take_failed(self) -> list[int]:
-        """Keys whose file failed its check on a prefetch (deleted) or could not be written, since
-        the last call: the caller forgets them, so the requests recompute those blocks."""
+    def take_failed(self) -> list[PageKey]:
+        """Keys whose file failed its check (deleted) or could not be written, since the last
+        call: the caller forgets them, so the requests recompute those pages."""
         with self._cv:
             out = sorted(self._failed)
             self._failed.clear()
@@ -307,7 +314,7 @@ class DiskKVStore:
             if self._reading:
                 self._cv.wait(timeout)
 
-    def wait_ready(self, keys: list[int], timeout: float) -> bool:
+    def wait_ready(self, keys: list[PageKey], timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for every block of ``keys`` (all asked for by ``prefetch``)
         to be read; whether they are. Gives up at once where a block is not being read (no room for
         it, or its file failed) or where the reader's recent pace says the reads ahead of and
@@ -330,7 +337,7 @@ class DiskKVStore:
                         return False
                 self._cv.wait(left)
 
-    def _read_op(self, key: int) -> None:
+    def _read_op(self, key: PageKey) -> None:
         with self._cv:
             slot = self._reading[key]
         block = self._arena[slot] if slot is not None else torch.empty(self.block_shape, dtype=self.dtype)
@@ -358,9 +365,9 @@ class DiskKVStore:
                 self.num_discarded += 1
             self._cv.notify_all()
 
-    def load_into(self, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
-        """``dst[:, :, i]`` = the KV of block ``key`` for each ``(key, i)``, where ``dst`` is
-        [num_layers, 2, blocks, KVH, block_size, D] (the KV cache, or a staging view of that
+    def load_into(self, dst: torch.Tensor, pairs: list[tuple[PageKey, int]]) -> None:
+        """``dst[:, :, i]`` = the KV of page ``key`` for each ``(key, i)``, where ``dst`` is
+        [layers, 2, pages, KVH, block_size, D] (the KV cache, or a staging view of that
         layout): prefetched blocks in one copy out of their slots (``cpu_ops.copy_kv_blocks`` on
         the CPU), the others from their queued copy or read now. DiskKVError (before anything is
         copied) if a file read now is not what was written."""
@@ -388,8 +395,8 @@ class DiskKVStore:
                 self._drop_ready(key)
         self.num_bytes_read += len(pairs) * self.payload_bytes
 
-    def read(self, key: int) -> torch.Tensor:
-        """The block's KV, [num_layers, 2, KVH, block_size, D], a tensor of the caller's own:
+    def read(self, key: PageKey) -> torch.Tensor:
+        """The page's KV, [layers, 2, KVH, block_size, D], a tensor of the caller's own:
         prefetched, or from its queued copy, else read now; DiskKVError if the file is not what
         was written."""
         with self._cv:
@@ -403,21 +410,27 @@ class DiskKVStore:
         self.num_bytes_read += self.payload_bytes
         return block
 
-    def _read_sync(self, key: int) -> torch.Tensor:
+    def _read_sync(self, key: PageKey) -> torch.Tensor:
+        """Read now; a file that fails is deleted and reported (``take_failed``) before the raise."""
         block = torch.empty(self.block_shape, dtype=self.dtype)
         try:
             parsed = self._read_into(self._path(key), block)
+            error = None if parsed is not None and parsed[0] == key else "the file is corrupt"
         except OSError as e:
-            raise DiskKVError(f"disk KV block {key:x}: {e}", key) from None
-        if parsed is None or parsed[0] != key:
-            raise DiskKVError(f"disk KV block {key:x}: the file is corrupt", key)
+            error = str(e)
+        if error is not None:
+            self._path(key).unlink(missing_ok=True)
+            with self._cv:
+                self._failed.add(key)
+                self.num_discarded += 1
+            raise DiskKVError(f"disk KV page {self._path(key).name}: {error}", key)
         self.num_sync_reads += 1
         return block
 
-    def _read_into(self, path: Path, block: torch.Tensor) -> tuple[int, tuple[int, ...]] | None:
+    def _read_into(self, path: Path, block: torch.Tensor) -> tuple[PageKey, tuple[int, ...]] | None:
         """Read the file at ``path`` into ``block`` (contiguous, the payload's size) with one
         ``readv``: the header and tokens into a buffer of their own, the payload straight into
-        ``block``. (block hash, tokens) if the file is whole and valid (magic, header, size,
+        ``block``. (key, tokens) if the file is whole and valid (magic, header, size,
         checksum), else None (``block`` then holds anything). OSError if it cannot be read."""
         n_head = len(MAGIC) + _HEADER.size + 8 * self.block_size
         head = bytearray(n_head)
@@ -438,13 +451,13 @@ class DiskKVStore:
                     views[0] = views[0][got:]
         if n != size or not head.startswith(MAGIC):
             return None
-        key, ntok, nbytes, crc = _HEADER.unpack_from(head, len(MAGIC))
+        h, group, ntok, nbytes, crc = _HEADER.unpack_from(head, len(MAGIC))
         if ntok != self.block_size or nbytes != self.payload_bytes or checksum(payload) != crc:
             return None
         tokens = tuple(np.frombuffer(head, dtype=np.int64, count=ntok, offset=n_head - 8 * ntok).tolist())
-        return key, tokens
+        return (h, group), tokens
 
-    def scan(self) -> list[tuple[int, tuple[int, ...]]]:
+    def scan(self) -> list[tuple[PageKey, tuple[int, ...]]]:
         """(key, tokens) of every valid file, oldest first; invalid files and leftover temporary
         files are deleted."""
         found, scratch = [], torch.empty(self.block_shape, dtype=self.dtype)

@@ -1,32 +1,45 @@
-"""Turns a SchedulerOutput into tensors, runs the model and samples.
+"""The model runner: builds itself from the engine's configuration, then turns each
+SchedulerOutput into tensors, runs the model and samples.
 
-Per step: apply copy-on-write block copies, build input_ids / positions / slot_mapping /
-block_tables / seq_lens, run the forward pass (logits only for rows that sample), sample.
+Construction (nano-vllm's ``ModelRunner``): load the model, plan its KV cache groups
+(kv/groups.py), size and allocate the KV cache, choose the attention backend and batch invariance,
+set up the lower tiers' worker (runner/tiers.py), capture the CUDA graphs.
+
+Per step: run the lower tiers' copies, apply copy-on-write block copies, build input_ids /
+positions and each KV cache group's slot_mapping / block_tables / seq_lens, run the forward pass
+(logits only for rows that sample), sample.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from prefixkv import cpu_ops, hugepages
-from prefixkv.attention import AttentionBackend, AttentionMetadata, kv_cache_shape
+from prefixkv import hugepages
+from prefixkv.attention import AttentionBackend, AttentionMetadata, backend_for, kv_cache_shape
+from prefixkv.config import EngineConfig
 from prefixkv.kv.groups import KVGroupPlan, plan_kv_groups
-from prefixkv.model.llama import LlamaModel
+from prefixkv.model.loader import DTYPES, load_hf_config, load_model, resolve_dtype
 from prefixkv.progress import Task
 from prefixkv.request import Request
 from prefixkv.runner.block_table import BlockTables
+from prefixkv.runner.memory import cuda_kv_cache_bytes
 from prefixkv.runner.sampler import SamplingBatch, SamplerOutput, argmax_only, mix_seed, sample
+from prefixkv.runner.tiers import TierWorker
+from prefixkv.scheduler import SchedulerOutput
+from prefixkv.spec_decode import accept_greedy
 
 if TYPE_CHECKING:
     from prefixkv.runner.cuda_graph import CudaGraphRunner
-    from prefixkv.runner.disk_store import DiskKVStore
-from prefixkv.scheduler import SchedulerOutput
-from prefixkv.spec_decode import accept_greedy
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,104 +55,166 @@ class ModelOutput:
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model: LlamaModel,
-        backend: AttentionBackend,
-        num_blocks: int,
-        block_size: int,
-        device: str,
-        dtype: torch.dtype,
-        eos_token_ids: list[int],
-        max_model_len: int,
-        num_host_blocks: int = 0,
-        disk: "DiskKVStore | None" = None,
-        kv_plan: KVGroupPlan | None = None,
-    ) -> None:
-        self.max_model_len = max_model_len
-        self.model = model
-        self.backend = backend
-        self.block_size = block_size
-        self.device = torch.device(device)
-        self.dtype = dtype
-        s = model.shape
-        self.vocab_size = s.vocab_size
+    def __init__(self, config: EngineConfig, model_path: Path, eos_token_ids: list[int]) -> None:
+        if config.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: 'cuda' requested but torch sees no CUDA device")
+        self.config = config
+        self.device = torch.device(config.device)
         self.eos_token_ids = eos_token_ids
-        # [num_layers, 2, num_blocks + 1, KVH, block_size, D]; the last block is the dummy block.
-        # KV cache groups (kv/groups.py): [layers_per_page, 2, num_pages + 1, ...], a block table per
-        # group (the anchor's is block_tables), layer i at slot kv_plan.layer_slot[i]
-        self.kv_plan = kv_plan or plan_kv_groups((None,) * s.num_layers)
-        shape = kv_cache_shape(self.kv_plan.layers_per_page, num_blocks, s.num_kv_heads, block_size, s.head_dim)
-        gib = math.prod(shape) * dtype.itemsize / (1 << 30)
+        self.dtype_name = resolve_dtype(config.dtype, config.device, load_hf_config(model_path))
+        self.dtype = DTYPES[self.dtype_name]
+        self.model, self.hf_config = load_model(model_path, self.dtype_name, config.device,
+                                                cpu_linear=config.cpu_linear, cpu_ops=config.fused_cpu_ops)
+        s = self.model.shape
+        self.vocab_size = s.vocab_size
+        self.max_model_len = self._max_model_len()
+        self.block_size = bs = config.cache.block_size
+        self.kv_plan = self._plan_kv_groups()
+        self.backend, self.batch_invariant = self._attention_backend()
+        self.num_pages = self._num_pages()
+        # [layers_per_page, 2, num_pages + 1, KVH, block_size, D] (a model without sliding windows:
+        # layers_per_page = num_layers); the last page is the dummy page. Layer i lives at slot
+        # kv_plan.layer_slot[i] of the pages of its KV cache group.
+        shape = kv_cache_shape(self.kv_plan.layers_per_page, self.num_pages, s.num_kv_heads, bs, s.head_dim)
+        gib = math.prod(shape) * self.dtype.itemsize / (1 << 30)
         with Task(f"allocating the KV cache ({gib:.2f} GiB)", announce=False):
             if self.device.type == "cpu":  # huge pages: a block read touches one page, not several
-                self.kv_cache = hugepages.empty(shape, dtype=dtype).zero_()
+                self.kv_cache = hugepages.empty(shape, dtype=self.dtype).zero_()
             else:
-                self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+                self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.layer_caches = [self.kv_cache[slot] for slot in self.kv_plan.layer_slot]  # per layer: its view
+        self.block_tables = [BlockTables(-(-self.max_model_len // bs)) for _ in self.kv_plan.windows]  # per group
+        self.tiers = TierWorker.from_config(config.cache, self.kv_cache, model_path,
+                                            (self.kv_plan.layer_group, self.kv_plan.layer_slot))
         self.graphs: CudaGraphRunner | None = None
-        self.block_tables = BlockTables(-(-max_model_len // block_size))
-        self.group_tables = [BlockTables(-(-max_model_len // block_size)) for _ in range(self.kv_plan.num_groups - 1)]
-        if self.group_tables:
-            model.kv_slots, model.kv_groups = self.kv_plan.layer_slot, self.kv_plan.layer_group
-        # the host tier's KV: [num_layers, 2, num_host_blocks, KVH, block_size, D], in host memory
-        # (pinned when the device is a GPU, so its copies can be asynchronous)
-        self.host_kv = None
-        if num_host_blocks:
-            self.host_kv = torch.zeros((s.num_layers, 2, num_host_blocks, s.num_kv_heads, block_size, s.head_dim),
-                                       dtype=dtype, pin_memory=self.device.type == "cuda")
-        self.disk = disk  # the disk tier's files (runner/disk_store.py)
-        # CUDA: the lower tiers' blocks go back into the device on a side stream from pinned memory,
-        # beside the forward pass of the step that schedules them (SchedulerOutput.promote_async;
-        # the scheduler puts their requests off to the next step, whose work waits for the copies)
-        self.copy_stream = (torch.cuda.Stream(device=self.device)
-                            if self.device.type == "cuda" and (num_host_blocks or disk is not None) else None)
-        self._copies_in_flight = None  # the side stream's event after the last step's copies
-        self.num_async_promoted_blocks = 0
+        self.graph_capture_seconds = self._capture_cuda_graphs()
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
-        """Capture decode graphs for every batch bucket; returns the capture time in seconds."""
+    def _max_model_len(self) -> int:
+        config, s = self.config, self.model.shape
+        max_len = config.max_model_len or s.max_position_embeddings
+        if s.longrope_short_max is not None and max_len > s.longrope_short_max:
+            # past its original length transformers' LongRoPE switches every position to the long
+            # factors (recomputing the cache): outputs that a paged cache cannot reproduce yet
+            if config.max_model_len is not None:
+                raise ValueError(f"max_model_len: {s.model_type}'s LongRoPE is served up to its original "
+                                 f"{s.longrope_short_max} tokens (the short factors); got {config.max_model_len}")
+            logger.warning("max_model_len: %s's LongRoPE is served up to its original %d tokens (the short "
+                           "factors), not %d", s.model_type, s.longrope_short_max, max_len)
+            max_len = s.longrope_short_max
+        return max_len
+
+    def _plan_kv_groups(self) -> KVGroupPlan:
+        """KV cache groups for this model: by attention type when some layers are windowed, unless disabled."""
+        s = self.model.shape
+        plan = plan_kv_groups(s.layer_windows or (None,) * s.num_layers,
+                              not self.config.cache.disable_hybrid_kv_cache_manager)
+        if plan.hybrid:
+            logger.info("kv cache: %d groups of %d layers (windows %s); out-of-window blocks are freed",
+                        plan.num_groups, plan.layers_per_page, list(plan.windows))
+        return plan
+
+    def _num_pages(self) -> int:
+        """Pages in the KV cache. A page holds one block of the layers of one group (every layer,
+        without groups); ``num_kv_blocks`` counts whole-model blocks: the same memory in pages."""
+        cfg, s, lpg = self.config, self.model.shape, self.kv_plan.layers_per_page
+        if cfg.cache.num_kv_blocks:
+            return cfg.cache.num_kv_blocks * s.num_layers // lpg
+        if cfg.cache.kv_cache_memory_bytes is not None:
+            budget = cfg.cache.kv_cache_memory_bytes
+        elif cfg.device != "cuda":
+            budget = 1 << 30
+        else:
+            budget = cuda_kv_cache_bytes(self.model, self.backend.name, cfg.gpu_memory_utilization,
+                                         cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs,
+                                         self.max_model_len)
+        return max(1, budget // self.bytes_per_block(self.model, self.block_size, self.dtype, lpg))
+
+    def _attention_backend(self) -> tuple[AttentionBackend, bool]:
+        """The attention backend, and whether this runner is batch-invariant (on wherever it can be,
+        unless ``batch_invariant=False``; ``True`` where it cannot be is a ValueError)."""
+        cfg = self.config
+        s = self.model.shape
+        backend = backend_for(cfg.attention_backend, cfg.device, self.dtype, s.num_heads, s.num_kv_heads, s.head_dim)
+        if cfg.batch_invariant is False:
+            return backend, False
+        why = self._batch_invariance_blocker(backend)
+        if why is not None and cfg.batch_invariant:
+            raise ValueError(f"batch_invariant: {why}")
+        backend.batch_invariant = why is None
+        return backend, why is None
+
+    def _batch_invariance_blocker(self, backend: AttentionBackend) -> str | None:
+        """Why this runner cannot be batch-invariant, or None. The mode needs every op of the
+        forward pass to compute a row the same way whatever the other rows: on CPU in float32 the
+        C GEMM (rows bitwise independent of M), the fused C elementwise kernels and the C
+        attention backend with one routine per query token (attention/cpu.py)."""
+        from prefixkv.model.linear import Linear
+
+        cfg = self.config
+        if cfg.device != "cpu" or self.dtype != torch.float32:
+            return f"is implemented for device 'cpu' in float32 (got {cfg.device!r}, {self.dtype_name})"
+        if backend.name != "cpu":
+            return f"needs attention_backend 'cpu' (got {backend.name!r})"
+        if any(m.kind != "c" for m in self.model.modules() if isinstance(m, Linear)):
+            return "needs cpu_linear 'c' (the C GEMM: oneDNN's and MKL's rows depend on the batch size)"
+        if not (cfg.fused_cpu_ops and self.model.model.norm.fused):
+            return "needs fused_cpu_ops (the C RMSNorm, RoPE and SiLU kernels)"
+        s = self.model.shape
+        return backend.batch_invariance_blocker(s.num_heads, cfg.cache.block_size, s.head_dim, self.dtype)
+
+    def _capture_cuda_graphs(self) -> float:
+        """Decode graphs for every batch bucket (CUDA, the CUDA backend, not ``enforce_eager``);
+        returns the capture time in seconds."""
+        cfg, s = self.config, self.model.shape
+        if cfg.device != "cuda" or cfg.enforce_eager or self.backend.name != "cuda":
+            return 0.0
+        if s.is_moe:  # the torch MoE path picks each step's experts on the host: no graph holds it
+            logger.warning("model: %s's sparse MoE layers route on the host; decode runs eagerly (no CUDA graphs)",
+                           s.model_type)
+            return 0.0
+        if self.kv_plan.num_groups > 1:  # the graphs hold one block table
+            logger.warning("model: %s's KV cache groups (sliding-window layers) decode eagerly (no CUDA graphs)",
+                           s.model_type)
+            return 0.0
         from prefixkv.runner.cuda_graph import CudaGraphRunner
 
-        self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_cache, max_num_seqs, max_model_len,
-                                      self.block_size)
+        self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_cache, cfg.scheduler.max_num_seqs,
+                                      self.max_model_len, self.block_size)
         return self.graphs.capture()
 
     @staticmethod
-    def bytes_per_block(model: LlamaModel, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    def bytes_per_block(model, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
         """Bytes of one block of KV for every layer (or for ``num_layers`` layers: a page)."""
         s = model.shape
         return ((num_layers or s.num_layers) * 2 * s.num_kv_heads * block_size * s.head_dim
                 * torch.empty((), dtype=dtype).element_size())
 
     # ------------------------------------------------------------------ inputs
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list,
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata],
                                                      torch.Tensor | None]:
-        """Step inputs; the returned logits rows hold one row per sampling sequence (a fork step's
-        n samples share it; None where that is every row, in order: a step of decodes). Host work
-        follows this step's tokens and new blocks: the block tables are the runner's persistent
-        copies (``BlockTables``), updated by the step's deltas."""
-        tables = self.block_tables
-        tables.release(out.released_seq_ids)
-        for t in self.group_tables:
+        """Step inputs: input ids, positions, the attention metadata of each KV cache group, and
+        the logits rows (one per sampling sequence: a fork step's n samples share it; None where
+        that is every row, in order: a step of decodes). Host work follows this step's tokens and
+        new blocks: the block tables are the runner's persistent copies (``BlockTables``, one per
+        group), updated by the step's deltas."""
+        groups = self.block_tables
+        for t in groups:
             t.release(out.released_seq_ids)
-        grouped = bool(self.group_tables)
-        group_rows: list[list[int]] = [[] for _ in self.group_tables]
-        rows: list[int] = []
+        rows: list[list[int]] = [[] for _ in groups]  # per group: each sequence's row of its table
         computed: list[int] = []
         counts: list[int] = []
         input_ids: list[int] = []
         logits_rows: list[int] = []
         end = 0
-        known = tables.rows
         for s in out.scheduled:
-            if grouped:  # delta: (first changed index, the anchor's ids, the other groups' ids)
-                sid, delta = s.req.seq_id, s.block_delta
-                rows.append(tables.apply(sid, None if delta is None else delta[:2]))
-                for g, t in enumerate(self.group_tables):
-                    group_rows[g].append(t.apply(sid, None if delta is None else (delta[0], delta[2][g])))
+            sid, delta = s.req.seq_id, s.block_delta
+            if delta is None:
+                for t, r in zip(groups, rows):
+                    row = t.rows.get(sid)
+                    r.append(t.apply(sid, None) if row is None else row)
             else:
-                row = known.get(s.req.seq_id) if s.block_delta is None else None
-                rows.append(tables.apply(s.req.seq_id, s.block_delta) if row is None else row)
+                for t, r, ids in zip(groups, rows, delta.blocks):
+                    r.append(t.apply(sid, (delta.start, ids)))
             computed.append(s.num_computed_tokens)
             counts.append(s.num_scheduled_tokens)
             input_ids.extend(s.token_ids)
@@ -148,53 +223,45 @@ class ModelRunner:
                 logits_rows.extend(range(start, end))
             elif s.num_samples:
                 logits_rows.append(end - 1)
-        bs = self.block_size
-        rows_np = np.asarray(rows, dtype=np.int64)
         computed_np = np.asarray(computed, dtype=np.int64)
         counts_np = np.asarray(counts, dtype=np.int64)
         seq_lens = computed_np + counts_np
-        starts = np.zeros(len(rows) + 1, dtype=np.int64)
+        starts = np.zeros(len(computed) + 1, dtype=np.int64)
         np.cumsum(counts_np, out=starts[1:])
-        if end == len(rows):  # one token per sequence (decodes)
-            tok_rows, positions = rows_np, computed_np
-        else:
-            tok_rows = np.repeat(rows_np, counts_np)
-            positions = np.repeat(computed_np - starts[:-1], counts_np) + np.arange(end, dtype=np.int64)
-        slots = tables.table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        max_blocks = int(tables.num_blocks[rows_np].max())
+        decodes = end == len(computed)  # one token per sequence
+        positions = computed_np if decodes else (np.repeat(computed_np - starts[:-1], counts_np)
+                                                 + np.arange(end, dtype=np.int64))
         dev = self.device
         on_dev = (lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev))  # (no dispatch on CPU)
-        seq_lens_cpu = seq_lens.tolist()
-        starts_cpu = starts.tolist()
-        meta = AttentionMetadata(
-            slot_mapping=on_dev(torch.from_numpy(slots)),
-            query_start_loc=on_dev(torch.from_numpy(starts.astype(np.int32))),
-            seq_lens=on_dev(torch.from_numpy(seq_lens.astype(np.int32))),
-            block_tables=on_dev(torch.from_numpy(tables.gather(rows, max_blocks))),
-            num_decode_seqs=out.num_decodes,
-            # an upper bound: on the GPU the decode kernel's grid then matches the captured graphs'
-            # (sized for max_model_len), and its split-K choice too (attention/cuda.decode_split_k
-            # rounds the batch as the buckets do), so a batch's arithmetic does not depend on
-            # whether it fits a graph bucket
-            max_seq_len=self.max_model_len if self.device.type == "cuda" else max(seq_lens_cpu),
-            max_query_len=int(counts_np.max()),
-            seq_lens_cpu=seq_lens_cpu,
-            query_start_loc_cpu=starts_cpu,
-        )
-        if grouped:  # the same batch through each group's tables (each with its own rows)
-            metas = [meta]
-            for t, g_rows in zip(self.group_tables, group_rows):
-                g_np = np.asarray(g_rows, dtype=np.int64)
-                g_tok = g_np if end == len(rows) else np.repeat(g_np, counts_np)
-                g_slots = t.table[g_tok, positions // bs].astype(np.int64) * bs + positions % bs
-                metas.append(AttentionMetadata(
-                    slot_mapping=on_dev(torch.from_numpy(g_slots)), query_start_loc=meta.query_start_loc,
-                    seq_lens=meta.seq_lens, block_tables=on_dev(torch.from_numpy(t.gather(g_rows, max_blocks))),
-                    num_decode_seqs=meta.num_decode_seqs, max_seq_len=meta.max_seq_len,
-                    max_query_len=meta.max_query_len, seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=starts_cpu))
-            meta = metas
+        seq_lens_cpu, starts_cpu = seq_lens.tolist(), starts.tolist()
+        query_start_loc = on_dev(torch.from_numpy(starts.astype(np.int32)))
+        seq_lens_dev = on_dev(torch.from_numpy(seq_lens.astype(np.int32)))
+        max_blocks = int(groups[0].num_blocks[np.asarray(rows[0], dtype=np.int64)].max())  # (every group's alike)
+        # an upper bound: on the GPU the decode kernel's grid then matches the captured graphs'
+        # (sized for max_model_len), and its split-K choice too (attention/cuda.decode_split_k
+        # rounds the batch as the buckets do), so a batch's arithmetic does not depend on whether
+        # it fits a graph bucket
+        max_seq_len = self.max_model_len if dev.type == "cuda" else max(seq_lens_cpu)
+        max_query_len = int(counts_np.max())
+        bs = self.block_size
+        metas = []
+        for t, g_rows in zip(groups, rows):  # the same batch through each group's tables
+            g_np = np.asarray(g_rows, dtype=np.int64)
+            tok_rows = g_np if decodes else np.repeat(g_np, counts_np)
+            slots = t.table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
+            metas.append(AttentionMetadata(
+                slot_mapping=on_dev(torch.from_numpy(slots)),
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens_dev,
+                block_tables=on_dev(torch.from_numpy(t.gather(g_rows, max_blocks))),
+                num_decode_seqs=out.num_decodes,
+                max_seq_len=max_seq_len,
+                max_query_len=max_query_len,
+                seq_lens_cpu=seq_lens_cpu,
+                query_start_loc_cpu=starts_cpu,
+            ))
         # logits rows increase, so as many as the step's tokens are every row in order (None)
-        return (torch.tensor(input_ids, dtype=torch.int64, device=dev), on_dev(torch.from_numpy(positions)), meta,
+        return (torch.tensor(input_ids, dtype=torch.int64, device=dev), on_dev(torch.from_numpy(positions)), metas,
                 None if len(logits_rows) == end else torch.tensor(logits_rows, dtype=torch.int64, device=dev))
 
     def sampling_batch(self, rows: list[tuple[Request, int]]) -> SamplingBatch:
@@ -256,67 +323,25 @@ class ModelRunner:
         return b
 
     # ------------------------------------------------------------------ the step
-    def swap(self, out: SchedulerOutput) -> None:
-        """The lower tiers' copies of a step, in this order: host slots the host tier let go of
-        to files (before this step's swap-outs reuse them), device blocks out to the host (blocks
-        evicted by this step and reused by it still hold their KV), host slots back in, files back
-        in, then the files the disk tier dropped. With ``promote_async`` on CUDA the blocks that go
-        back in are copied on the side stream (``_swap_in_async``)."""
-        if out.spill:  # each block copied out of its slot now (the swap-outs below may reuse the slot)
-            staged = self._staging(len(out.spill))
-            cpu_ops.move_kv_blocks(self.host_kv, staged.permute(1, 2, 0, *range(3, staged.dim())),
-                                   [(slot, i) for i, (slot, _, _) in enumerate(out.spill)])
-            for i, (_, key, tokens) in enumerate(out.spill):
-                self.disk.write(key, tokens, staged[i], owned=True)
-        cpu_ops.move_kv_blocks(self.kv_cache, self.host_kv, out.swap_out)
-        if out.promote_async and self.copy_stream is not None and (out.swap_in or out.load):
-            self._swap_in_async(out)
-        else:
-            cpu_ops.move_kv_blocks(self.host_kv, self.kv_cache, out.swap_in)
-            if out.load:
-                self.disk.load_into(self.kv_cache, out.load)
-        for key in out.disk_drop:
-            self.disk.delete(key)
-
-    def _staging(self, n: int, pin: bool = False) -> torch.Tensor:
-        """A host buffer for n blocks of every layer, [n, layers, 2, KVH, block_size, D]: a block a
-        contiguous run (a file's payload); ``.permute(1, 2, 0, 3, 4, 5)`` is the cache's layout."""
-        layers, two, _, kvh, bs, d = self.kv_cache.shape
-        return torch.empty((n, layers, two, kvh, bs, d), dtype=self.kv_cache.dtype, pin_memory=pin)
-
-    def _swap_in_async(self, out: SchedulerOutput) -> None:
-        """The step's swap-ins and file loads as one batch: gathered into a pinned buffer here, then
-        copied to the device and scattered into their blocks on the side stream, which first waits
-        for the work queued so far (earlier steps' kernels may still read those blocks' old KV).
-        The next ``execute`` makes the compute stream wait for them."""
-        blocks = [b for _, b in out.swap_in] + [b for _, b in out.load]
-        k = len(out.swap_in)
-        staged = self._staging(len(blocks), pin=True).permute(1, 2, 0, 3, 4, 5)
-        cpu_ops.move_kv_blocks(self.host_kv, staged, [(h, i) for i, (h, _) in enumerate(out.swap_in)])
-        if out.load:
-            self.disk.load_into(staged, [(key, k + i) for i, (key, _) in enumerate(out.load)])
-        index = torch.tensor(blocks, dtype=torch.int64).pin_memory()
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):
-            self.kv_cache.index_copy_(2, index.to(self.device, non_blocking=True),
-                                      staged.to(self.device, non_blocking=True))
-            self._copies_in_flight = torch.cuda.Event()
-            self._copies_in_flight.record(self.copy_stream)
-        self.num_async_promoted_blocks += len(blocks)
-
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        if self._copies_in_flight is not None:  # the last step's promotions, before anything reads them
-            torch.cuda.current_stream(self.device).wait_event(self._copies_in_flight)
-            self._copies_in_flight = None
-        if out.has_copies:
-            self.swap(out)
+        """The step's lower-tier copies (runner/tiers.py), then its forward pass and sampling."""
+        t0 = time.perf_counter()
+        self.tiers.wait_for_copies()
+        if out.tiers.has_copies:
+            self.tiers.execute(out.tiers)
         if not out.scheduled:  # a step of copies only (requests put off to the next step)
             return ModelOutput([], [], None)
+        model_out = self._forward(out)
+        self.tiers.last_forward_s = time.perf_counter() - t0
+        return model_out
+
+    def _forward(self, out: SchedulerOutput) -> ModelOutput:
         if out.copy_ops:
             pairs = torch.tensor([[op.src, op.dst] for op in out.copy_ops], dtype=torch.int64)  # host: checked there
             self.backend.copy_blocks(self.kv_cache, pairs)
-        input_ids, positions, meta, logits_rows = self.prepare(out)
+        input_ids, positions, metas, logits_rows = self.prepare(out)
+        layer_metas = [metas[g] for g in self.kv_plan.layer_group]
         prompt_rows = self._prompt_logprob_rows(out)
         if prompt_rows:  # their logits too, after the sampling rows
             n = input_ids.shape[0]
@@ -338,12 +363,12 @@ class ModelRunner:
         if (batch is not None and logits_rows is None and not graph and len(rows) == input_ids.shape[0]
                 and argmax_only(batch) and self.model.greedy_head_ok):
             # every token samples, each its argmax: the model's C LM head takes it, no logits written
-            tokens = self.model(input_ids, positions, self.kv_cache, meta, self.backend, None, greedy=True)
+            tokens = self.model(input_ids, positions, self.layer_caches, layer_metas, self.backend, None, greedy=True)
             return self._split(out, SamplerOutput(tokens.tolist(), None, None, None, None))
         if graph:
-            logits = self.graphs.replay(input_ids, positions, meta)
+            logits = self.graphs.replay(input_ids, positions, metas[0])
         else:
-            logits = self.model(input_ids, positions, self.kv_cache, meta, self.backend, logits_rows)
+            logits = self.model(input_ids, positions, self.layer_caches, layer_metas, self.backend, logits_rows)
         prompt_lps = None
         if prompt_rows:
             n = logits.shape[0] - len(prompt_rows)

@@ -1,7 +1,7 @@
 """What a replica's prefix cache holds, in the form a router can match a request against (no torch,
 no Ray).
 
-A replica publishes its ``KVCacheManager.cache_digest()``: the chain hash (``kv.radix.block_hash``)
+A replica publishes its ``KVCacheCoordinator.cache_digest()``: the chain hash (``kv.hashing.block_hash``)
 of every full block it holds, with its tier. A request's prompt token ids hash into the same chain,
 block by block; the blocks a replica can serve from cache are the longest run of leading hashes
 found in its digest. As in the engine, the block holding the prompt's last token never counts (that
@@ -13,17 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from prefixkv.kv.manager import TIER_DEVICE
-from prefixkv.kv.radix import block_hash
+from prefixkv.kv.keys import hash_blocks
+from prefixkv.kv.tiers import TIER_DEVICE
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     """The chain hashes of the prompt's full blocks that a prefix hit can cover."""
-    out, prev = [], 0
-    for i in range((len(token_ids) - 1) // block_size):
-        prev = block_hash(prev, token_ids[i * block_size:(i + 1) * block_size])
-        out.append(prev)
-    return out
+    return hash_blocks(token_ids, [], (len(token_ids) - 1) // block_size, block_size)
 
 
 class PrefixMatch(NamedTuple):

@@ -11,10 +11,10 @@ A replica publishes, with every cache digest (serve/replica.py), under ``"load"`
     decode_step_s         measured time of a step of decodes only (None until one ran)
 
 ``num_prefill_tokens``: a running request counts its tokens not computed yet; a waiting one its
-tokens beyond the prefix its replica's cache holds now (``KVCacheManager.match_prefix``, not
-touching the LRU order), for the first ``MATCHED_WAITING`` of the queue; requests past those count
-their tokens at the uncached fraction of the matched ones (the matching is bounded, the estimate
-is not).
+tokens beyond the prefix its replica's cache holds now (``KVCacheCoordinator.match_prefix``, not
+touching the LRU order), for the first ``MATCHED_WAITING`` of the queue; requests past those
+count their tokens at the uncached fraction of the matched ones (the matching is bounded, the
+estimate is not).
 
 The speeds come from the engine's counters (``LLMEngine.stats``: prompt tokens computed and the
 seconds of the steps that computed some; steps of decodes only and their seconds), as averages
@@ -46,7 +46,7 @@ def queue_state(engine: Any) -> dict[str, int]:
         total += n
         if i < MATCHED_WAITING:
             matched += n
-            uncached += n - sched.kv.match_prefix(r.token_ids, touch=False).num_tokens
+            uncached += n - sched.kv.match_prefix(r.token_ids, r.block_hashes, touch=False).num_tokens
     pending += uncached + (round((total - matched) * uncached / matched) if matched else 0)
     return {"num_running": len(sched.running), "num_waiting": len(sched.waiting), "num_prefill_tokens": pending}
 

@@ -15,7 +15,7 @@ Streams start with a verdict, so that the ingress can answer 400 / 503 before it
 Cancelling the stream (the client went away) aborts the request here, which frees its blocks.
 
 Every ``request_routing_stats_period_s`` Serve's controller calls ``record_routing_stats``: the
-replica answers with its cache digest (``KVCacheManager.cache_digest``: block hash -> tier of every
+replica answers with its cache digest (``KVCacheCoordinator.cache_digest``: block hash -> tier of every
 cached block), its engine statistics and a bounded summary of its radix tree, which reach the router
 in the ingress's process (serve/router.py), its ``/metrics`` and its ``/v1/cache/summary``; with
 them its load (running and waiting requests, prompt tokens still to compute, measured prefill rate

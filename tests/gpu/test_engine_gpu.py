@@ -106,7 +106,8 @@ def test_replay_reads_new_inputs(gpu_model):
         ids = torch.tensor(tokens, device="cuda")
         pos = torch.arange(n, dtype=torch.int64, device="cuda")
         replayed = g.replay(ids, pos, meta).clone()
-        eager = runner.model(ids, pos, runner.kv_cache, meta, runner.backend, torch.arange(n, device="cuda"))
+        eager = runner.model(ids, pos, runner.kv_cache, [meta] * len(runner.kv_cache), runner.backend,
+                             torch.arange(n, device="cuda"))
         return replayed, eager
 
     assert g.bucket_for(3) == 4
@@ -131,7 +132,7 @@ def test_dtype_auto_and_kv_cache_sized_from_free_memory(gpu_model):
 
     free0, total = torch.cuda.mem_get_info()
     llm = LLM(model=str(gpu_model), device="cuda", gpu_memory_utilization=0.3, max_num_seqs=8)
-    assert llm.engine.dtype == "bfloat16" and llm.engine.runner.kv_cache.dtype == torch.bfloat16
+    assert llm.engine.runner.dtype_name == "bfloat16" and llm.engine.runner.kv_cache.dtype == torch.bfloat16
     kv_bytes = llm.engine.runner.kv_cache.numel() * 2
     used_before = total - free0
     assert 0 < kv_bytes <= 0.3 * total - used_before
@@ -167,6 +168,6 @@ def test_gpu_windowed_and_capped_models_equal_transformers(tmp_path, arch, head_
     for chunk in (512, 24):
         llm = LLM(model=str(tmp_path), device="cuda", dtype="float32", block_size=16, max_num_batched_tokens=chunk,
                   num_kv_blocks=256, max_num_seqs=16)
-        assert llm.engine.kv_plan.hybrid == (arch != "mixtral")
+        assert llm.engine.runner.kv_plan.hybrid == (arch != "mixtral")
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
         assert [o.token_ids for o in outs] == refs, chunk

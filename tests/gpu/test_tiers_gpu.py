@@ -29,7 +29,7 @@ def _per_block_gb(llm) -> float:
     from prefixkv.runner.model_runner import ModelRunner
 
     e = llm.engine
-    return ModelRunner.bytes_per_block(e.model, e.config.cache.block_size, e.runner.kv_cache.dtype) / (1 << 30)
+    return ModelRunner.bytes_per_block(e.runner.model, e.config.cache.block_size, e.runner.kv_cache.dtype) / (1 << 30)
 
 
 @pytest.mark.parametrize("disk", [False, True])
@@ -49,7 +49,7 @@ def test_tiers_under_load_equal_transformers(gpu_model, tmp_path, disk):
     st = small.engine.stats()
     assert st["prefix_host_hit_tokens"] > 0 and (not disk or st["disk_bytes_read"] > 0)
     # the promotions went in on the side stream, their requests a step later, beside others' forwards
-    assert small.engine.scheduler.defer_promotions and small.engine.runner.copy_stream is not None
+    assert small.engine.scheduler.tiers.load_async and small.engine.runner.tiers.copy_stream is not None
     assert st["async_promoted_blocks"] > 0 and st["deferred_promotions"] > 0
     got = [o.outputs[0].token_ids for o in outs + outs2]
     assert got == [o.outputs[0].token_ids for o in big.generate(first + second, sp)]
