@@ -296,6 +296,21 @@ def test_a_report_replaces_the_reservations_it_counts():
     assert r._queue(a) == (7, 300)
 
 
+def test_a_report_that_missed_requests_in_transit_counts_them_still():
+    a, b = replica("a", load=load(time.time() - 1)), replica("b", load=load(time.time() - 1))
+    r = cost_router(a, b)
+    for i in range(4):
+        route(r, [a, b], _unrelated(i), f"i{i}")
+    assert r.in_flight() == {"a": 2, "b": 2}
+    # a reports after all four were routed, but its two had not reached it yet: an empty queue
+    a.routing_stats["load"] = load(time.time(), running=0)
+    assert r._queue(a)[0] == 2  # this router's two requests there, not ended: still counted
+    route(r, [a, b], _unrelated(9), "i9")
+    assert r.in_flight() in ({"a": 3, "b": 2}, {"a": 2, "b": 3})  # no pile-up on the "empty" replica
+    r.on_request_completed(a.replica_id, "i0")
+    assert r._queue(a)[0] == len(r._by_replica[a.replica_id])
+
+
 def test_reservations_are_released_on_refusal_failure_cancellation_and_replica_death():
     now = time.time()
     a, b = replica("a", load=load(now - 0.5)), replica("b", load=load(now - 0.5))

@@ -108,6 +108,9 @@ class EngineReplica:
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefixkv-grammar")
         self._digest_seq = itertools.count(1)
         self._speed = SpeedMeter()
+        # requests this replica accepted and has not finished: those on their way into the engine
+        # (its own process) count too, which the engine's queues do not show yet
+        self._active = 0
         logger.info("engine replica %s ready (%d KV blocks of %d tokens)", self.replica_id,
                     self.engine.info.num_kv_blocks, self.block_size)
 
@@ -120,21 +123,25 @@ class EngineReplica:
                 "default_sampling": dict(self.engine.default_sampling)}
 
     async def generate(self, req: ReplicaRequest):
+        self._active += 1
         try:
-            if req.params.structured_outputs is not None:  # compiled off the event loop and the step
-                await asyncio.get_running_loop().run_in_executor(
-                    self._grammar_pool, self.engine.compile_grammar, req.params.structured_outputs)
-            stream = await self.engine.add_request(req.request_id, req.prompt_token_ids, req.params)
-        except Exception as e:
-            yield ("error", error_kind(e), str(e))
-            return
-        yield ("accepted", self.replica_id)
-        async with stream:  # leaving early (cancelled by the ingress) aborts the request
             try:
-                async for out in stream:
-                    yield out
+                if req.params.structured_outputs is not None:  # compiled off the event loop and the step
+                    await asyncio.get_running_loop().run_in_executor(
+                        self._grammar_pool, self.engine.compile_grammar, req.params.structured_outputs)
+                stream = await self.engine.add_request(req.request_id, req.prompt_token_ids, req.params)
             except Exception as e:
                 yield ("error", error_kind(e), str(e))
+                return
+            yield ("accepted", self.replica_id)
+            async with stream:  # leaving early (cancelled by the ingress) aborts the request
+                try:
+                    async for out in stream:
+                        yield out
+                except Exception as e:
+                    yield ("error", error_kind(e), str(e))
+        finally:
+            self._active -= 1
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """The digest of the prefix cache and the engine's statistics, for the router."""
@@ -146,7 +153,11 @@ class EngineReplica:
             try:
                 digest = await self.engine.cache_digest()
                 summary = await self.engine.cache_summary(SUMMARY_NODES, text_tokens)
-                load = {"time": time.time(), **await self.engine.queue_state()}
+                # the time before the look: what the router sent after it is added to this load,
+                # what it sent while the engine looked may count twice (never not at all)
+                looked, active = time.time(), self._active
+                load = {"time": looked, **await self.engine.queue_state()}
+                load["num_waiting"] = max(load["num_waiting"], active - load["num_running"])
             except EngineDeadError:
                 running = False
         if len(digest) > self.digest_max_blocks:  # bounded: keep the device tier first

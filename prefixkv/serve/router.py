@@ -43,7 +43,9 @@ A request counts against its replica from the decision on (``choose_replicas`` r
 routing to a fallback moves it; completion, failure, refusal, a cancelled request and the
 replica's death release it), so requests routed together see each other: a burst of unrelated
 requests lands evenly. A replica's report replaces the reservations it covers: those made before
-its time are in its counts (the replicas' clocks and the ingress's: one host, or NTP).
+its time are in its counts (the replicas' clocks and the ingress's: one host, or NTP), though never
+below the number of this router's requests there that have not ended (one routed just before a
+report may still be in transit to the replica).
 
 The speeds are the replicas' own measurements (serve/load.py). By default (``speeds=
 "deployment"``) every replica is weighed at their median: the replicas of a deployment run one
@@ -382,7 +384,8 @@ class CacheAwareRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin, Re
         load = ReplicaLoad.of(r.routing_stats)
         seen = load.time if load is not None else -math.inf
         n, p = (load.num_requests, load.num_prefill_tokens) if load is not None else (0, 0)
-        for res in self._by_replica.get(r.replica_id, {}).values():
+        mine = self._by_replica.get(r.replica_id, {})
+        for res in mine.values():
             if res.time > seen:  # routed after the report: not in it
                 n += 1
                 p += res.num_prefill_tokens
@@ -390,7 +393,9 @@ class CacheAwareRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin, Re
         if ended:
             ended[:] = [(t0, t1) for t0, t1 in ended if t1 > seen]  # (reports only move forward)
             n -= sum(1 for t0, _ in ended if t0 <= seen)  # in the report, ended since
-        return max(n, 0), p
+        # never fewer than this router's own requests there that have not ended: one routed just
+        # before a report may still be on its way to the replica, in no queue the report counted
+        return max(n, len(mine)), p
 
     def estimate(self, r: RunningReplica, keys: list[int], num_prompt_tokens: int, block_size: int,
                  speed: tuple[float, float]) -> Estimate:
