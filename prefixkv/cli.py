@@ -57,13 +57,26 @@ def default_model_name(model: str | None) -> str:
 def server_config_from_args(args: argparse.Namespace):
     from prefixkv.server.serving import ServerConfig
 
+    keys = list(args.api_key or []) or [k for k in [os.environ.get("PREFIXKV_API_KEY")] if k]
+    if args.api_keys_file is not None:
+        keys += read_keys_file(args.api_keys_file)
     return ServerConfig(model_name=args.served_model_name or default_model_name(args.model),
-                        api_key=args.api_key or os.environ.get("PREFIXKV_API_KEY") or None,
+                        api_key=keys[0] if keys else None, api_keys=tuple(keys[1:]),
+                        cache_isolation=args.cache_isolation,
                         max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
                         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser, max_stored_responses=args.max_stored_responses,
                         max_stored_response_bytes=args.max_stored_response_bytes,
                         cache_view_text=args.cache_view_text)
+
+
+def read_keys_file(path: str) -> list[str]:
+    """API keys, one a line (blank lines and lines starting with '#' skipped)."""
+    lines = Path(path).read_text().splitlines()
+    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise ValueError(f"api_keys_file: {path} holds no key")
+    return keys
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set PREFIXKV_API_KEY)")
+    serve.add_argument("--api-key", action="append", default=None,
+                       help="require 'Authorization: Bearer KEY' (or set PREFIXKV_API_KEY); give it again for more "
+                            "keys, any of which is accepted")
+    serve.add_argument("--api-keys-file", default=None,
+                       help="more API keys, one a line ('#' starts a comment line)")
+    serve.add_argument("--cache-isolation", choices=("none", "api-key"), default="none",
+                       help="api-key: requests share prefix-cache blocks (device, host, disk, routing) only with "
+                            "requests authenticated by the same API key; a request's cache_salt then subdivides "
+                            "its key's partition (README: Tenants)")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
     serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is aborted")

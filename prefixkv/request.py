@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 from array import array
 
+from prefixkv.kv.keys import cache_root
 from prefixkv.sampling_params import SamplingParams
 
 
@@ -47,6 +48,7 @@ class Request:
         "seq_id", "request_id", "sample_index", "num_prompt_tokens", "token_ids", "sampling_params",
         "num_computed_tokens", "num_cached_tokens", "status", "arrival_order", "wait_start_step",
         "num_preemptions", "seed", "logprobs", "needs_fork", "ngram", "matcher", "block_hashes",
+        "cache_root",
     )
 
     def __init__(
@@ -85,6 +87,9 @@ class Request:
         # the chain hashes of its full blocks, as far as the KV cache needed them (kv/keys.py; an
         # int64 array, as token_ids)
         self.block_hashes = array("q")
+        # the parent of its first block: its cache salt and partition, so it shares blocks only
+        # with requests of the same two
+        self.cache_root = cache_root(sampling_params.cache_salt, sampling_params.cache_partition)
 
     @property
     def can_speculate(self) -> bool:

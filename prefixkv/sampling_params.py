@@ -36,6 +36,11 @@ class SamplingParams:
 
     ``structured_outputs`` (a ``StructuredOutputsParams`` or its dict form, e.g. ``{"json": schema}``)
     constrains the output to a JSON schema, regex, choice or grammar (prefixkv/structured_outputs.py).
+
+    ``cache_salt`` (vLLM's field) and ``cache_partition`` (the server's, from the API key that
+    authenticated the request: never a client's) choose which prefix cache the request shares:
+    only requests with both equal hit each other's blocks (kv/keys.py ``cache_root``). They change
+    nothing in the outputs.
     """
 
     n: int = 1
@@ -73,6 +78,8 @@ class SamplingParams:
     # space; a word's last token is banned wherever the output so far ends with the ones before it
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
+    cache_salt: str | None = None
+    cache_partition: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -123,6 +130,9 @@ class SamplingParams:
                f"must be an int in [0, 20] or None, got {self.logprobs!r}")
         require(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
                "prompt_logprobs", f"must be an int in [0, 20] or None, got {self.prompt_logprobs!r}")
+        for name in ("cache_salt", "cache_partition"):
+            v = getattr(self, name)
+            require(v is None or (isinstance(v, str) and v), name, f"must be a non-empty string or None, got {v!r}")
         if self.structured_outputs is not None:
             require(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
                     "must be a StructuredOutputsParams or a dict of its fields")

@@ -181,7 +181,7 @@ class Scheduler:
             if ops:
                 copy_ops.extend(ops)
             end = computed + num_new
-            kv.cache_blocks(req.seq_id, req.token_ids, end, req.block_hashes)
+            kv.cache_blocks(req.seq_id, req.token_ids, end, req.block_hashes, req.cache_root)
             samples = 0
             if end >= num_tokens:
                 samples = req.sampling_params.n if req.needs_fork else 1
@@ -285,7 +285,8 @@ class Scheduler:
         for r in window:
             hit = cache.get(r.seq_id)
             if hit is None or hit[0] != version:
-                hit = cache[r.seq_id] = (version, self.kv.match_prefix(r.token_ids, r.block_hashes, touch=False))
+                hit = cache[r.seq_id] = (version, self.kv.match_prefix(r.token_ids, r.block_hashes, touch=False,
+                                                                       root=r.cache_root))
             cands.append((r, hit[1]))
         max_wait = self.config.max_wait_steps
 
@@ -302,7 +303,8 @@ class Scheduler:
         hold beyond them. A request that wants its prompt's logprobs computes every prompt token."""
         if req.sampling_params.prompt_logprobs is not None:
             return self.kv.match_prefix(())
-        return self.kv.match_prefix(req.token_ids, req.block_hashes, touch=touch, lower=True)
+        return self.kv.match_prefix(req.token_ids, req.block_hashes, touch=touch, lower=True,
+                                    root=req.cache_root)
 
     def _prefetch_ahead(self, reqs: list[Request]) -> None:
         """Start the file reads of waiting requests that this pass does not admit, so that their
@@ -400,7 +402,7 @@ class Scheduler:
             lower = len({r.index for r in hit.lower})
             self.kv.record_query(req.num_tokens, cached, lower * self.block_size)
         req.num_computed_tokens = cached
-        self.kv.cache_blocks(req.seq_id, req.token_ids, cached + num_new, req.block_hashes)
+        self.kv.cache_blocks(req.seq_id, req.token_ids, cached + num_new, req.block_hashes, req.cache_root)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         self._match_cache.pop(req.seq_id, None)
@@ -462,7 +464,8 @@ class Scheduler:
             assert 1 <= len(toks) <= len(sched.draft) + 1, (toks, sched.draft)
             req.num_computed_tokens = sched.num_computed_tokens + len(toks)
             req.token_ids.extend(toks)
-            self.kv.cache_blocks(req.seq_id, req.token_ids, req.num_computed_tokens, req.block_hashes)
+            self.kv.cache_blocks(req.seq_id, req.token_ids, req.num_computed_tokens, req.block_hashes,
+                                  req.cache_root)
             self.kv.trim(req.seq_id, req.num_tokens)  # blocks that held only rejected tokens
             self.num_accepted_tokens += len(toks) - 1
             changed.append(req)

@@ -328,3 +328,28 @@ def test_a_client_that_goes_away_aborts_its_request_on_the_replica(cluster):
     _wait(lambda: aborted() == before + 1, 30, "the abandoned request aborted on its replica")
     assert running() == 0
     assert sum(_per_replica(_metrics(url), "prefixkv_replica_kv_blocks_used").values()) == 0
+
+
+def test_a_salt_is_routed_and_hit_only_by_its_own_requests(cluster):
+    """``cache_salt`` through the ingress, the router and a replica: the router follows a salted
+    prefix to the replica holding it for the same salt only, and another salt (or none) misses
+    there too."""
+    url = cluster
+    prefix = _tokens(random.Random(45), 40)
+
+    def send(salt: str | None, tail: int) -> tuple[int, float]:
+        before = _metrics(url)['prefixkv_router_decisions_total{reason="prefix"}']
+        body = {"model": MODEL, "prompt": prefix + [tail], "max_tokens": 2, "temperature": 0}
+        if salt is not None:
+            body["cache_salt"] = salt
+        status, out = _post(url + "/v1/completions", body)
+        assert status == 200, out
+        _fresh_digests(url)
+        after = _metrics(url)['prefixkv_router_decisions_total{reason="prefix"}']
+        return out["usage"]["prompt_tokens_details"]["cached_tokens"], after - before
+
+    assert send("tenant-1", 3) == (0, 0)
+    assert send("tenant-1", 4) == (40, 1)  # routed by its salted prefix, and a hit
+    assert send("tenant-2", 5) == (0, 0)  # the router sees no match for another salt, nor the replica
+    assert send(None, 6) == (0, 0)
+    assert send("tenant-2", 7) == (40, 1)

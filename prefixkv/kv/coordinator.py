@@ -116,21 +116,23 @@ class KVCacheCoordinator:
         return MatchResult(tuple([] for _ in self.windows), 0)
 
     def match_prefix(self, token_ids: Sequence[int], hashes: list[int] | None = None, touch: bool = True,
-                     lower: bool = False) -> MatchResult:
+                     lower: bool = False, root: int = 0) -> MatchResult:
         """The longest cached prefix usable for a request with these tokens: never all of them,
         because the last token must be computed for its logits. Every group has what the hit needs
         (every block of a full-attention group; a windowed group the blocks its window sees at
         the hit's end). With ``lower``, pages a lower tier holds count too (``MatchResult.lower``).
 
         ``hashes``: the request's block hashes so far (``Request.block_hashes``), extended in place
-        as far as the search needs. ``touch=False`` leaves the LRU order alone. Takes no
-        references: valid until the next allocation or eviction."""
+        as far as the search needs; ``root``: its chain's (``Request.cache_root``: its salt and
+        partition), so that only blocks cached by requests of the same root match.
+        ``touch=False`` leaves the LRU order alone. Takes no references: valid until the next
+        allocation or eviction."""
         limit = (len(token_ids) - 1) // self.block_size if self.enable_prefix_caching else 0
         if limit <= 0:
             return self._no_hit()
         holds = self.lower.holds if lower and self.lower is not None else None
         hashes = [] if hashes is None else hashes
-        probes = [m.probe(token_ids, hashes, limit, touch, holds) for m in self.managers]
+        probes = [m.probe(token_ids, hashes, limit, touch, holds, root) for m in self.managers]
         e = limit
         while True:  # each attention type shortens the hit to what it can serve, until all agree
             end = e
@@ -246,18 +248,19 @@ class KVCacheCoordinator:
             m.free_out_of_window(seq_id, self.block_tables[seq_id], num_computed)
 
     def cache_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed: int,
-                     hashes: list[int] | None = None) -> None:
+                     hashes: list[int] | None = None, root: int = 0) -> None:
         """Offer the caches the request's blocks that are full once ``num_computed`` tokens are
-        computed. ``hashes``: its block hashes so far (``Request.block_hashes``), extended here."""
+        computed. ``hashes``: its block hashes so far (``Request.block_hashes``, a chain from
+        ``root``: ``Request.cache_root``), extended here."""
         if not self.enable_prefix_caching:
             return
         num_full = num_computed // self.block_size
         if all(m.num_indexed[seq_id] >= num_full for m in self.managers):
             return
-        hashes = hash_blocks(token_ids, [] if hashes is None else hashes, num_full, self.block_size)
+        hashes = hash_blocks(token_ids, [] if hashes is None else hashes, num_full, self.block_size, root)
         tables = self.block_tables[seq_id]
         for m in self.managers:
-            m.cache(seq_id, tables, token_ids, hashes, num_full)
+            m.cache(seq_id, tables, token_ids, hashes, num_full, root)
 
     def extend(self, seq_id: str, num_tokens: int, reserve: int = 0) -> bool:
         """Append free pages (never evicting, leaving ``reserve`` free) until the tables cover

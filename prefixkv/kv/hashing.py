@@ -10,9 +10,10 @@ equal prefixes (and equal salts/partitions)::
 
 Algorithms (``HASH_ALGOS``, vLLM's ``--prefix-caching-hash-algo`` names where they exist):
 
-* ``builtin``: Python's ``hash((parent, *tokens))`` with root 0 (an int; a tuple of ints hashes
-  the same in every process, whatever PYTHONHASHSEED). Fast, not collision-resistant: the tiers
-  compare a block's tokens on a hit.
+* ``builtin``: Python's ``hash((parent, *tokens))`` (an int; a tuple of ints hashes the same in
+  every process, whatever PYTHONHASHSEED), the chain every cache tier keys by (kv/keys.py). Its
+  first block's parent is ``fold_keys(extra_keys)``: 0 without salt or partition, else an int64
+  from a SHA-256 of them. Fast, not collision-resistant: the tiers compare a block's tokens on a hit.
 * ``sha256_cbor``: vLLM's ``hash_block_tokens`` with ``sha256_cbor``: SHA-256 of the canonical
   CBOR of ``(parent, tuple(tokens), extra_keys)`` (32 bytes), root ``NONE_HASH``:
   ``sha256_cbor(PYTHONHASHSEED)``, or 32 random bytes when it is unset (as vLLM: a consumer that
@@ -83,9 +84,12 @@ def first_block_keys(cache_salt: str | None = None, partition: str | None = None
     return tuple(keys) if keys else None
 
 
-def _fold(extra_keys: tuple) -> int:
-    # builtin: the extra keys as one int that is the same in every process (Python salts str
-    # hashes per process; the router and the disk tier after a restart must agree)
+def fold_keys(extra_keys: ExtraKeys) -> int:
+    """builtin: a first block's extra keys as the int64 its chain starts from (0: none), the same
+    in every process (Python salts str hashes per process; the router, and the disk tier after a
+    restart, must agree)."""
+    if extra_keys is None:
+        return 0
     return int.from_bytes(hashlib.sha256(repr(extra_keys).encode()).digest()[:8], "big", signed=True)
 
 
@@ -112,12 +116,10 @@ class BlockHasher:
 
     def hash_block(self, parent: BlockHash | None, tokens: Sequence[int], extra_keys: ExtraKeys = None) -> BlockHash:
         """The hash of a full block after ``parent`` (None: the chain's first block)."""
+        if self.algo == "builtin":  # the chain the caches key by (kv/keys.py): the keys fold into its root
+            return block_hash(parent or fold_keys(extra_keys), tokens)
         if not parent:  # vLLM: a falsy parent is the root
             parent = self.root
-        if self.algo == "builtin":
-            if extra_keys is None:
-                return block_hash(parent, tokens)
-            return hash((parent, *tokens, _fold(extra_keys)))
         fn = sha256_cbor if self.algo == "sha256_cbor" else sha256
         return fn((parent, tuple(map(int, tokens)), extra_keys))
 

@@ -57,8 +57,8 @@ class FullAttentionManager:
         return self.tree.num_cached_blocks
 
     def probe(self, token_ids: Sequence[int], hashes: list[int], limit: int, touch: bool,
-              holds: Holds | None) -> "_FullProbe":
-        return _FullProbe(self, token_ids, hashes, limit, touch, holds)
+              holds: Holds | None, root: int = 0) -> "_FullProbe":
+        return _FullProbe(self, token_ids, hashes, limit, touch, holds, root)
 
     def adopt(self, seq_id: str, tables: Tables, num_computed: int) -> None:
         """A new request's tables start with a hit: the tree's pages, then (``NULL`` placeholders,
@@ -74,17 +74,18 @@ class FullAttentionManager:
                 incref(b)
         self.num_indexed[seq_id] = num_device
 
-    def cache(self, seq_id: str, tables: Tables, token_ids: Sequence[int], hashes: list[int], num_full: int) -> None:
-        """Insert the request's blocks that are full once ``num_full`` blocks are: a path that
-        stopped at a duplicate block (see RadixIndex.insert) stays stopped, since the block before
-        the new ones is then not the tree's."""
+    def cache(self, seq_id: str, tables: Tables, token_ids: Sequence[int], hashes: list[int], num_full: int,
+              root: int = 0) -> None:
+        """Insert the request's blocks that are full once ``num_full`` blocks are (``hashes``: their
+        chain from ``root``): a path that stopped at a duplicate block (see RadixIndex.insert) stays
+        stopped, since the block before the new ones is then not the tree's."""
         done = self.num_indexed[seq_id]
         if num_full <= done:
             return
         first = tables[self.group_ids[0]]
         if not done or self.pool.cached[first[done - 1]]:
             self.tree.insert(token_ids, [tables[g] for g in self.group_ids], num_done=done, num_blocks=num_full,
-                             hashes=hashes)
+                             hashes=hashes, root=root)
         self.num_indexed[seq_id] = num_full
 
     def free_out_of_window(self, seq_id: str, tables: Tables, num_computed: int) -> None:
@@ -135,15 +136,15 @@ class _FullProbe:
     __slots__ = ("group_ids", "pages", "num_device", "num_blocks", "lower")
 
     def __init__(self, m: FullAttentionManager, token_ids: Sequence[int], hashes: list[int], limit: int,
-                 touch: bool, holds: Holds | None) -> None:
+                 touch: bool, holds: Holds | None, root: int) -> None:
         bs = m.block_size
         self.group_ids = m.group_ids
-        self.pages = m.tree.match(token_ids, touch, limit * bs).blocks
+        self.pages = m.tree.match(token_ids, touch, limit * bs, root).blocks
         n = self.num_device = len(self.pages[0])
         self.lower: list[LowerPage] = []
         if holds is not None:
             while n < limit:
-                hash_blocks(token_ids, hashes, n + 1, bs)
+                hash_blocks(token_ids, hashes, n + 1, bs, root)
                 tokens = tuple(token_ids[n * bs:(n + 1) * bs])
                 if not all(holds((hashes[n], g), tokens) for g in m.group_ids):
                     break
@@ -194,8 +195,8 @@ class SlidingWindowManager:
         return window_start(self.window, num_computed, self.block_size)
 
     def probe(self, token_ids: Sequence[int], hashes: list[int], limit: int, touch: bool,
-              holds: Holds | None) -> "_WindowProbe":
-        return _WindowProbe(self, token_ids, hashes, holds)
+              holds: Holds | None, root: int = 0) -> "_WindowProbe":
+        return _WindowProbe(self, token_ids, hashes, holds, root)
 
     def adopt(self, seq_id: str, tables: Tables, num_computed: int) -> None:
         """A new request's tables start with a hit: it takes hold of the hit's cached units."""
@@ -208,7 +209,8 @@ class SlidingWindowManager:
                 self.pool.incref(tables[g][i])
             self._evictable.pop(self._page_hash.get(first[i]), None)
 
-    def cache(self, seq_id: str, tables: Tables, token_ids: Sequence[int], hashes: list[int], num_full: int) -> None:
+    def cache(self, seq_id: str, tables: Tables, token_ids: Sequence[int], hashes: list[int], num_full: int,
+              root: int = 0) -> None:
         """Offer the map the request's blocks that are full once ``num_full`` blocks are (those it
         holds: in its window). A block the map already has (same hash) stays the map's."""
         bs, null = self.block_size, self.pool.num_blocks
@@ -310,11 +312,11 @@ class _WindowProbe:
     """Which blocks the window can have for a hit: each block's unit from the device map, or its
     pages from a lower tier, looked up once per probe."""
 
-    __slots__ = ("m", "token_ids", "hashes", "holds", "_at")
+    __slots__ = ("m", "token_ids", "hashes", "holds", "root", "_at")
 
     def __init__(self, m: SlidingWindowManager, token_ids: Sequence[int], hashes: list[int],
-                 holds: Holds | None) -> None:
-        self.m, self.token_ids, self.hashes, self.holds = m, token_ids, hashes, holds
+                 holds: Holds | None, root: int) -> None:
+        self.m, self.token_ids, self.hashes, self.holds, self.root = m, token_ids, hashes, holds, root
         self._at: dict[int, CachedUnit | tuple[int, ...] | None] = {}  # block -> unit, its tokens (lower), None
 
     def _where(self, i: int) -> CachedUnit | tuple[int, ...] | None:
@@ -322,7 +324,7 @@ class _WindowProbe:
         if hit is not False:
             return hit
         bs, m = self.m.block_size, self.m
-        hash_blocks(self.token_ids, self.hashes, i + 1, bs)
+        hash_blocks(self.token_ids, self.hashes, i + 1, bs, self.root)
         h, tokens = self.hashes[i], tuple(self.token_ids[i * bs:(i + 1) * bs])
         unit = m.cached.get(h)
         if unit is not None and unit.tokens == tokens:

@@ -8,6 +8,10 @@ in their first block. The tree is one of a page's holders: ``insert`` pins the p
 (ref_cnt + 1) and eviction unpins them. A request "locks" the blocks it uses by holding their
 pages in its block tables (ref_cnt > 1), so a block is evictable exactly when ``ref_cnt == 1``.
 
+Tenants: a request's chain starts from its ``root`` (kv/keys.py ``cache_root``: 0, or an int64 of
+its cache salt and partition), and the root's children are keyed by ``(root, *first block)`` for a
+non-zero root, so a match walks only the subtree of its own root: two roots share no node.
+
 Invariant kept by ``insert``: the blocks a request holds that the tree also holds form a path
 from the root. So an unlocked interior block has only unlocked descendants, and evicting leaves
 first can reclaim every evictable block.
@@ -97,8 +101,16 @@ class RadixIndex:
         self.pool.clock += 1
         return self.pool.clock
 
-    def _key(self, tokens: Sequence[int], pos: int) -> tuple[int, ...]:
-        return tuple(tokens[pos:pos + self.block_size])
+    def _child_key(self, node: RadixNode, tokens: Sequence[int], pos: int, root: int) -> tuple[int, ...]:
+        """The key of the child of ``node`` that holds the block at ``pos``: under the tree's root,
+        prefixed with the chain's root unless it is 0 (a key of ``block_size + 1`` ints, which no
+        unsalted key equals)."""
+        key = tuple(tokens[pos:pos + self.block_size])
+        return (root, *key) if root and node is self.root else key
+
+    def _root_of(self, node: RadixNode) -> int:
+        """The chain root of a child of the tree's root (its key's first int when prefixed)."""
+        return node.key[0] if len(node.key) > self.block_size else 0
 
     def _push_leaf(self, node: RadixNode) -> None:
         heapq.heappush(self._leaf_heap, (node.last_access, next(self._seq), node))
@@ -111,13 +123,13 @@ class RadixIndex:
         if not node.children:
             self._push_leaf(node)
 
-    def _walk(self, tokens: Sequence[int], end: int, node: RadixNode | None = None, pos: int = 0):
+    def _walk(self, tokens: Sequence[int], end: int, node: RadixNode | None = None, pos: int = 0, root: int = 0):
         """Yield (node, num_matched_blocks_in_node, pos_before_node) along the longest match of
-        ``tokens[pos:end]`` below ``node`` (the root by default)."""
+        ``tokens[pos:end]`` below ``node`` (the root by default) in the chain of ``root``."""
         bs = self.block_size
         node = node or self.root
         while pos + bs <= end:
-            child = node.children.get(self._key(tokens, pos))
+            child = node.children.get(self._child_key(node, tokens, pos, root))
             self.num_visits += 1
             if child is None:
                 return
@@ -131,16 +143,17 @@ class RadixIndex:
                 return
             node, pos = child, pos + m * bs
 
-    def match(self, tokens: Sequence[int], touch: bool = True, num_tokens: int | None = None) -> MatchResult:
-        """Longest cached prefix of ``tokens[:num_tokens]`` (default: all) in whole blocks: its
-        pages per indexed group.
+    def match(self, tokens: Sequence[int], touch: bool = True, num_tokens: int | None = None,
+              root: int = 0) -> MatchResult:
+        """Longest cached prefix of ``tokens[:num_tokens]`` (default: all) in whole blocks, in the
+        chain of ``root`` (kv/keys.py ``cache_root``): its pages per indexed group.
 
         Touches the matched nodes (LRU) unless ``touch`` is False. Takes no references: the caller
         must incref the returned pages before anything may evict (any later allocation can).
         """
         pages = tuple([] for _ in self.group_ids)
         now = self._tick() if touch else 0
-        for node, m, _ in self._walk(tokens, len(tokens) if num_tokens is None else num_tokens):
+        for node, m, _ in self._walk(tokens, len(tokens) if num_tokens is None else num_tokens, root=root):
             if touch:
                 self._touch(node, now)  # pushes only a leaf: the last node of the path, if any
             for mine, theirs in zip(pages, node.pages):
@@ -148,10 +161,11 @@ class RadixIndex:
         return MatchResult(pages, len(pages[0]) * self.block_size)
 
     def insert(self, tokens: Sequence[int], pages: Sequence[Sequence[int]], num_done: int = 0,
-               num_blocks: int | None = None, hashes: Sequence[int] | None = None) -> int:
+               num_blocks: int | None = None, hashes: Sequence[int] | None = None, root: int = 0) -> int:
         """Cache the first ``num_blocks`` blocks of ``pages`` (a page list per indexed group;
         default: all; ``tokens`` holds at least ``num_blocks * block_size`` tokens) as holding
-        those tokens; ``hashes``, if given, are their chain hashes (computed from ``tokens`` else).
+        those tokens, in the chain of ``root``; ``hashes``, if given, are their chain hashes
+        (computed from ``tokens`` and ``root`` else).
 
         ``num_done``: the caller's first ``num_done`` blocks are already on the tree as its path
         (inserted or matched by it, and held by it, so not evictable): the walk starts after them.
@@ -177,7 +191,7 @@ class RadixIndex:
                     anchor = self._split(anchor, i + 1)
                 node, pos = anchor, num_done * bs
         # only the last node a walk visits can be a leaf: it is touched (pushed) on every way out
-        for child, m, p in self._walk(tokens, end, node, pos):
+        for child, m, p in self._walk(tokens, end, node, pos, root):
             i0 = p // bs
             if child.pages[0][:m] != list(first[i0:i0 + m]):
                 self._touch(child, now)
@@ -198,7 +212,7 @@ class RadixIndex:
         if hashes is not None:
             new_hashes = array("q", hashes[lo:num_blocks])
         else:
-            prev = node.hashes[-1] if node.hashes else 0
+            prev = node.hashes[-1] if node.hashes else root
             new_hashes = array("q")
             for p in range(pos, end, bs):
                 prev = block_hash(prev, tokens[p:p + bs])
@@ -210,7 +224,7 @@ class RadixIndex:
                 mine.extend(new)
             leaf = node
         else:
-            key = self._key(tokens, pos)
+            key = self._child_key(node, tokens, pos, root)
             leaf = RadixNode(array("q", tokens[pos:end]), new_hashes, new_pages, node, key)
             node.children[key] = leaf
             self.num_nodes += 1
@@ -384,8 +398,10 @@ class RadixIndex:
             num_nodes += 1
             assert n.num_blocks, f"empty non-root node with tokens {n.tokens[:8]}"
             assert len(n.tokens) == n.num_blocks * bs, f"node tokens {len(n.tokens)} != {n.num_blocks} blocks"
-            assert n.key == tuple(n.tokens[:bs]), f"node key {n.key} != its first block {n.tokens[:bs]}"
-            prev = n.parent.hashes[-1] if n.parent.hashes else 0
+            root = self._root_of(n) if n.parent is self.root else 0
+            assert n.key[-bs:] == tuple(n.tokens[:bs]) and (len(n.key) == bs or root), \
+                f"node key {n.key} != its first block {n.tokens[:bs]}"
+            prev = n.parent.hashes[-1] if n.parent.hashes else root
             for i, h in enumerate(n.hashes):
                 prev = block_hash(prev, n.tokens[i * bs:(i + 1) * bs])
                 assert h == prev, f"node {n.tokens[:8]}: block {i}'s hash is stale"

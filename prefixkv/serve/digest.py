@@ -3,7 +3,8 @@ no Ray).
 
 A replica publishes its ``KVCacheCoordinator.cache_digest()``: the chain hash (``kv.hashing.block_hash``)
 of every full block it holds, with its tier. A request's prompt token ids hash into the same chain,
-block by block; the blocks a replica can serve from cache are the longest run of leading hashes
+block by block (from the root of its cache salt and partition, as in the engine, so a request
+matches only its own tenant's blocks); the blocks a replica can serve from cache are the longest run of leading hashes
 found in its digest. As in the engine, the block holding the prompt's last token never counts (that
 token is always computed).
 """
@@ -17,9 +18,10 @@ from prefixkv.kv.keys import hash_blocks
 from prefixkv.kv.tiers import TIER_DEVICE
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The chain hashes of the prompt's full blocks that a prefix hit can cover."""
-    return hash_blocks(token_ids, [], (len(token_ids) - 1) // block_size, block_size)
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, root: int = 0) -> list[int]:
+    """The chain hashes of the prompt's full blocks that a prefix hit can cover, from ``root``
+    (``kv.keys.cache_root`` of its salt and partition, as the engine's ``Request.cache_root``)."""
+    return hash_blocks(token_ids, [], (len(token_ids) - 1) // block_size, block_size, root)
 
 
 class PrefixMatch(NamedTuple):

@@ -296,8 +296,7 @@ class OpenAIIngress:
 
     async def _route(self, api: OpenAIServing, request: Request, t0: float) -> Response:
         path, method = request.url.path, request.method
-        if api.needs_key(path):
-            api.check_key(request.headers.get("authorization"), request.headers.get("x-api-key"))
+        api.authenticate(path, request.headers.get("authorization"), request.headers.get("x-api-key"))
         name = _ROUTES.get((method, path))
         model = _MODEL_ROUTE.fullmatch(path)
         if name is None and model is not None and method == "GET":

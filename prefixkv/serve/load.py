@@ -46,7 +46,8 @@ def queue_state(engine: Any) -> dict[str, int]:
         total += n
         if i < MATCHED_WAITING:
             matched += n
-            uncached += n - sched.kv.match_prefix(r.token_ids, r.block_hashes, touch=False).num_tokens
+            uncached += n - sched.kv.match_prefix(r.token_ids, r.block_hashes, touch=False,
+                                                      root=r.cache_root).num_tokens
     pending += uncached + (round((total - matched) * uncached / matched) if matched else 0)
     return {"num_running": len(sched.running), "num_waiting": len(sched.waiting), "num_prefill_tokens": pending}
 

@@ -93,6 +93,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from prefixkv.kv.keys import cache_root
 from prefixkv.serve import registry
 from prefixkv.serve.digest import PrefixMatch, match_digest, prompt_block_hashes
 from prefixkv.serve.load import ReplicaLoad
@@ -109,9 +110,10 @@ SPEEDS = ("deployment", "replica")  # whose measured speeds weigh a replica: the
 def routing_keys(req: ReplicaRequest, block_size: int) -> list[int]:
     """The keys a request is matched by against the replicas' digests and the prompts routed
     before it: the chain hashes of its prompt's full blocks (``digest.prompt_block_hashes``, the
-    radix index's). The one place where a cache partition or salt joins them (the replicas'
-    digests must then be keyed the same way)."""
-    return prompt_block_hashes(req.prompt_token_ids, block_size)
+    radix index's), from the root of its cache salt and partition (``kv.keys.cache_root``, the
+    engine's ``Request.cache_root``): a request matches only blocks its own tenant cached."""
+    p = req.params
+    return prompt_block_hashes(req.prompt_token_ids, block_size, cache_root(p.cache_salt, p.cache_partition))
 
 
 def _block_size(replicas: list[RunningReplica]) -> int:

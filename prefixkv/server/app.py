@@ -111,8 +111,7 @@ class _AioServer:
 
     @web.middleware
     async def auth_middleware(self, request: web.Request, handler) -> web.StreamResponse:
-        if self.api.needs_key(request.path):
-            self.api.check_key(request.headers.get("Authorization"), request.headers.get("x-api-key"))
+        self.api.authenticate(request.path, request.headers.get("Authorization"), request.headers.get("x-api-key"))
         return await handler(request)
 
     # ------------------------------------------------------------------ transport

@@ -188,6 +188,15 @@ class ServerMetrics:
                                      registry=r)
         self.generation_tokens = Counter("prefixkv_generation_tokens", "Generated tokens of finished requests.",
                                          registry=r)
+        # per cache partition (``--cache-isolation api-key``): labelled by the key's index, never the key
+        self.partition_requests = Counter("prefixkv_partition_requests", "Finished requests per cache partition.",
+                                          ["partition"], registry=r)
+        self.partition_prompt_tokens = Counter("prefixkv_partition_prompt_tokens",
+                                               "Prompt tokens of finished requests per cache partition.",
+                                               ["partition"], registry=r)
+        self.partition_cached_tokens = Counter("prefixkv_partition_prefix_cache_hit_tokens",
+                                               "Prompt tokens found in the prefix cache, per cache partition.",
+                                               ["partition"], registry=r)
         self.collectors: list[Collector] = []  # read at scrape time (not the process-local metrics)
         self.register(_EngineCollector(stats, model_name))
 
@@ -217,6 +226,12 @@ class ServerMetrics:
         self.vllm_generation_tokens.labels(m).inc(num_output_tokens)
         for reason in finish_reasons:
             self.vllm_success.labels(m, reason).inc()
+
+    def observe_partition(self, partition: str, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """One finished request of a cache partition (a label such as ``key0``, never a secret)."""
+        self.partition_requests.labels(partition).inc()
+        self.partition_prompt_tokens.labels(partition).inc(num_prompt_tokens)
+        self.partition_cached_tokens.labels(partition).inc(num_cached_tokens)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text. With several HTTP processes (``PROMETHEUS_MULTIPROC_DIR`` set, see

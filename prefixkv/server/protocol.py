@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from msgspec import Struct
@@ -105,8 +105,13 @@ UNSUPPORTED_FIELDS = ("functions", "function_call", "guided_json",
 
 class ApiRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     """The base of every generation request (chat, completions, responses, messages): a field they
-    all share (``cache_salt``, a tenant) is declared here once and read where every request reaches
-    the engine, ``OpenAIServing.add_requests``."""
+    all share is declared here once and read where every request reaches the engine,
+    ``OpenAIServing.add_requests``.
+
+    ``cache_salt`` (vLLM's): requests share prefix-cache blocks only with requests of the same salt
+    (and, with ``--cache-isolation api-key``, of the same API key); a non-empty string."""
+
+    cache_salt: Annotated[str, msgspec.Meta(min_length=1)] | None = None
 
 
 # declared (as Any, default None) only to be refused by name

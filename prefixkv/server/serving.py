@@ -24,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import dataclasses
+import hashlib
 import hmac
 import logging
 import re
@@ -112,10 +114,17 @@ else:  # Python 3.10: the same contract, without Task.uncancel
             handle.cancel()
 
 
+CACHE_ISOLATIONS = ("none", "api-key")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     model_name: str
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # (no key in a log line or a traceback)
+    # more keys (``--api-key`` given again, ``--api-keys-file``): any one is accepted
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # "api-key": each key's requests share prefix-cache blocks only with that key's (``Tenant``)
+    cache_isolation: str = "none"
     max_body_bytes: int = 4 << 20
     request_timeout: float = 600.0  # seconds from arrival until the request is aborted
     # "hermes" | "llama3_json" | "auto" (the chat template's format, if recognised): tool_choice "auto"
@@ -140,6 +149,43 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes: must be positive, got {self.max_body_bytes}")
         if not self.request_timeout > 0:
             raise ValueError(f"request_timeout: must be positive, got {self.request_timeout}")
+        if self.cache_isolation not in CACHE_ISOLATIONS:
+            raise ValueError(f"cache_isolation: must be one of {', '.join(CACHE_ISOLATIONS)}, got "
+                             f"{self.cache_isolation!r}")
+        if any(not isinstance(k, str) or not k or k != k.strip() for k in self.keys):
+            raise ValueError("api_key: a key must be a non-empty string without surrounding whitespace")
+        if self.cache_isolation == "api-key" and not self.keys:
+            raise ValueError("cache_isolation: 'api-key' partitions the cache by API key, but no key is set "
+                             "(--api-key, --api-keys-file)")
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every accepted API key, each once, in the order given."""
+        return tuple(dict.fromkeys(([self.api_key] if self.api_key else []) + list(self.api_keys)))
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Who a request authenticated as: its API key's ``index`` in ``ServerConfig.keys`` (a label
+    for metrics: never the key) and its cache ``partition``, a SHA-256 of the key (the same after
+    a restart, so the disk tier's files stay with their tenant; the key itself is nowhere in the
+    cache, the metrics or the logs)."""
+
+    index: int
+    partition: str
+
+    @classmethod
+    def of(cls, index: int, key: str) -> Tenant:
+        return cls(index, hashlib.sha256(b"prefixkv cache partition\0" + key.encode()).hexdigest())
+
+    @property
+    def label(self) -> str:
+        return f"key{self.index}"
+
+
+# the tenant of the request being handled: set by ``OpenAIServing.authenticate`` (the transports
+# call it first, in the task that then runs the route), read by ``add_requests`` and ``observe``
+_TENANT: contextvars.ContextVar[Tenant | None] = contextvars.ContextVar("prefixkv_tenant", default=None)
 
 
 async def read_body(chunks: AsyncIterator[bytes], content_length: int | None, limit: int, deadline: float) -> bytes:
@@ -567,7 +613,8 @@ class OpenAIServing:
         self.token_text = TokenTexts(engine.tokenizer)
         self.max_model_len = engine.info.max_model_len
         self.created = int(time.time())
-        self._expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self._tenants = [(f"Bearer {key}".encode(), Tenant.of(i, key)) for i, key in enumerate(config.keys)]
+        self.isolate = config.cache_isolation == "api-key"
         # chat templates and tokenization of (possibly huge) prompts: off the engine thread and off
         # the event loop
         self.tokenizer = engine.tokenizer
@@ -590,17 +637,29 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ access
     def needs_key(self, path: str) -> bool:
-        return self._expected_auth is not None and (path == "/v1" or path.startswith("/v1/")
-                                                    or path in ("/tokenize", "/detokenize"))
+        return bool(self._tenants) and (path == "/v1" or path.startswith("/v1/")
+                                        or path in ("/tokenize", "/detokenize"))
 
-    def check_key(self, authorization: str | None, x_api_key: str | None = None) -> None:
-        """401 unless ``authorization`` is ``Bearer <the server's key>`` or ``x_api_key`` (the
-        ``x-api-key`` header, Anthropic's) is the key (constant-time compares)."""
-        expected = self._expected_auth or b""
-        if hmac.compare_digest((authorization or "").encode(), expected):
-            return
-        if x_api_key is not None and hmac.compare_digest(f"Bearer {x_api_key}".encode(), expected):
-            return
+    def authenticate(self, path: str, authorization: str | None, x_api_key: str | None = None) -> None:
+        """A request's credentials, before its route runs (in the same task): 401 where ``path``
+        needs a key and none of the server's is given; sets the request's tenant (None without keys
+        or on open paths), which ``add_requests`` partitions the prefix cache by."""
+        _TENANT.set(self.check_key(authorization, x_api_key) if self.needs_key(path) else None)
+
+    def check_key(self, authorization: str | None, x_api_key: str | None = None) -> Tenant:
+        """The tenant whose key ``authorization`` (``Bearer <key>``) or ``x_api_key`` (the
+        ``x-api-key`` header, Anthropic's) is, else 401. Every key is compared, in constant time,
+        so the time taken tells nothing of which key matched or how much of one did."""
+        given = [(authorization or "").encode()]
+        if x_api_key is not None:
+            given.append(f"Bearer {x_api_key}".encode())
+        found = None
+        for expected, tenant in self._tenants:
+            for g in given:
+                if hmac.compare_digest(g, expected) and found is None:
+                    found = tenant
+        if found is not None:
+            return found
         raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
@@ -912,9 +971,16 @@ class OpenAIServing:
                            retention: Retention | None = None) -> list[OutputStream]:
         """The one place where a request of any API (chat, completions, responses, messages) reaches
         the engine. ``req`` is the decoded request: fields every API shares (``ApiRequest``) are read
-        here. ``retention`` asks that the prompt's prefix stay cached (Anthropic's ``cache_control``,
+        here: ``cache_salt``, and the partition of the API key the request authenticated with
+        (``--cache-isolation api-key``; never anything the client names), which together choose the
+        prefix cache the request shares (``SamplingParams.cache_salt`` / ``cache_partition``).
+        ``retention`` asks that the prompt's prefix stay cached (Anthropic's ``cache_control``,
         a stored Responses conversation): the engine's prefix cache is LRU alone today, so the
         request is validated by its API and goes no further; an engine with retention takes it here."""
+        tenant = _TENANT.get() if self.isolate else None
+        if req.cache_salt is not None or tenant is not None:
+            params = dataclasses.replace(params, cache_salt=req.cache_salt,
+                                         cache_partition=None if tenant is None else tenant.partition)
         return await self.engine.add_requests(requests, params)
 
     async def render_chat(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None,
@@ -961,6 +1027,10 @@ class OpenAIServing:
         steps = max((len(co.token_ids) for f in finals for co in f.outputs), default=0)
         self.metrics.observe_request(ttft, e2e, usage.prompt_tokens, usage.completion_tokens, steps,
                                      [co.finish_reason for f in finals for co in f.outputs if co.finish_reason])
+        tenant = _TENANT.get() if self.isolate else None
+        if tenant is not None:
+            self.metrics.observe_partition(tenant.label, usage.prompt_tokens,
+                                           sum(o.num_cached_tokens for o in finals))
         return usage
 
 
