@@ -20,18 +20,19 @@ def _page_gb(llm) -> float:
 
 
 @pytest.mark.parametrize("arch", TIERED)
-@pytest.mark.parametrize("tier", ["host", "disk"])
-def test_lower_tiers_are_invisible(request, arch, tier, tmp_path):
-    """Eight prompts in a small pool (48 blocks; 16 where every layer is windowed), then each
+@pytest.mark.parametrize("tier,block_size,chunk", [("host", 4, 48), ("disk", 4, 48), ("host", 8, 20)])
+def test_lower_tiers_are_invisible(request, arch, tier, block_size, chunk, tmp_path):
+    """Eight prompts in a small pool (192 tokens; 64 where every layer is windowed), then each
     conversation's next turn alone, after the others evicted it: every group's pages (the windowed
     groups' too: their windows stay freed) went down to the host tier (or, under an 8-page host
     tier, to files) and come back. Token-identical to transformers' per-sequence generate; with the
-    disk tier, again after a restart on the same files."""
+    disk tier, again after a restart on the same files. Blocks of 4 tokens and 48-token steps, and
+    blocks of 8 with 20-token steps (prefill chunks that end inside a block)."""
     model_dir = request.getfixturevalue(arch)
     first = make_prompts(384, seed=1)[:8]
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    kw = dict(model=str(model_dir), dtype="float64", block_size=4, max_num_batched_tokens=48,
-              num_kv_blocks=16 if arch == "tiny_mistral_window" else 48)
+    kw = dict(model=str(model_dir), dtype="float64", block_size=block_size, max_num_batched_tokens=chunk,
+              num_kv_blocks=(16 if arch == "tiny_mistral_window" else 48) * 4 // block_size)
     gb = _page_gb(LLM(**kw))
     tiers_kw = (dict(kv_host_cache_gb=400 * gb) if tier == "host" else
                 dict(kv_host_cache_gb=8 * gb, kv_disk_cache_dir=str(tmp_path), kv_disk_cache_gb=2000 * gb))
