@@ -176,6 +176,15 @@ class KVCacheCoordinator:
         hashes = hash_blocks(token_ids, [] if hashes is None else hashes, n, self.block_size, root)
         self.retention.retain(hashes[:n], ttl_s)
 
+    def retention_stats(self) -> dict[str, int]:
+        """Retained blocks now (their TTLs checked first) and the retention counters."""
+        r = self.retention
+        r.expire()
+        host = self.lower.host if self.lower is not None else None
+        return {"num_kv_blocks_retained": r.num_blocks, "retention_lapsed": r.num_lapsed,
+                "retention_expired": r.num_expired,
+                "retained_blocks_evicted": r.num_evicted + (host.num_retained_pushed_out if host else 0)}
+
     # ------------------------------------------------------------------ tables
     def blocks_needed(self, seq_id: str, num_computed: int, num_new_tokens: int) -> int:
         tables = self.block_tables.get(seq_id)
