@@ -302,3 +302,27 @@ def test_retention_table_bound_refresh_release_and_expiry():
     t.check_integrity()
     with pytest.raises(ValueError, match="max_blocks"):
         RetentionTable(-1)
+
+
+def test_retention_fields_cross_the_engine_process_boundary_and_are_checked():
+    import argparse
+
+    from prefixkv.engine_args import EngineArgs, add_engine_args
+    from prefixkv.engine_core.messages import params_from_wire, params_to_wire
+
+    p = SamplingParams(kv_retention_ttl_s=60.0, kv_retention_tokens=32, cache_salt="s")
+    assert params_from_wire(params_to_wire(p)) == p
+    for kw, field in ((dict(kv_retention_ttl_s=0), "kv_retention_ttl_s"),
+                      (dict(kv_retention_ttl_s=float("nan")), "kv_retention_ttl_s"),
+                      (dict(kv_retention_ttl_s=True), "kv_retention_ttl_s"),
+                      (dict(kv_retention_ttl_s=10, kv_retention_tokens=0), "kv_retention_tokens"),
+                      (dict(kv_retention_tokens=8), "kv_retention_tokens")):
+        with pytest.raises(ValueError, match=f"^{field}:"):
+            SamplingParams(**kw)
+    for bad in (-0.1, 1.5, True):
+        with pytest.raises(ValueError, match="^max_retained_fraction:"):
+            CacheConfig(max_retained_fraction=bad)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--max-retained-fraction", "0.25"])
+    assert EngineArgs.from_cli_args(args).create_engine_config().cache.max_retained_fraction == 0.25
