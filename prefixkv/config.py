@@ -38,8 +38,14 @@ class CacheConfig:
     # advances (kv/groups.py); the host and disk tiers keep every group's pages alike. True keeps
     # every layer's KV for every block in one group (as for a model without windows), e.g. to compare.
     disable_hybrid_kv_cache_manager: bool = False
+    # At most this fraction of the pool's blocks can be retained (requests' kv_retention,
+    # kv/retention.py); past it the least recently used retentions lapse first.
+    max_retained_fraction: float = 0.5
 
     def __post_init__(self) -> None:
+        require(isinstance(self.max_retained_fraction, (int, float)) and not isinstance(self.max_retained_fraction, bool)
+                and 0.0 <= self.max_retained_fraction <= 1.0, "max_retained_fraction",
+                f"must be a number in [0, 1], got {self.max_retained_fraction!r}")
         require(isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
                  "block_size", f"must be an int in [1, 1024], got {self.block_size!r}")
         if self.num_kv_blocks is not None:

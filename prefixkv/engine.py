@@ -306,6 +306,7 @@ class LLMEngine:
             "prefix_queried_tokens": kv.num_queried_tokens,
             "prefix_hit_tokens": kv.num_hit_tokens,
             "prefix_host_hit_tokens": kv.num_lower_hit_tokens,
+            **kv.retention_stats(),
             **self.scheduler.tiers.stats(),
             **self.runner.tiers.stats(),
             "deferred_promotions": self.scheduler.num_deferred_promotions,

@@ -40,6 +40,7 @@ class EngineArgs:
     kv_host_cache_gb: float = 0.0
     kv_disk_cache_dir: str | None = None
     kv_disk_cache_gb: float = 0.0
+    max_retained_fraction: float = CacheConfig.max_retained_fraction
     # the scheduler (SchedulerConfig)
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     max_num_seqs: int = SchedulerConfig.max_num_seqs
@@ -75,7 +76,8 @@ class EngineArgs:
                               disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
                               host_cache_bytes=int(self.kv_host_cache_gb * _GIB),
                               disk_cache_dir=self.kv_disk_cache_dir,
-                              disk_cache_bytes=int(self.kv_disk_cache_gb * _GIB)),
+                              disk_cache_bytes=int(self.kv_disk_cache_gb * _GIB),
+                              max_retained_fraction=self.max_retained_fraction),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs,
                                       max_admitted_prefill_tokens=self.max_admitted_prefill_tokens,
@@ -117,6 +119,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-disk-cache-dir", default=None,
                    help="a directory for a KV tier under the host tier; it survives restarts (needs --kv-host-cache-gb)")
     g.add_argument("--kv-disk-cache-gb", type=float, default=d.kv_disk_cache_gb, help="GiB the disk tier may fill")
+    g.add_argument("--max-retained-fraction", type=float, default=d.max_retained_fraction,
+                   help="at most this fraction of the KV cache's blocks can be retained by requests that ask "
+                        "(kv_retention, Anthropic cache_control, stored Responses); past it the least recently "
+                        f"used retentions lapse first (default {d.max_retained_fraction})")
     g.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=_gib_to_bytes, default=None,
                    help="GiB for the KV cache when --num-kv-blocks is unset (default: 1 on cpu; on cuda what "
                         "--gpu-memory-utilization leaves)")

@@ -13,6 +13,8 @@ _MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+# The longest a prefix may be retained in the cache since its last use (a week; Anthropic's longest is 1 h).
+MAX_RETENTION_TTL_S = 7 * 24 * 3600.0
 # Temperatures below this are greedy (vLLM's rule): dividing logits by them under- or overflows.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -80,6 +82,10 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
     cache_salt: str | None = None
     cache_partition: str | None = None
+    # Keep the prompt's first kv_retention_tokens tokens (None: the whole prompt) in the prefix
+    # cache for kv_retention_ttl_s seconds since their last use (kv/retention.py); None: no retention.
+    kv_retention_ttl_s: float | None = None
+    kv_retention_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -133,6 +139,14 @@ class SamplingParams:
         for name in ("cache_salt", "cache_partition"):
             v = getattr(self, name)
             require(v is None or (isinstance(v, str) and v), name, f"must be a non-empty string or None, got {v!r}")
+        require(self.kv_retention_ttl_s is None or (_is_num(self.kv_retention_ttl_s)
+                                                    and 0 < self.kv_retention_ttl_s <= MAX_RETENTION_TTL_S),
+                "kv_retention_ttl_s", f"must be a number of seconds in (0, {MAX_RETENTION_TTL_S}] or None, "
+                f"got {self.kv_retention_ttl_s!r}")
+        require(self.kv_retention_tokens is None or (_is_int(self.kv_retention_tokens) and self.kv_retention_tokens >= 1),
+                "kv_retention_tokens", f"must be a positive int or None, got {self.kv_retention_tokens!r}")
+        require(self.kv_retention_tokens is None or self.kv_retention_ttl_s is not None, "kv_retention_tokens",
+                "needs kv_retention_ttl_s")
         if self.structured_outputs is not None:
             require(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
                     "must be a StructuredOutputsParams or a dict of its fields")

@@ -23,6 +23,8 @@ with one system prompt compute it once.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prefixkv.config import AUTO_ADMITTED_PREFILL_TOKENS, CacheConfig, SchedulerConfig
@@ -78,7 +80,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int | None = None, kv_windows: tuple[int | None, ...] = (None,),
-                 tiers: TierConnector | None = None) -> None:
+                 tiers: TierConnector | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
@@ -86,7 +88,8 @@ class Scheduler:
         self.tiers = tiers or TierConnector()
         # kv_windows: per KV cache group (kv/groups.py) its sliding window or None; counts are in pages
         self.kv = KVCacheCoordinator(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                     kv_windows, lower=self.tiers)
+                                     kv_windows, lower=self.tiers,
+                                     max_retained_fraction=cache_config.max_retained_fraction, clock=clock)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # seq_id -> live request
@@ -401,6 +404,10 @@ class Scheduler:
             req.num_cached_tokens = cached
             lower = len({r.index for r in hit.lower})
             self.kv.record_query(req.num_tokens, cached, lower * self.block_size)
+            p = req.sampling_params
+            if p.kv_retention_ttl_s is not None:
+                self.kv.retain(req.token_ids, p.kv_retention_tokens or req.num_prompt_tokens, p.kv_retention_ttl_s,
+                               req.block_hashes, req.cache_root)
         req.num_computed_tokens = cached
         self.kv.cache_blocks(req.seq_id, req.token_ids, cached + num_new, req.block_hashes, req.cache_root)
         req.status = RequestStatus.RUNNING

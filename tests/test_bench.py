@@ -173,3 +173,18 @@ def test_report_makes_the_summary_plots_from_the_recorded_json(tmp_path):
     # the summary's headline row is the recorded run's ratio
     latest = {r["stem"]: r for r in peer_runs(RESULTS_DIR) if r["commit"] == "0c1184f"}
     assert round(latest["shared-prefix-16x196-o32"]["over_vllm"], 2) == 1.39
+
+
+def test_retention_bench_at_tiny_sizes(tiny_llama, tmp_path):
+    """``python -m bench.retention``: the shared prompt's retained blocks survive the tenants' churn
+    (whose 6 prompts of 16 tokens, one at a time, fill the 48-token pool twice); without retention
+    nothing does."""
+    from bench.retention import main as retention_main
+
+    assert retention_main(["--model", str(tiny_llama), "--dtype", "float64", "--tenants", "6", "--rounds", "3",
+                           "--system-tokens", "32", "--question-tokens", "4", "--tenant-tokens", "16",
+                           "--device-blocks", "12", "--block-size", "4", "--max-num-seqs", "1", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("retention-*.json")
+    s = json.loads(path.read_text())["summary"]
+    assert s["no retention"]["hit_rate"] == 0
+    assert s["retention"]["hit_rate"] == round(24 / 36, 3)  # the bound: half the pool, 6 of its 9 blocks

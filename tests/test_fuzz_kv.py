@@ -31,7 +31,8 @@ def _test_case(machine: type[RuleBasedStateMachine]):
 class KVMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheCoordinator(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True)
+        self.now = 0.0  # the retention's clock (kv/retention.py)
+        self.kv = KVCacheCoordinator(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, clock=lambda: self.now)
         self.truth: dict[int, list[int | None]] = {}  # page id -> tokens its KV holds
         self.seqs: dict[str, list[int]] = {}  # seq id -> tokens computed (KV written)
         self.next_id = 0
@@ -119,14 +120,30 @@ class KVMachine(RuleBasedStateMachine):
         self.kv.free(seq)
         del self.seqs[seq]
 
+    def _unretained_evictable(self) -> int:
+        kv = self.kv
+        kv.retention.expire()
+        return sum(1 for p, key, _ in kv.cached_pages() if kv.pool.ref_cnt[p] == 1 and key[0] not in kv.retention)
+
     @rule(n=st.integers(1, NUM_BLOCKS))
     def evict(self, n):
         before = self.kv.pool.num_evictable
+        retained_evicted = self.kv.retention.num_evicted
         freed = self.kv.evict(n)
         # every evictable page is reachable (a cached unit goes with all its pages: n + groups - 1 at most)
         assert min(n, before) <= len(freed) <= min(before, n + len(self.kv.windows) - 1), (n, before, freed)
+        if self.kv.retention.num_evicted > retained_evicted:  # retained pages go only after all others
+            assert self._unretained_evictable() == 0
         for b in freed:
             self.truth.pop(b, None)
+
+    @rule(tokens=st.lists(TOKENS, min_size=1, max_size=12), ttl=st.sampled_from([1.0, 5.0]))
+    def retain(self, tokens, ttl):
+        self.kv.retain(tokens, len(tokens), ttl)
+
+    @rule(dt=st.sampled_from([0.5, 2.0, 10.0]))
+    def advance_clock(self, dt):
+        self.now += dt
 
     @rule(tokens=st.lists(TOKENS, min_size=1, max_size=12))
     def match(self, tokens):
@@ -166,7 +183,7 @@ class TieredKVMachine(KVMachine):
         super().__init__()
         self.tiers = TierConnector(self.HOST, self.DISK)
         self.kv = KVCacheCoordinator(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, windows=self.WINDOWS,
-                                     lower=self.tiers)
+                                     lower=self.tiers, clock=lambda: self.now)
         self.host_truth: dict[int, list[int | None]] = {}  # host slot -> tokens its KV holds
         self.files: dict[int, list[int | None]] = {}  # disk-tier key -> tokens its file holds
         self.gone: list[list[int]] = []  # tokens of freed sequences: prompts that come back
@@ -251,7 +268,8 @@ class GroupedKVMachine(KVMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheCoordinator(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, windows=self.WINDOWS)
+        self.kv = KVCacheCoordinator(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True, windows=self.WINDOWS,
+                                     clock=lambda: self.now)
 
 
 TestGroupedKVMachine = _test_case(GroupedKVMachine)

@@ -25,18 +25,22 @@ here (``num_blocks``, free, evictable, needed) is in pages.
 
 Eviction takes the oldest cached unit (a block's pages of one attention type) by the pool's LRU
 clock, a windowed one first on a tie; a lower tier, if any, gets a copy of every page evicted to
-make room (``TierConnector.save``).
+make room (``TierConnector.save``). Retained prefixes (``retain``, kv/retention.py) are spared
+while anything else can go; when only they are left, they go too (counted), so retention never
+changes whether an allocation succeeds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 from prefixkv.kv.block_pool import BlockPool
 from prefixkv.kv.keys import EvictedPage, LowerPage, PageKey, hash_blocks
 from prefixkv.kv.managers import FullAttentionManager, SlidingWindowManager, Tables
 from prefixkv.kv.radix import MatchResult, RadixIndex
+from prefixkv.kv.retention import RetentionTable
 from prefixkv.kv.tiers import TIER_DEVICE, TierConnector
 
 
@@ -55,7 +59,8 @@ class TableDelta(NamedTuple):
 
 class KVCacheCoordinator:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 windows: tuple[int | None, ...] = (None,), lower: TierConnector | None = None) -> None:
+                 windows: tuple[int | None, ...] = (None,), lower: TierConnector | None = None,
+                 max_retained_fraction: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.NULL = num_blocks  # the entry of a page given back before its window (the dummy page)
@@ -75,6 +80,10 @@ class KVCacheCoordinator:
         self._eviction_order = windowed + self.managers[:len(self.managers) - len(windowed)]
         self._owner_of_group_0 = next(m for m in self.managers if 0 in m.group_ids)
         self.lower = lower if lower is not None and lower.enabled and enable_prefix_caching else None
+        # retained prefixes: at most max_retained_fraction of the pool's blocks (a block: a page per group)
+        self.retention = RetentionTable(int(max_retained_fraction * num_blocks) // self.num_groups, clock)
+        if self.lower is not None:
+            self.lower.spare(self.retention)
         self.block_tables: dict[str, Tables] = {}
         self._dirty: dict[str, int] = {}  # seq_id -> first table index changed since it was last taken
         self._released: list[str] = []  # tables dropped since take_released
@@ -141,6 +150,11 @@ class KVCacheCoordinator:
             if end == e:
                 break
             e = end
+        if touch and e and self.retention:
+            # a hit refreshes the retained prefixes it covers; one that reaches the limit covers
+            # every full block of the tokens (the last one is recomputed only for its logits)
+            n = len(token_ids) // self.block_size if e == limit else e
+            self.retention.touch(hash_blocks(token_ids, hashes, n, self.block_size, root)[:n])
         blocks: list[list[int]] = [[] for _ in self.windows]
         lower_pages: list[LowerPage] = []
         for m, p in zip(self.managers, probes):
@@ -149,6 +163,27 @@ class KVCacheCoordinator:
                 blocks[g] = t
             lower_pages += refs
         return MatchResult(tuple(blocks), e * self.block_size, tuple(lower_pages))
+
+    # ------------------------------------------------------------------ retention
+    def retain(self, token_ids: Sequence[int], num_tokens: int, ttl_s: float, hashes: list[int] | None = None,
+               root: int = 0) -> None:
+        """Spare the full blocks of ``token_ids[:num_tokens]`` (in the chain of ``root``; ``hashes``:
+        the request's block hashes so far, extended here) from eviction until ``ttl_s`` seconds
+        have passed since their last use (kv/retention.py). Nothing without prefix caching."""
+        n = min(num_tokens, len(token_ids)) // self.block_size
+        if not self.enable_prefix_caching or n <= 0:
+            return
+        hashes = hash_blocks(token_ids, [] if hashes is None else hashes, n, self.block_size, root)
+        self.retention.retain(hashes[:n], ttl_s)
+
+    def retention_stats(self) -> dict[str, int]:
+        """Retained blocks now (their TTLs checked first) and the retention counters."""
+        r = self.retention
+        r.expire()
+        host = self.lower.host if self.lower is not None else None
+        return {"num_kv_blocks_retained": r.num_blocks, "retention_lapsed": r.num_lapsed,
+                "retention_expired": r.num_expired,
+                "retained_blocks_evicted": r.num_evicted + (host.num_retained_pushed_out if host else 0)}
 
     # ------------------------------------------------------------------ tables
     def blocks_needed(self, seq_id: str, num_computed: int, num_new_tokens: int) -> int:
@@ -332,13 +367,28 @@ class KVCacheCoordinator:
         return [e.page for e in self._evict(num_pages)]
 
     def _evict(self, num_pages: int, save: bool = True) -> list[EvictedPage]:
+        """Oldest first, sparing retained blocks while others can go (only when ``save``: a reset
+        drops everything); then, if still short, retained ones too (``RetentionTable.num_evicted``)."""
+        retention = self.retention
+        retention.expire()
+        spare = retention if save and retention else None
+        freed = self._evict_pass(num_pages, spare)
+        if spare is not None and len(freed) < num_pages:
+            more = self._evict_pass(num_pages - len(freed), None)
+            retention.num_evicted += sum(1 for e in more if e.key[0] in retention)
+            freed += more
+        if save and freed and self.lower is not None:
+            self.lower.save(freed)
+        return freed
+
+    def _evict_pass(self, num_pages: int, retained: RetentionTable | None) -> list[EvictedPage]:
         freed: list[EvictedPage] = []
         order = self._eviction_order
         try:
             while len(freed) < num_pages:
                 best, best_time = None, 0
                 for m in order:  # the oldest unit of any attention type; windowed ones first on a tie
-                    t = m.eviction_head()
+                    t = m.eviction_head(retained)
                     if t is not None and (best is None or t < best_time):
                         best, best_time = m, t
                 if best is None:
@@ -347,8 +397,6 @@ class KVCacheCoordinator:
         finally:
             for m in order:
                 m.end_eviction()
-        if save and freed and self.lower is not None:
-            self.lower.save(freed)
         return freed
 
     def reset_cache(self) -> int:
@@ -392,6 +440,7 @@ class KVCacheCoordinator:
         """free + evictable + in use == total; every ref count equals its holders (the request
         tables and the caches); each manager's own invariants; the lower tiers'."""
         self.pool.check_integrity()
+        self.retention.check_integrity()
         null = self.NULL
         for m in self.managers:
             m.check_integrity(self.block_tables, null)

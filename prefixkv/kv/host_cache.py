@@ -12,6 +12,11 @@ its slot again would put two copies on one slot). A slot read by a pending copy-
 until the step that reads it has run (``deliver`` when its step goes to the worker,
 ``release_delivered`` at the next schedule).
 
+Retained blocks (kv/retention.py: ``retained`` holds their hashes) are not pushed out while an
+entry that is not retained can go; a page that is not retained never pushes a retained one out (it
+is then not stored), a retained page pushes out the least recently used retained entry
+(``num_retained_pushed_out``).
+
 Each entry keeps its block's tokens and is matched only when they are equal too, so a hash
 collision can never put another prefix's KV under attention.
 """
@@ -19,6 +24,7 @@ collision can never put another prefix's KV under attention.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Container
 
 from prefixkv.kv.keys import PageKey
 
@@ -37,6 +43,8 @@ class HostBlockCache:
         self._fresh: set[PageKey] = set()
         self.num_stored = 0  # blocks written (copy-outs)
         self.num_loaded = 0  # blocks read back (copy-ins)
+        self.retained: Container[int] = ()  # block hashes spared while others can go
+        self.num_retained_pushed_out = 0
 
     @property
     def num_used(self) -> int:
@@ -57,9 +65,9 @@ class HostBlockCache:
             self._free.append(slot)
         pushed_out = None
         if not self._free:
-            old_key = next((k for k in self._entries if k not in self._fresh), None)  # least recently used
+            old_key = self._victim(key)
             if old_key is None:
-                return None, None  # every slot is in flight or written this step (or there are none)
+                return None, None  # every slot is in flight, written this step or retained (or there are none)
             slot, old_tokens = self._entries.pop(old_key)
             pushed_out = (old_key, slot, old_tokens)
             self._free.append(slot)
@@ -68,6 +76,25 @@ class HostBlockCache:
         self._fresh.add(key)
         self.num_stored += 1
         return slot, pushed_out
+
+    def _victim(self, key: PageKey) -> PageKey | None:
+        """The entry a new page's slot comes from: the least recently used one not written this
+        step and not retained; a retained page may push out a retained one."""
+        retained, fresh, entries = self.retained, self._fresh, self._entries
+        if not retained:
+            return next((k for k in entries if k not in fresh), None)
+        first_retained = None
+        for k in entries:
+            if k in fresh:
+                continue
+            if k[0] not in retained:
+                return k
+            if first_retained is None:
+                first_retained = k
+        if first_retained is not None and key[0] in retained:
+            self.num_retained_pushed_out += 1
+            return first_retained
+        return None
 
     def lookup(self, key: PageKey, tokens: tuple[int, ...]) -> int | None:
         """The slot holding this page (same key and same tokens), else None. Touches it."""

@@ -23,7 +23,7 @@ most e blocks this type can serve (from the device or, given ``holds``, from a l
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import NamedTuple
 
 from prefixkv.kv.block_pool import BlockPool
@@ -105,8 +105,8 @@ class FullAttentionManager:
         self.num_indexed[child_id] = self.num_indexed[parent_id]
 
     # eviction: the tree's one rule (least recently used leaf, tail block first)
-    def eviction_head(self) -> int | None:
-        return self.tree.eviction_head()
+    def eviction_head(self, retained: Container[int] | None = None) -> int | None:
+        return self.tree.eviction_head(retained)
 
     def evict_next(self) -> list[EvictedPage]:
         return self.tree.evict_next()
@@ -185,6 +185,7 @@ class SlidingWindowManager:
         self.win_start: dict[str, int] = {}  # per request: its first block not given back yet
         self.num_indexed: dict[str, int] = {}  # per request: blocks before this one were offered to the map
         self.version = 0
+        self._parked: list[tuple[int, int]] = []  # retained units the running eviction set aside
 
     @property
     def num_cached_pages(self) -> int:
@@ -266,8 +267,17 @@ class SlidingWindowManager:
         self.num_indexed[child_id] = self.num_indexed[parent_id]
 
     # eviction: the unit let go of longest ago
-    def eviction_head(self) -> int | None:
-        return next(iter(self._evictable.values()), None)
+    def eviction_head(self, retained: Container[int] | None = None) -> int | None:
+        """The clock stamp of the unit ``evict_next`` takes; units whose hash is in ``retained``
+        (kv/retention.py) are set aside until ``end_eviction``."""
+        q = self._evictable
+        if retained:
+            while q:
+                h = next(iter(q))
+                if h not in retained:
+                    break
+                self._parked.append((h, q.pop(h)))
+        return next(iter(q.values()), None)
 
     def evict_next(self) -> list[EvictedPage]:
         h, _ = self._evictable.popitem(last=False)
@@ -279,7 +289,12 @@ class SlidingWindowManager:
         return [EvictedPage(p, (h, g), unit.tokens) for p, g in zip(unit.pages, self.group_ids)]
 
     def end_eviction(self) -> None:
-        """(Nothing is set aside: every unit in the queue is evictable.)"""
+        """Put the units set aside back at the front of the queue, in their order."""
+        q = self._evictable
+        for h, stamp in reversed(self._parked):
+            q[h] = stamp
+            q.move_to_end(h, last=False)
+        self._parked.clear()
 
     def cached_pages(self):
         for h, unit in self.cached.items():

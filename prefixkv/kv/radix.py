@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from array import array
-from typing import NamedTuple, Sequence
+from typing import Container, NamedTuple, Sequence
 
 from prefixkv.kv.block_pool import BlockPool
 from prefixkv.kv.hashing import block_hash
@@ -272,9 +272,10 @@ class RadixIndex:
         self.end_eviction()
         return freed
 
-    def eviction_head(self) -> int | None:
+    def eviction_head(self, retained: Container[int] | None = None) -> int | None:
         """The LRU time of the block ``evict_next`` takes, or None if no block is evictable.
-        Leaves whose tail block is locked (a request holds it) are set aside until
+        Leaves whose tail block is locked (a request holds it), or whose tail block's hash is in
+        ``retained`` (kv/retention.py: then so are the node's other blocks), are set aside until
         ``end_eviction``, which every eviction pass ends with."""
         heap, ref_cnt = self._leaf_heap, self.pool.ref_cnt
         while heap:
@@ -283,7 +284,7 @@ class RadixIndex:
                 heapq.heappop(heap)  # removed, no longer a leaf, or touched since (a newer entry exists)
                 self.num_visits += 1
                 continue
-            if ref_cnt[node.pages[0][-1]] != 1:  # (a block's pages are held together)
+            if ref_cnt[node.pages[0][-1]] != 1 or (retained and node.hashes[-1] in retained):
                 heapq.heappop(heap)
                 self.num_visits += 1
                 self._parked.append(node)

@@ -37,7 +37,7 @@ Contracts (what each call may change; when a result is valid):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -134,6 +134,11 @@ class TierConnector:
                 self._plan.drops.extend(self.disk.add(key, tokens))
 
     # ------------------------------------------------------------------ the coordinator's calls
+    def spare(self, retained: Container[int]) -> None:
+        """The block hashes the host tier keeps while it can (kv/retention.py)."""
+        if self.host is not None:
+            self.host.retained = retained
+
     def holds(self, key: PageKey, tokens: tuple[int, ...]) -> bool:
         """Whether a lower tier has this page (same key and same tokens)."""
         return self.host.lookup(key, tokens) is not None or (self.disk is not None and self.disk.lookup(key, tokens))

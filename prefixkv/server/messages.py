@@ -20,8 +20,8 @@ system blocks and message blocks, or at the top level for the whole prompt) mark
 The usage reports what the prefix cache did: ``cache_read_input_tokens`` the prompt tokens read from
 it, ``cache_creation_input_tokens`` the marked prefix's other tokens (computed now and kept in the
 cache), ``input_tokens`` the rest; the three add up to the prompt (``count_tokens``). The marked
-prefix is asked to be retained for its TTL (``Retention``); with the LRU prefix cache of today that
-request stops at ``OpenAIServing.add_requests``.
+prefix is retained for its TTL since its last use (``Retention``; kv/retention.py: a hit refreshes it,
+and ``--max-retained-fraction`` bounds what all requests retain).
 
 Refused with a 400 naming the field: images and documents, server tools, ``thinking`` with a budget
 (the model thinks as its chat template says), ``output_config.effort``, ``container``, ``mcp_servers``,

@@ -119,6 +119,15 @@ _Unsupported = msgspec.defstruct("_Unsupported", [(f, Any, None) for f in UNSUPP
                                  forbid_unknown_fields=True, bases=(ApiRequest,))
 
 
+class KvRetention(Struct, kw_only=True, forbid_unknown_fields=True):
+    """``kv_retention`` (an extension, on chat and completions): keep the prompt's first
+    ``num_tokens`` tokens (default: the whole prompt) in the prefix cache for ``ttl_s`` seconds
+    since their last use (README "Retention"; ``SamplingParams.kv_retention_ttl_s``)."""
+
+    ttl_s: float
+    num_tokens: int | None = None
+
+
 class _SamplingRequest(_Unsupported, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by both endpoints. None (absent or null) means the default: SamplingParams' own."""
 
@@ -148,6 +157,7 @@ class _SamplingRequest(_Unsupported, kw_only=True, forbid_unknown_fields=True):
     include_stop_str_in_output: bool | None = None  # vLLM's
     bad_words: list[str] | None = None  # vLLM's
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, with this many top ones
+    kv_retention: KvRetention | None = None
 
     def unsupported_field(self) -> str | None:
         """The first declared-but-unsupported field the request sets (non-null), if any."""

@@ -17,8 +17,8 @@ response equals the non-streamed one.
 recently used dropped first), so ``previous_response_id`` continues the conversation: its prompt
 begins with the stored turn's prompt and reply, whose KV blocks the prefix cache holds (the usage's
 ``input_tokens_details.cached_tokens`` counts them). The stored conversation's prefix is asked to be
-retained (``Retention``, whole conversation, until dropped); with the LRU prefix cache of today that
-request stops at ``OpenAIServing.add_requests``. The store lives in the serving process (each Ray
+retained (``Retention``: the whole prompt, for ``serving.STORED_RETENTION_TTL_S`` since its last use,
+which a continuation refreshes; kv/retention.py). The store lives in the serving process (each Ray
 ingress replica has its own).
 
 Refused with a 400 naming the field: built-in tools (web search, file search, ...), ``background``,
@@ -181,7 +181,7 @@ class ResponseStore:
 
     def drop(self, response_id: str) -> bool:
         """Forget a response (deleted, or the least recently used beyond the bounds). Its
-        conversation's retention, once the engine retains prefixes, is released here."""
+        conversation's retention lapses with its TTL (``serving.STORED_RETENTION_TTL_S``)."""
         item = self._items.pop(response_id, None)
         if item is None:
             return False

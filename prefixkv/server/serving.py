@@ -589,7 +589,13 @@ class Retention:
     """A request that a prompt's prefix stay in the prefix cache (see ``OpenAIServing.add_requests``)."""
 
     num_tokens: int | None  # the prefix's length in tokens; None: the whole conversation
-    ttl_s: float | None  # None: until released (a stored response deleted or dropped)
+    ttl_s: float | None  # None: STORED_RETENTION_TTL_S (a stored Responses conversation)
+
+
+# A stored Responses conversation is retained this long since its last use (a continuation refreshes it).
+STORED_RETENTION_TTL_S = 3600.0
+# SamplingParams' retention fields -> the chat / completions field the client sent
+_RETENTION_ALIASES = {"kv_retention_ttl_s": "kv_retention.ttl_s", "kv_retention_tokens": "kv_retention.num_tokens"}
 
 
 def _usage(finals: list[RequestOutput]) -> Usage:
@@ -805,6 +811,9 @@ class OpenAIServing:
             value = getattr(req, name)
             if value is not None:
                 kw[name] = value
+        if req.kv_retention is not None:
+            kw["kv_retention_ttl_s"], kw["kv_retention_tokens"] = req.kv_retention.ttl_s, req.kv_retention.num_tokens
+            aliases = {**aliases, **_RETENTION_ALIASES}
         return self.sampling_params(kw, aliases)
 
     def sampling_params(self, kw: dict[str, Any], aliases: dict[str, str]) -> SamplingParams:
@@ -975,12 +984,16 @@ class OpenAIServing:
         (``--cache-isolation api-key``; never anything the client names), which together choose the
         prefix cache the request shares (``SamplingParams.cache_salt`` / ``cache_partition``).
         ``retention`` asks that the prompt's prefix stay cached (Anthropic's ``cache_control``,
-        a stored Responses conversation): the engine's prefix cache is LRU alone today, so the
-        request is validated by its API and goes no further; an engine with retention takes it here."""
+        a stored Responses conversation): it becomes the request's ``kv_retention_ttl_s`` /
+        ``kv_retention_tokens`` (chat and completions set those from their ``kv_retention``)."""
         tenant = _TENANT.get() if self.isolate else None
         if req.cache_salt is not None or tenant is not None:
             params = dataclasses.replace(params, cache_salt=req.cache_salt,
                                          cache_partition=None if tenant is None else tenant.partition)
+        if retention is not None:
+            params = dataclasses.replace(
+                params, kv_retention_ttl_s=STORED_RETENTION_TTL_S if retention.ttl_s is None else retention.ttl_s,
+                kv_retention_tokens=retention.num_tokens)
         return await self.engine.add_requests(requests, params)
 
     async def render_chat(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None,
