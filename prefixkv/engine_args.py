@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from prefixkv.config import CacheConfig, EngineConfig, SchedulerConfig
+from prefixkv.config import CacheConfig, EngineConfig, KVEventsConfig, SchedulerConfig
 
 _GIB = 1 << 30
 
@@ -40,6 +40,9 @@ class EngineArgs:
     kv_host_cache_gb: float = 0.0
     kv_disk_cache_dir: str | None = None
     kv_disk_cache_gb: float = 0.0
+    prefix_caching_hash_algo: str = CacheConfig.prefix_caching_hash_algo
+    # KV cache events: a KVEventsConfig, its fields as a dict, or --kv-events-config's JSON; None: off
+    kv_events_config: KVEventsConfig | dict | str | None = None
     # the scheduler (SchedulerConfig)
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     max_num_seqs: int = SchedulerConfig.max_num_seqs
@@ -75,7 +78,9 @@ class EngineArgs:
                               disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
                               host_cache_bytes=int(self.kv_host_cache_gb * _GIB),
                               disk_cache_dir=self.kv_disk_cache_dir,
-                              disk_cache_bytes=int(self.kv_disk_cache_gb * _GIB)),
+                              disk_cache_bytes=int(self.kv_disk_cache_gb * _GIB),
+                              prefix_caching_hash_algo=self.prefix_caching_hash_algo),
+            kv_events=kv_events_config(self.kv_events_config),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs,
                                       max_admitted_prefill_tokens=self.max_admitted_prefill_tokens,
@@ -85,6 +90,21 @@ class EngineArgs:
                                       prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
                                       speculative_disable_by_batch_size=self.speculative_disable_by_batch_size),
         )
+
+
+def kv_events_config(value: KVEventsConfig | dict | str | None) -> KVEventsConfig:
+    """``kv_events_config`` as given (``--kv-events-config``'s JSON, a dict, a config or None: off)."""
+    if value is None:
+        return KVEventsConfig()
+    if isinstance(value, KVEventsConfig):
+        return value
+    if isinstance(value, str):
+        return KVEventsConfig.from_cli(value)
+    if isinstance(value, dict):
+        import json
+
+        return KVEventsConfig.from_cli(json.dumps(value))
+    raise ValueError(f"kv_events_config: must be a JSON object, a dict or a KVEventsConfig, got {value!r}")
 
 
 def admitted_prefill_tokens(value: str) -> int | str | None:
@@ -117,6 +137,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-disk-cache-dir", default=None,
                    help="a directory for a KV tier under the host tier; it survives restarts (needs --kv-host-cache-gb)")
     g.add_argument("--kv-disk-cache-gb", type=float, default=d.kv_disk_cache_gb, help="GiB the disk tier may fill")
+    g.add_argument("--prefix-caching-hash-algo", default=d.prefix_caching_hash_algo,
+                   help="the block hashes KV events publish: builtin (the cache's own), or vLLM's sha256_cbor / "
+                        "sha256, their first parent from PYTHONHASHSEED (set it alike on the engine and the consumer)")
+    g.add_argument("--kv-events-config", default=None,
+                   help="KV cache events as vLLM's flag, a JSON object: e.g. '{\"enable_kv_cache_events\": true, "
+                        "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' (README: KV events)")
     g.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=_gib_to_bytes, default=None,
                    help="GiB for the KV cache when --num-kv-blocks is unset (default: 1 on cpu; on cuda what "
                         "--gpu-memory-utilization leaves)")
