@@ -170,11 +170,6 @@ class KVEventLog:
         self._held.clear()
         self._events.append(AllBlocksCleared())
 
-    @property
-    def num_held(self) -> int:
-        """Blocks some tier holds a page of, as published."""
-        return len(self._held)
-
     def take(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
         return events
