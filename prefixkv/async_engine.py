@@ -183,7 +183,7 @@ class AsyncEngine(StreamingClient):
         self._thread.join(timeout)
         if not self._thread.is_alive() and not self._flushed:
             self._flushed = True
-            self.engine.flush_kv_cache()
+            self.engine.shutdown()
 
     # ------------------------------------------------------------------ plumbing
     def _submit(self, fn: Callable[[], Any] | None) -> concurrent.futures.Future:

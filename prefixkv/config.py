@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from prefixkv.kv.hashing import HASH_ALGOS
 from prefixkv.validation import require
 
 SUPPORTED_DTYPES = ("auto", "float32", "float64", "float16", "bfloat16")
@@ -41,6 +42,10 @@ class CacheConfig:
     # At most this fraction of the pool's blocks can be retained (requests' kv_retention,
     # kv/retention.py); past it the least recently used retentions lapse first.
     max_retained_fraction: float = 0.5
+    # the block hashes KV events publish (kv/hashing.py): "builtin" (the chain every tier keys by),
+    # or vLLM's "sha256_cbor" / "sha256" (their first parent from PYTHONHASHSEED, as vLLM), so a
+    # consumer that hashes request tokens as vLLM does finds the blocks; the cache keys by "builtin"
+    prefix_caching_hash_algo: str = "builtin"
 
     def __post_init__(self) -> None:
         require(isinstance(self.max_retained_fraction, (int, float)) and not isinstance(self.max_retained_fraction, bool)
@@ -57,6 +62,8 @@ class CacheConfig:
                  f"must be >= 0, got {self.host_cache_bytes!r} bytes")
         require(isinstance(self.disk_cache_bytes, int) and self.disk_cache_bytes >= 0, "kv_disk_cache_gb",
                  f"must be >= 0, got {self.disk_cache_bytes!r} bytes")
+        require(self.prefix_caching_hash_algo in HASH_ALGOS, "prefix_caching_hash_algo",
+                f"must be one of {HASH_ALGOS}, got {self.prefix_caching_hash_algo!r}")
         if self.disk_cache_dir is not None:
             require(self.disk_cache_bytes > 0, "kv_disk_cache_gb", "must be > 0 with kv_disk_cache_dir")
             require(self.host_cache_bytes > 0, "kv_disk_cache_dir",
@@ -135,51 +142,6 @@ class SchedulerConfig:
         return self
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str | None = None  # None = the embedded SmolLM2-135M-Instruct
-    device: str = "cpu"
-    dtype: str = "auto"  # float32 on CPU; on CUDA the checkpoint's half dtype (else bfloat16)
-    max_model_len: int | None = None
-    seed: int = 0
-    enforce_eager: bool = False
-    attention_backend: str | None = None  # None = "cpu" on cpu, "cuda" on cuda
-    # CPU float32 GEMMs (model/linear.py): "c" (the engine's AVX-512 / AVX2 kernel on packed weights),
-    # "onednn" (oneDNN on prepacked weights), "torch" (F.linear, MKL); "auto": c, else onednn
-    cpu_linear: str = "auto"
-    # CPU: RoPE, residual-add + RMSNorm and SiLU-and-mul through the C kernels (prefixkv/cpu_ops.py)
-    fused_cpu_ops: bool = True
-    # every logit of a request bitwise the same whatever the batch, cache, chunking, preemption or
-    # speculation (CPU float32: the C GEMM, the C kernels, one attention routine per query token).
-    # None: on wherever the engine can make it so (it costs <= 3%: bench/RESULTS.md); True: required
-    batch_invariant: bool | None = None
-    # CUDA, when CacheConfig.num_kv_blocks is unset: the KV cache takes this fraction of the device's
-    # memory minus the weights and the profiled activation peak (as vLLM's --gpu-memory-utilization)
-    gpu_memory_utilization: float = 0.9
-    # request defaults: "auto" = the model's generation_config.json (temperature, top_p, top_k, min_p,
-    # repetition_penalty, max_new_tokens) for the fields a request leaves unset, as vLLM's
-    # --generation-config auto; "vllm" = SamplingParams' own defaults; or a directory holding one
-    generation_config: str = "auto"
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-
-    def __post_init__(self) -> None:
-        require(self.device in SUPPORTED_DEVICES, "device",
-                 f"must be one of {SUPPORTED_DEVICES}, got {self.device!r}")
-        require(self.dtype in SUPPORTED_DTYPES, "dtype",
-                 f"must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
-        require(self.dtype != "float64" or self.device == "cpu", "dtype", "float64 is supported on cpu only")
-        require(isinstance(self.gpu_memory_utilization, (int, float)) and 0.0 < self.gpu_memory_utilization <= 1.0,
-                 "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        require(self.batch_invariant is None or isinstance(self.batch_invariant, bool), "batch_invariant",
-                 f"must be a bool or None, got {self.batch_invariant!r}")
-        require(self.cpu_linear in ("auto", "c", "onednn", "torch"), "cpu_linear",
-                 f"must be one of ('auto', 'c', 'onednn', 'torch'), got {self.cpu_linear!r}")
-        if self.max_model_len is not None:
-            require(isinstance(self.max_model_len, int) and self.max_model_len >= 1,
-                     "max_model_len", f"must be a positive int, got {self.max_model_len!r}")
-
-
 KV_EVENT_PUBLISHERS = ("null", "zmq")
 ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -235,6 +197,57 @@ class KVEventsConfig:
         for name in obj:
             require(name in known, f"kv_events_config.{name}", f"unknown field (known: {known})")
         return cls(**obj)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None = the embedded SmolLM2-135M-Instruct
+    device: str = "cpu"
+    dtype: str = "auto"  # float32 on CPU; on CUDA the checkpoint's half dtype (else bfloat16)
+    max_model_len: int | None = None
+    seed: int = 0
+    enforce_eager: bool = False
+    attention_backend: str | None = None  # None = "cpu" on cpu, "cuda" on cuda
+    # CPU float32 GEMMs (model/linear.py): "c" (the engine's AVX-512 / AVX2 kernel on packed weights),
+    # "onednn" (oneDNN on prepacked weights), "torch" (F.linear, MKL); "auto": c, else onednn
+    cpu_linear: str = "auto"
+    # CPU: RoPE, residual-add + RMSNorm and SiLU-and-mul through the C kernels (prefixkv/cpu_ops.py)
+    fused_cpu_ops: bool = True
+    # every logit of a request bitwise the same whatever the batch, cache, chunking, preemption or
+    # speculation (CPU float32: the C GEMM, the C kernels, one attention routine per query token).
+    # None: on wherever the engine can make it so (it costs <= 3%: bench/RESULTS.md); True: required
+    batch_invariant: bool | None = None
+    # CUDA, when CacheConfig.num_kv_blocks is unset: the KV cache takes this fraction of the device's
+    # memory minus the weights and the profiled activation peak (as vLLM's --gpu-memory-utilization)
+    gpu_memory_utilization: float = 0.9
+    # request defaults: "auto" = the model's generation_config.json (temperature, top_p, top_k, min_p,
+    # repetition_penalty, max_new_tokens) for the fields a request leaves unset, as vLLM's
+    # --generation-config auto; "vllm" = SamplingParams' own defaults; or a directory holding one
+    generation_config: str = "auto"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # KV cache events for routers (kv_events.py, ``--kv-events-config``): off by default
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.kv_events, KVEventsConfig), "kv_events_config",
+                f"must be a KVEventsConfig, got {type(self.kv_events).__name__}")
+        require(self.device in SUPPORTED_DEVICES, "device",
+                 f"must be one of {SUPPORTED_DEVICES}, got {self.device!r}")
+        require(self.dtype in SUPPORTED_DTYPES, "dtype",
+                 f"must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        require(self.dtype != "float64" or self.device == "cpu", "dtype", "float64 is supported on cpu only")
+        require(isinstance(self.gpu_memory_utilization, (int, float)) and 0.0 < self.gpu_memory_utilization <= 1.0,
+                 "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        require(self.batch_invariant is None or isinstance(self.batch_invariant, bool), "batch_invariant",
+                 f"must be a bool or None, got {self.batch_invariant!r}")
+        require(self.cpu_linear in ("auto", "c", "onednn", "torch"), "cpu_linear",
+                 f"must be one of ('auto', 'c', 'onednn', 'torch'), got {self.cpu_linear!r}")
+        if self.max_model_len is not None:
+            require(isinstance(self.max_model_len, int) and self.max_model_len >= 1,
+                     "max_model_len", f"must be a positive int, got {self.max_model_len!r}")
+
+
 
 
 @dataclass

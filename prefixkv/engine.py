@@ -4,6 +4,7 @@ offline API, is in llm.py)."""
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import time
 from array import array
@@ -12,6 +13,8 @@ from typing import Any, Sequence
 from prefixkv.config import EngineConfig, RuntimeInfo
 from prefixkv.errors import EngineFatalError
 from prefixkv.kv import TierConnector
+from prefixkv.kv.events import KVEventLog
+from prefixkv.kv.hashing import BlockHasher
 from prefixkv.model.loader import resolve_model
 from prefixkv.output_processor import OutputProcessor, RequestState
 from prefixkv.outputs import CompletionOutput, RequestOutput
@@ -47,8 +50,18 @@ class LLMEngine:
         self.runner = runner = ModelRunner(config, self.model_path, eos)
         self.info = RuntimeInfo(num_kv_blocks=runner.num_pages, max_model_len=runner.max_model_len,
                                 eos_token_ids=eos, vocab_size=runner.vocab_size)
+        # KV events (kv/events.py, kv_events.py): the cache's changes, published once a step
+        self.kv_events: KVEventLog | None = None
+        self.kv_event_publisher = None
+        if config.kv_events.enable_kv_cache_events:
+            from prefixkv.kv_events import create_publisher
+
+            hasher = BlockHasher.create(config.cache.prefix_caching_hash_algo, os.environ.get("PYTHONHASHSEED"))
+            self.kv_events = KVEventLog(hasher, config.cache.block_size)
+            self.kv_event_publisher = create_publisher(config.kv_events, data_parallel_rank=0)
         self.scheduler = Scheduler(config.scheduler.for_device(config.device), config.cache, runner.num_pages,
-                                   runner.max_model_len, runner.kv_plan.windows, TierConnector.bound_to(runner.tiers))
+                                   runner.max_model_len, runner.kv_plan.windows, TierConnector.bound_to(runner.tiers),
+                                   events=self.kv_events)
         self.output = OutputProcessor(self.tokenizer, eos, runner.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer, runner.vocab_size)
         # SamplingParams fields -> the model's defaults, for what a request leaves unset (server, LLM)
@@ -76,6 +89,37 @@ class LLMEngine:
         self.runner.tiers.execute(plan)
         self.runner.tiers.flush()
         return len(plan.persists) + len(plan.spills)
+
+    def shutdown(self, flush: bool = True) -> int:
+        """A clean end: ``flush_kv_cache`` (unless ``flush`` is False: the cache is not trusted),
+        then the last KV events published and their publisher closed. Returns the pages flushed."""
+        try:
+            return self.flush_kv_cache() if flush else 0
+        finally:
+            self.publish_kv_events()
+            if self.kv_event_publisher is not None:
+                self.kv_event_publisher.shutdown()
+
+    def publish_kv_events(self) -> None:
+        """The KV events since the last call, as one batch (the engine calls it after every step)."""
+        if self.kv_events is not None:
+            events = self.kv_events.take()
+            if events:
+                self.kv_event_publisher.publish(events)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block, in every tier (files included), as vLLM's
+        ``reset_prefix_cache``: only while no request holds a block (False, nothing changed,
+        otherwise). KV events tell ``AllBlocksCleared``."""
+        kv = self.scheduler.kv
+        if self.has_unfinished() or kv.num_used_blocks:
+            return False
+        kv.reset_cache()
+        self.runner.tiers.execute(self.scheduler.tiers.clear())
+        if self.kv_events is not None:
+            self.kv_events.cleared()
+            self.publish_kv_events()
+        return True
 
     # ------------------------------------------------------------------ requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -177,7 +221,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduler step and one forward pass. Returns a RequestOutput for every request that
         produced something (deltas for streaming; ``finished`` when done). A request the step failed
-        for gets a finished output with ``error`` set, its blocks freed; the others go on."""
+        for gets a finished output with ``error`` set, its blocks freed; the others go on. The
+        step's KV events are published as one batch."""
+        if self.kv_events is None:
+            return self._step()
+        try:
+            return self._step()
+        finally:
+            self.publish_kv_events()
+
+    def _step(self) -> list[RequestOutput]:
         if self.dead is not None:
             raise EngineFatalError(f"the engine is dead after {type(self.dead).__name__}: {self.dead}")
         out = self.scheduler.schedule()

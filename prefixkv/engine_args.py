@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from prefixkv.config import CacheConfig, EngineConfig, SchedulerConfig
+from prefixkv.config import CacheConfig, EngineConfig, KVEventsConfig, SchedulerConfig
 
 _GIB = 1 << 30
 
@@ -41,6 +41,9 @@ class EngineArgs:
     kv_disk_cache_dir: str | None = None
     kv_disk_cache_gb: float = 0.0
     max_retained_fraction: float = CacheConfig.max_retained_fraction
+    prefix_caching_hash_algo: str = CacheConfig.prefix_caching_hash_algo
+    # KV cache events: a KVEventsConfig, its fields as a dict, or --kv-events-config's JSON; None: off
+    kv_events_config: KVEventsConfig | dict | str | None = None
     # the scheduler (SchedulerConfig)
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     max_num_seqs: int = SchedulerConfig.max_num_seqs
@@ -77,7 +80,9 @@ class EngineArgs:
                               host_cache_bytes=int(self.kv_host_cache_gb * _GIB),
                               disk_cache_dir=self.kv_disk_cache_dir,
                               disk_cache_bytes=int(self.kv_disk_cache_gb * _GIB),
-                              max_retained_fraction=self.max_retained_fraction),
+                              max_retained_fraction=self.max_retained_fraction,
+                              prefix_caching_hash_algo=self.prefix_caching_hash_algo),
+            kv_events=kv_events_config(self.kv_events_config),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs,
                                       max_admitted_prefill_tokens=self.max_admitted_prefill_tokens,
@@ -87,6 +92,21 @@ class EngineArgs:
                                       prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
                                       speculative_disable_by_batch_size=self.speculative_disable_by_batch_size),
         )
+
+
+def kv_events_config(value: KVEventsConfig | dict | str | None) -> KVEventsConfig:
+    """``kv_events_config`` as given (``--kv-events-config``'s JSON, a dict, a config or None: off)."""
+    if value is None:
+        return KVEventsConfig()
+    if isinstance(value, KVEventsConfig):
+        return value
+    if isinstance(value, str):
+        return KVEventsConfig.from_cli(value)
+    if isinstance(value, dict):
+        import json
+
+        return KVEventsConfig.from_cli(json.dumps(value))
+    raise ValueError(f"kv_events_config: must be a JSON object, a dict or a KVEventsConfig, got {value!r}")
 
 
 def admitted_prefill_tokens(value: str) -> int | str | None:
@@ -123,6 +143,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="at most this fraction of the KV cache's blocks can be retained by requests that ask "
                         "(kv_retention, Anthropic cache_control, stored Responses); past it the least recently "
                         f"used retentions lapse first (default {d.max_retained_fraction})")
+    g.add_argument("--prefix-caching-hash-algo", default=d.prefix_caching_hash_algo,
+                   help="the block hashes KV events publish: builtin (the cache's own), or vLLM's sha256_cbor / "
+                        "sha256, their first parent from PYTHONHASHSEED (set it alike on the engine and the consumer)")
+    g.add_argument("--kv-events-config", default=None,
+                   help="KV cache events as vLLM's flag, a JSON object: e.g. '{\"enable_kv_cache_events\": true, "
+                        "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' (README: KV events)")
     g.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=_gib_to_bytes, default=None,
                    help="GiB for the KV cache when --num-kv-blocks is unset (default: 1 on cpu; on cuda what "
                         "--gpu-memory-utilization leaves)")

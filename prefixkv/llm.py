@@ -34,8 +34,12 @@ class LLM:
 
     def close(self) -> None:
         """A clean shutdown: with a disk tier, every cached block is written there first (the next
-        ``LLM`` on the same directory finds them)."""
-        self.engine.flush_kv_cache()
+        ``LLM`` on the same directory finds them), and the KV event publisher closed."""
+        self.engine.shutdown()
+
+    def reset_prefix_cache(self) -> bool:
+        """``LLMEngine.reset_prefix_cache``: every cached block dropped, if no request holds one."""
+        return self.engine.reset_prefix_cache()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (vLLM's method); what

@@ -101,6 +101,12 @@ class Request:
                 and not p.bad_words and self.num_output_tokens >= p.min_tokens)
 
     @property
+    def cache_tenant(self) -> tuple[str | None, str | None]:
+        """(cache salt, cache partition): what its ``cache_root`` was made of (KV events tell the salt)."""
+        p = self.sampling_params
+        return p.cache_salt, p.cache_partition
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from prefixkv.config import AUTO_ADMITTED_PREFILL_TOKENS, CacheConfig, SchedulerConfig
 from prefixkv.kv import CopyOp, KVCacheCoordinator, MatchResult, TableDelta, TierConnector, TierPlan
+from prefixkv.kv.events import KVEventLog
 from prefixkv.request import Request, RequestStatus
 from prefixkv.spec_decode import NgramIndex
 
@@ -80,7 +81,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int | None = None, kv_windows: tuple[int | None, ...] = (None,),
-                 tiers: TierConnector | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 tiers: TierConnector | None = None, events: KVEventLog | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
@@ -88,7 +90,7 @@ class Scheduler:
         self.tiers = tiers or TierConnector()
         # kv_windows: per KV cache group (kv/groups.py) its sliding window or None; counts are in pages
         self.kv = KVCacheCoordinator(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                     kv_windows, lower=self.tiers,
+                                     kv_windows, lower=self.tiers, events=events,
                                      max_retained_fraction=cache_config.max_retained_fraction, clock=clock)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -184,7 +186,8 @@ class Scheduler:
             if ops:
                 copy_ops.extend(ops)
             end = computed + num_new
-            kv.cache_blocks(req.seq_id, req.token_ids, end, req.block_hashes, req.cache_root)
+            kv.cache_blocks(req.seq_id, req.token_ids, end, req.block_hashes, req.cache_root,
+                            *req.cache_tenant)
             samples = 0
             if end >= num_tokens:
                 samples = req.sampling_params.n if req.needs_fork else 1
@@ -409,7 +412,8 @@ class Scheduler:
                 self.kv.retain(req.token_ids, p.kv_retention_tokens or req.num_prompt_tokens, p.kv_retention_ttl_s,
                                req.block_hashes, req.cache_root)
         req.num_computed_tokens = cached
-        self.kv.cache_blocks(req.seq_id, req.token_ids, cached + num_new, req.block_hashes, req.cache_root)
+        self.kv.cache_blocks(req.seq_id, req.token_ids, cached + num_new, req.block_hashes, req.cache_root,
+                             *req.cache_tenant)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         self._match_cache.pop(req.seq_id, None)
@@ -472,7 +476,7 @@ class Scheduler:
             req.num_computed_tokens = sched.num_computed_tokens + len(toks)
             req.token_ids.extend(toks)
             self.kv.cache_blocks(req.seq_id, req.token_ids, req.num_computed_tokens, req.block_hashes,
-                                  req.cache_root)
+                                  req.cache_root, *req.cache_tenant)
             self.kv.trim(req.seq_id, req.num_tokens)  # blocks that held only rejected tokens
             self.num_accepted_tokens += len(toks) - 1
             changed.append(req)

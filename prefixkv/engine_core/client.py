@@ -285,7 +285,7 @@ class EngineCoreClient(StreamingClient):
 
     async def call(self, method: str, *args: Any) -> Any:
         """A utility of the core (``core.UTILITIES``: cache_summary, cache_digest, queue_state,
-        check_integrity, stats), run between two steps; its error is raised here."""
+        check_integrity, stats, reset_prefix_cache), run between two steps; its error is raised here."""
         self._check_alive()
         return await self._on_home(self._call, method, list(args))
 

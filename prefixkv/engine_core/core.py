@@ -14,8 +14,8 @@ steps.
 
 Ends:
 - ``Shutdown`` from the owning client, SIGTERM, or the parent process gone: every request is
-  aborted, the disk KV tier gets every cached block (``flush_kv_cache``: the next start finds
-  them), exit status 0.
+  aborted, the disk KV tier gets every cached block (``LLMEngine.shutdown``: the next start finds
+  them; the last KV events go out), exit status 0.
 - ``EngineFatalError`` from a step: every client gets ``Dead``, exit status 1 (the KV cache is
   not trusted, so not flushed).
 - A step that raises anything else fails its requests and the loop goes on (as ``AsyncEngine``).
@@ -62,6 +62,7 @@ UTILITIES: dict[str, Callable[..., Any]] = {
     "queue_state": lambda engine: queue_state(engine),
     "check_integrity": lambda engine: engine.check_integrity(),
     "stats": lambda engine: engine.stats(),
+    "reset_prefix_cache": lambda engine: engine.reset_prefix_cache(),
 }
 
 
@@ -352,13 +353,12 @@ class EngineCore:
         self._owner.clear()
         if self._grammar_pool is not None:
             self._grammar_pool.shutdown(wait=False, cancel_futures=True)
-        if flush:
-            try:
-                n = self.engine.flush_kv_cache()
-                if n:
-                    logger.info("engine core: %d cached blocks written to the disk tier", n)
-            except Exception:
-                logger.exception("engine core: writing the KV cache to disk failed")
+        try:
+            n = self.engine.shutdown(flush)
+            if n:
+                logger.info("engine core: %d cached blocks written to the disk tier", n)
+        except Exception:
+            logger.exception("engine core: writing the KV cache to disk failed")
         self._socket.close()
         self._ctx.term()
 

@@ -28,6 +28,10 @@ clock, a windowed one first on a tie; a lower tier, if any, gets a copy of every
 make room (``TierConnector.save``). Retained prefixes (``retain``, kv/retention.py) are spared
 while anything else can go; when only they are left, they go too (counted), so retention never
 changes whether an allocation succeeds.
+
+KV events (``events``, a ``KVEventLog``; None: off, and nothing here costs anything): a block the
+device caches is told as stored ("GPU", with its tokens and parent), one it evicts as removed;
+the lower tiers tell their own (kv/tiers.py).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 from prefixkv.kv.block_pool import BlockPool
+from prefixkv.kv.events import FULL_ATTENTION, MEDIUM_GPU, SLIDING_WINDOW, KVEventLog
+from prefixkv.kv.hashing import first_block_keys
 from prefixkv.kv.keys import EvictedPage, LowerPage, PageKey, hash_blocks
 from prefixkv.kv.managers import FullAttentionManager, SlidingWindowManager, Tables
 from prefixkv.kv.radix import MatchResult, RadixIndex
@@ -60,7 +66,8 @@ class TableDelta(NamedTuple):
 class KVCacheCoordinator:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  windows: tuple[int | None, ...] = (None,), lower: TierConnector | None = None,
-                 max_retained_fraction: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
+                 events: KVEventLog | None = None, max_retained_fraction: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.NULL = num_blocks  # the entry of a page given back before its window (the dummy page)
@@ -84,6 +91,9 @@ class KVCacheCoordinator:
         self.retention = RetentionTable(int(max_retained_fraction * num_blocks) // self.num_groups, clock)
         if self.lower is not None:
             self.lower.spare(self.retention)
+        self.events = events if enable_prefix_caching else None
+        if self.events is not None and self.lower is not None:
+            self.lower.attach_events(self.events)
         self.block_tables: dict[str, Tables] = {}
         self._dirty: dict[str, int] = {}  # seq_id -> first table index changed since it was last taken
         self._released: list[str] = []  # tables dropped since take_released
@@ -283,10 +293,11 @@ class KVCacheCoordinator:
             m.free_out_of_window(seq_id, self.block_tables[seq_id], num_computed)
 
     def cache_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed: int,
-                     hashes: list[int] | None = None, root: int = 0) -> None:
+                     hashes: list[int] | None = None, root: int = 0, cache_salt: str | None = None,
+                     partition: str | None = None) -> None:
         """Offer the caches the request's blocks that are full once ``num_computed`` tokens are
         computed. ``hashes``: its block hashes so far (``Request.block_hashes``, a chain from
-        ``root``: ``Request.cache_root``), extended here."""
+        ``root``: ``Request.cache_root``, of ``cache_salt`` and ``partition``), extended here."""
         if not self.enable_prefix_caching:
             return
         num_full = num_computed // self.block_size
@@ -294,8 +305,28 @@ class KVCacheCoordinator:
             return
         hashes = hash_blocks(token_ids, [] if hashes is None else hashes, num_full, self.block_size, root)
         tables = self.block_tables[seq_id]
+        events = self.events
         for m in self.managers:
-            m.cache(seq_id, tables, token_ids, hashes, num_full, root)
+            new = m.cache(seq_id, tables, token_ids, hashes, num_full, root)
+            if events is not None and new:
+                self._tell_cached(m, token_ids, hashes, new, cache_salt, partition)
+
+    def _tell_cached(self, m: FullAttentionManager | SlidingWindowManager, token_ids: Sequence[int],
+                     hashes: Sequence[int], new: Sequence[int], cache_salt: str | None, partition: str | None) -> None:
+        """KV events: the blocks ``new`` (ascending indices) that ``m`` just cached, a run of
+        consecutive ones per event, for each of its groups."""
+        hash_keys, extra_keys = first_block_keys(cache_salt, partition), first_block_keys(cache_salt)
+        kind, window = (SLIDING_WINDOW, m.window) if m.windowed else (FULL_ATTENTION, None)
+        runs, start = [], new[0]
+        for a, b in zip(new, new[1:]):
+            if b != a + 1:
+                runs.append((start, a + 1))
+                start = b
+        runs.append((start, new[-1] + 1))
+        for g in m.group_ids:
+            for lo, hi in runs:
+                self.events.cached(token_ids, hashes, lo, hi, hash_keys, extra_keys, group_idx=g,
+                                   kv_cache_spec_kind=kind, sliding_window=window)
 
     def extend(self, seq_id: str, num_tokens: int, reserve: int = 0) -> bool:
         """Append free pages (never evicting, leaving ``reserve`` free) until the tables cover
@@ -378,7 +409,13 @@ class KVCacheCoordinator:
             retention.num_evicted += sum(1 for e in more if e.key[0] in retention)
             freed += more
         if save and freed and self.lower is not None:
-            self.lower.save(freed)
+            self.lower.save(freed)  # (before the device's drop is told: the copies keep their hashes known)
+        if self.events is not None and freed:
+            by_group: dict[int, list[int]] = {}
+            for e in freed:
+                by_group.setdefault(e.key[1], []).append(e.key[0])
+            for g, hs in by_group.items():
+                self.events.dropped(hs, MEDIUM_GPU, g)
         return freed
 
     def _evict_pass(self, num_pages: int, retained: RetentionTable | None) -> list[EvictedPage]:

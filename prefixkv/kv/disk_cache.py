@@ -32,6 +32,10 @@ class DiskBlockIndex:
     def keys(self) -> list[PageKey]:
         return list(self._entries)
 
+    def entries(self) -> list[tuple[PageKey, tuple[int, ...]]]:
+        """(key, tokens) of every file, least recently used first."""
+        return list(self._entries.items())
+
     def __contains__(self, key: PageKey) -> bool:
         return key in self._entries
 

@@ -58,14 +58,88 @@ KVCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
 class KVEventLog:
-    """The events of one engine step, in the order the cache produced them. The cache calls
-    ``stored`` / ``removed`` / ``cleared`` with its own block hashes; the engine calls ``take``
-    once per step and hands the list to the publisher (``kv_events.EventPublisher.publish``)."""
+    """The events of one engine step, in the order the cache produced them; the engine calls
+    ``take`` once per step and hands the list to the publisher (``kv_events.EventPublisher.publish``).
+
+    ``stored`` / ``removed`` take hashes of ``hasher``'s chain. The cache, which keys every tier by
+    the builtin chain (kv/keys.py), calls ``cached`` / ``copied`` / ``dropped`` with its own hashes
+    instead: the log keeps, for every block some tier holds, its hash in ``hasher``'s chain (the
+    same int with "builtin"; for vLLM's algorithms computed from the request's tokens when the device
+    caches the block) and how many pages of it the tiers hold, and forgets it with the last.
+    A lower tier's copy of a block the log does not know (a file from an earlier run, with a
+    vLLM algorithm: its chain is not on disk) is not published."""
 
     def __init__(self, hasher: BlockHasher, block_size: int) -> None:
         self.hasher = hasher
         self.block_size = block_size
         self._events: list[KVCacheEvent] = []
+        self._held: dict[int, list] = {}  # cache hash -> [its hash in hasher's chain, pages the tiers hold]
+
+    # ------------------------------------------------------------------ the cache's calls (its own hashes)
+    def cached(self, token_ids: Sequence[int], hashes: Sequence[int], start: int, end: int,
+               hash_keys: ExtraKeys = None, extra_keys: ExtraKeys = None, medium: str = MEDIUM_GPU,
+               group_idx: int = 0, kv_cache_spec_kind: str = FULL_ATTENTION, sliding_window: int | None = None) -> None:
+        """A request's blocks ``start .. end - 1`` (``hashes``: the cache's chain of its blocks) are
+        now held in ``medium``. ``hash_keys``: what its first block was hashed with (salt and
+        partition, ``hashing.first_block_keys``); ``extra_keys``: what the event tells of them (the
+        salt alone: a partition is never published)."""
+        if end <= start:
+            return
+        bs, held, mine = self.block_size, self._held, self.hasher.algo == "builtin"
+        parent = None if start == 0 else self._chain(token_ids, hashes, start - 1, hash_keys)
+        out, p = [], parent
+        for i in range(start, end):
+            entry = held.get(hashes[i])
+            if entry is None:
+                x = hashes[i] if mine else self.hasher.hash_block(p, token_ids[i * bs:(i + 1) * bs],
+                                                                   hash_keys if i == 0 else None)
+                held[hashes[i]] = [x, 1]
+            else:
+                x = entry[0]
+                entry[1] += 1
+            out.append(x)
+            p = x
+        self.stored(out, parent, token_ids[start * bs:end * bs], medium, extra_keys, group_idx,
+                    kv_cache_spec_kind, sliding_window)
+
+    def _chain(self, token_ids: Sequence[int], hashes: Sequence[int], i: int, hash_keys: ExtraKeys) -> BlockHash:
+        """Block ``i``'s hash in the hasher's chain: known, or computed on from the last known one."""
+        if self.hasher.algo == "builtin":
+            return hashes[i]
+        j = i
+        while j >= 0 and hashes[j] not in self._held:
+            j -= 1
+        p = self._held[hashes[j]][0] if j >= 0 else None
+        bs = self.block_size
+        for k in range(j + 1, i + 1):
+            p = self.hasher.hash_block(p, token_ids[k * bs:(k + 1) * bs], hash_keys if k == 0 else None)
+        return p
+
+    def copied(self, block_hash: int, tokens: Sequence[int], medium: str, group_idx: int = 0) -> None:
+        """A lower tier now holds a copy of this block's page (its parent not told, as vLLM's
+        offloading events)."""
+        entry = self._held.get(block_hash)
+        if entry is None:
+            if self.hasher.algo != "builtin":
+                return  # its chain is unknown: not published
+            entry = self._held[block_hash] = [block_hash, 0]
+        entry[1] += 1
+        self.stored((entry[0],), None, tokens, medium, None, group_idx)
+
+    def dropped(self, block_hashes: Sequence[int], medium: str, group_idx: int = 0) -> None:
+        """``medium`` no longer holds these blocks' pages (of ``group_idx``)."""
+        held, out = self._held, []
+        for h in block_hashes:
+            entry = held.get(h)
+            if entry is None:
+                continue
+            out.append(entry[0])
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del held[h]
+        self.removed(out, medium, group_idx)
+
+    # ------------------------------------------------------------------ events in the hasher's chain
 
     def stored(self, block_hashes: Sequence[BlockHash], parent: BlockHash | None, token_ids: Sequence[int],
                medium: str = MEDIUM_GPU, first_keys: ExtraKeys = None, group_idx: int = 0,
@@ -92,6 +166,8 @@ class KVEventLog:
                                              group_idx))
 
     def cleared(self) -> None:
+        """Every tier let go of everything (``LLMEngine.reset_prefix_cache``)."""
+        self._held.clear()
         self._events.append(AllBlocksCleared())
 
     def take(self) -> list[KVCacheEvent]:

@@ -75,18 +75,21 @@ class FullAttentionManager:
         self.num_indexed[seq_id] = num_device
 
     def cache(self, seq_id: str, tables: Tables, token_ids: Sequence[int], hashes: list[int], num_full: int,
-              root: int = 0) -> None:
+              root: int = 0) -> range:
         """Insert the request's blocks that are full once ``num_full`` blocks are (``hashes``: their
         chain from ``root``): a path that stopped at a duplicate block (see RadixIndex.insert) stays
-        stopped, since the block before the new ones is then not the tree's."""
+        stopped, since the block before the new ones is then not the tree's. Returns the indices
+        of the blocks newly cached."""
         done = self.num_indexed[seq_id]
         if num_full <= done:
-            return
+            return range(0)
         first = tables[self.group_ids[0]]
+        n = 0
         if not done or self.pool.cached[first[done - 1]]:
-            self.tree.insert(token_ids, [tables[g] for g in self.group_ids], num_done=done, num_blocks=num_full,
-                             hashes=hashes, root=root)
+            n = self.tree.insert(token_ids, [tables[g] for g in self.group_ids], num_done=done, num_blocks=num_full,
+                                 hashes=hashes, root=root)
         self.num_indexed[seq_id] = num_full
+        return range(num_full - n, num_full)
 
     def free_out_of_window(self, seq_id: str, tables: Tables, num_computed: int) -> None:
         """(Nothing is out of a full-attention window.)"""
@@ -211,11 +214,13 @@ class SlidingWindowManager:
             self._evictable.pop(self._page_hash.get(first[i]), None)
 
     def cache(self, seq_id: str, tables: Tables, token_ids: Sequence[int], hashes: list[int], num_full: int,
-              root: int = 0) -> None:
+              root: int = 0) -> list[int]:
         """Offer the map the request's blocks that are full once ``num_full`` blocks are (those it
-        holds: in its window). A block the map already has (same hash) stays the map's."""
+        holds: in its window). A block the map already has (same hash) stays the map's. Returns
+        the indices of the blocks newly cached."""
         bs, null = self.block_size, self.pool.num_blocks
         first = tables[self.group_ids[0]]
+        new = []
         for i in range(self.num_indexed[seq_id], num_full):
             if first[i] == null or hashes[i] in self.cached:
                 continue
@@ -225,7 +230,9 @@ class SlidingWindowManager:
             self.cached[hashes[i]] = CachedUnit(pages, tuple(token_ids[i * bs:(i + 1) * bs]))
             self._page_hash[pages[0]] = hashes[i]
             self.version += 1
+            new.append(i)
         self.num_indexed[seq_id] = max(self.num_indexed[seq_id], num_full)
+        return new
 
     def free_out_of_window(self, seq_id: str, tables: Tables, num_computed: int) -> None:
         """Give back the pages that lie wholly before the window once ``num_computed`` tokens are

@@ -33,6 +33,10 @@ Contracts (what each call may change; when a result is valid):
   order ``TierWorker.execute`` documents; everything decided before it is in it.
 * ``reset`` follows a failed step: every host entry goes (their copies may not have run), and the
   files that step was to write (their contents unknown).
+
+KV events (``attach_events``): every page a tier takes or lets go of is told, the host tier's as
+"CPU", the disk tier's as "STORAGE" (kv/events.py); the files an earlier run left are told when
+the log is attached.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from prefixkv.kv.disk_cache import DiskBlockIndex
+from prefixkv.kv.events import MEDIUM_CPU, MEDIUM_STORAGE, KVEventLog
 from prefixkv.kv.host_cache import HostBlockCache
 from prefixkv.kv.keys import EvictedPage, LowerPage, PageKey
 
@@ -112,6 +117,7 @@ class TierConnector:
         self._plan = TierPlan()  # the step being scheduled
         self._loading: set[int] = set()  # device pages the step's plan loads into
         self.num_read_waits = 0  # admissions put off while a request's pages were read from files
+        self.events: KVEventLog | None = None  # KV events (attach_events); None: off
 
     @classmethod
     def bound_to(cls, worker: TierWorkerInfo) -> TierConnector:
@@ -133,6 +139,25 @@ class TierConnector:
             for key, tokens in worker.stored_pages():
                 self._plan.drops.extend(self.disk.add(key, tokens))
 
+    def attach_events(self, events: KVEventLog) -> None:
+        """Tell ``events`` of every page the tiers take or let go of from now on, and of the files
+        held now (an earlier run's)."""
+        self.events = events
+        if self.disk is not None:
+            for key, tokens in self.disk.entries():
+                events.copied(key[0], tokens, MEDIUM_STORAGE, key[1])
+
+    def _to_disk(self, key: PageKey, tokens: tuple[int, ...]) -> list[PageKey]:
+        """``disk.add``, told: the files that go for it are returned (for the plan's drops)."""
+        new = key not in self.disk
+        dropped = self.disk.add(key, tokens)
+        if self.events is not None:
+            if new:
+                self.events.copied(key[0], tokens, MEDIUM_STORAGE, key[1])
+            for k in dropped:
+                self.events.dropped((k[0],), MEDIUM_STORAGE, k[1])
+        return dropped
+
     # ------------------------------------------------------------------ the coordinator's calls
     def spare(self, retained: Container[int]) -> None:
         """The block hashes the host tier keeps while it can (kv/retention.py)."""
@@ -146,7 +171,7 @@ class TierConnector:
     def save(self, evicted: Sequence[EvictedPage]) -> None:
         """Pages the device evicts: each to a host slot (a spill first for the entry that slot
         held, unless its file exists)."""
-        plan, host, disk = self._plan, self.host, self.disk
+        plan, host, disk, events = self._plan, self.host, self.disk, self.events
         for e in evicted:
             slot, pushed_out = host.put(e.key, e.tokens)
             if pushed_out is not None and disk is not None and pushed_out[0] not in disk:
@@ -154,14 +179,23 @@ class TierConnector:
                 if key in plan.drops:  # dropped earlier this step: its new file must stay
                     plan.drops.remove(key)
                 plan.spills.append((old_slot, key, tokens))
-                plan.drops.extend(disk.add(key, tokens))
+                plan.drops.extend(self._to_disk(key, tokens))
+            if pushed_out is not None and events is not None:  # (after its file is told: its hash stays known)
+                events.dropped((pushed_out[0][0],), MEDIUM_CPU, pushed_out[0][1])
             if slot is not None:
                 plan.saves.append((e.page, slot))
+                if events is not None:
+                    events.copied(e.key[0], e.tokens, MEDIUM_CPU, e.key[1])
 
     def take(self, pages: Sequence[LowerPage]) -> list[tuple[bool, int | PageKey]]:
         """Reserve the sources of a hit's lower-tier pages: (True, host slot) or (False, key)."""
         host = self.host
-        return [(True, host.take(r.key)) if host.lookup_key(r.key) is not None else (False, r.key) for r in pages]
+        out = [(True, host.take(r.key)) if host.lookup_key(r.key) is not None else (False, r.key) for r in pages]
+        if self.events is not None:
+            for r, (from_host, _) in zip(pages, out):
+                if from_host:
+                    self.events.dropped((r.key[0],), MEDIUM_CPU, r.group)
+        return out
 
     def load(self, sources: Sequence[tuple[bool, int | PageKey]], pages: Sequence[int]) -> None:
         """Copy the taken sources into these device pages, before the step."""
@@ -224,7 +258,12 @@ class TierConnector:
 
     def _forget_failed(self) -> None:
         for key in self.reads.take_failed():
-            self.disk.remove(key)
+            self._remove_file(key)
+
+    def _remove_file(self, key: PageKey) -> None:
+        if self.events is not None and key in self.disk:
+            self.events.dropped((key[0],), MEDIUM_STORAGE, key[1])
+        self.disk.remove(key)
 
     def take_plan(self, deferred: list[Request]) -> TierPlan:
         """The step's copies, for the worker; the next step starts a new plan."""
@@ -238,10 +277,27 @@ class TierConnector:
         """After a failed step: every host entry goes, and the files that step was to write."""
         if self.host is None:
             return
+        if self.events is not None:
+            for key in self.host.keys():
+                self.events.dropped((key[0],), MEDIUM_CPU, key[1])
         self.host.clear()
         if self.disk is not None:
             for _, key, _ in failed.spills + failed.persists:
+                self._remove_file(key)
+
+    def clear(self) -> TierPlan:
+        """Forget every page of both tiers (``LLMEngine.reset_prefix_cache``, nothing running):
+        returns the plan that deletes the files. Tells no event: the caller tells that everything
+        is cleared."""
+        plan = TierPlan()
+        if self.host is None:
+            return plan
+        self.host.clear()
+        if self.disk is not None:
+            plan.drops = self.disk.keys()
+            for key in plan.drops:
                 self.disk.remove(key)
+        return plan
 
     def flush(self, cached_pages: Iterable[tuple[int, PageKey, tuple[int, ...]]]) -> TierPlan:
         """A plan that writes every cached page the disk tier lacks (on the device, then in the
@@ -252,11 +308,11 @@ class TierConnector:
         for page, key, tokens in cached_pages:
             if key not in self.disk:
                 plan.persists.append((page, key, tokens))
-                plan.drops.extend(self.disk.add(key, tokens))
+                plan.drops.extend(self._to_disk(key, tokens))
         for key, slot, tokens in self.host.entries():
             if key not in self.disk:
                 plan.spills.append((slot, key, tokens))
-                plan.drops.extend(self.disk.add(key, tokens))
+                plan.drops.extend(self._to_disk(key, tokens))
         return plan
 
     # ------------------------------------------------------------------ views
