@@ -57,6 +57,10 @@ def build_app(engine_config: EngineConfig | None = None, server_config: ServerCo
     engine_config = engine_config or EngineConfig()
     if router not in ROUTERS:
         raise ValueError(f"router: must be one of {', '.join(ROUTERS)}, got {router!r}")
+    if engine_config.kv_events is not None and engine_config.kv_events.enable_kv_cache_events:
+        # every replica would bind the same endpoint; per-replica endpoints are not built yet
+        raise ValueError("kv_events_config: KV events are published by a single engine (prefixkv serve without "
+                         "--replicas); with Ray replicas the router reads their cache digests")
     if autoscaling_config is None and num_replicas < 1:
         raise ValueError(f"replicas: must be >= 1, got {num_replicas}")
     if not routing_stats_period_s > 0:
