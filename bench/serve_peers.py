@@ -312,6 +312,15 @@ def cmd_http(args: argparse.Namespace, command: str) -> int:
            "output_tokens": args.output_tokens, "rounds": args.rounds, "runs": [], "loadavg_start": _loadavg()}
     servers: dict[str, Server] = {}
     cache: dict = {}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{args.stem or 'http-' + time.strftime('%Y%m%d-%H%M%S')}.json"
+
+    def save() -> None:  # after every run: a run cut off keeps what it measured
+        doc["loadavg_end"] = _loadavg()
+        doc["summary"] = summary(doc)
+        path.write_text(json.dumps(doc, indent=1))
+
     try:
         for name in systems:
             print(f"starting {name} ...", flush=True)
@@ -347,7 +356,10 @@ def cmd_http(args: argparse.Namespace, command: str) -> int:
                     ref = run["systems"].get("prefixkv", {}).get("generated_texts")
                     run["identical_to_prefixkv"] = {n: identical_fraction(ref, s.get("generated_texts"))
                                                     for n, s in run["systems"].items() if n != "prefixkv"}
+                    for res in run["systems"].values():  # the texts were compared; the JSON keeps the figures
+                        res.pop("generated_texts", None)
                     doc["runs"].append(run)
+                    save()
     finally:
         for name, srv in servers.items():
             code = srv.stop()
@@ -356,16 +368,8 @@ def cmd_http(args: argparse.Namespace, command: str) -> int:
             if isinstance(key, tuple) and key[0] == "vllm-offline":
                 value.teardown()
         shutil.rmtree(workdir, ignore_errors=True)
-    doc["loadavg_end"] = _loadavg()
-    doc["summary"] = summary(doc)
+    save()
     print_summary(doc)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{args.stem or 'http-' + time.strftime('%Y%m%d-%H%M%S')}.json"
-    for run in doc["runs"]:  # the texts were compared; the JSON keeps the figures
-        for res in run["systems"].values():
-            res.pop("generated_texts", None)
-    path.write_text(json.dumps(doc, indent=1))
     print(f"wrote {path}")
     return 0
 
