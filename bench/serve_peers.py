@@ -201,6 +201,19 @@ def multi_turn_prompts(w, model_dir: Path, cache: dict, key) -> list[list[int]]:
     return prompts
 
 
+def bench_serve_args(url: str, model_name: str, model_dir: Path, data: Path, num_prompts: int, concurrency: int,
+                     output_tokens: int, workdir: Path, result: str, seed: int) -> list[str]:
+    """``vllm bench serve``'s arguments for one run. Its custom dataset ignores the JSONL's
+    ``output_tokens`` unless ``--custom-output-len`` says so (its default, 256, overrides them)."""
+    return ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model_name,
+            "--tokenizer", str(model_dir), "--dataset-name", "custom", "--dataset-path", str(data),
+            "--custom-output-len", str(output_tokens), "--skip-chat-template", "--disable-shuffle",
+            "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
+            "--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--metric-percentiles", PERCENTILES, "--save-result", "--save-detailed", "--result-dir", str(workdir),
+            "--result-filename", result, "--seed", str(seed)]
+
+
 def run_load(server: Server, prompts: list[str], args: argparse.Namespace, concurrency: int, model_dir: Path,
              model_name: str, workdir: Path, tag: str) -> dict:
     """``vllm bench serve`` against ``server``: its result JSON (detailed: every output's text)."""
@@ -209,13 +222,9 @@ def run_load(server: Server, prompts: list[str], args: argparse.Namespace, concu
         for p in prompts:
             f.write(json.dumps({"prompt": p, "output_tokens": args.output_tokens}) + "\n")
     result = f"{tag}-{server.name}.json"
-    cmd = [vllm_python(), str(ROOT / "bench" / "vllm_bench_serve.py"), "--backend", "openai", "--base-url",
-           server.url, "--endpoint", "/v1/completions", "--model", model_name, "--tokenizer", str(model_dir),
-           "--dataset-name", "custom", "--dataset-path", str(data), "--skip-chat-template", "--disable-shuffle",
-           "--num-prompts", str(len(prompts)), "--max-concurrency", str(concurrency), "--request-rate", "inf",
-           "--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
-           "--metric-percentiles", PERCENTILES, "--save-result", "--save-detailed", "--result-dir", str(workdir),
-           "--result-filename", result, "--seed", str(args.seed)]
+    cmd = [vllm_python(), str(ROOT / "bench" / "vllm_bench_serve.py"),
+           *bench_serve_args(server.url, model_name, model_dir, data, len(prompts), concurrency,
+                             args.output_tokens, workdir, result, args.seed)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("PYTHONPATH", None)
     t0 = time.perf_counter()
@@ -225,10 +234,15 @@ def run_load(server: Server, prompts: list[str], args: argparse.Namespace, concu
                          f"{proc.stderr[-3000:]}")
     doc = json.loads((workdir / result).read_text())
     doc["wall_s"] = time.perf_counter() - t0
+    lens = doc.get("output_lens") or []
+    doc["output_len_mismatches"] = sum(n != args.output_tokens for n in lens)
+    if doc["output_len_mismatches"]:
+        print(f"{PROG}: {server.name}: {doc['output_len_mismatches']} of {len(lens)} outputs are not "
+              f"{args.output_tokens} tokens long", file=sys.stderr, flush=True)
     return doc
 
 
-SUMMARY_KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput", "mean_ttft_ms",
+SUMMARY_KEYS = ("completed", "failed", "output_len_mismatches", "duration", "request_throughput", "output_throughput", "mean_ttft_ms",
                 "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms",
                 "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms")
 
@@ -298,6 +312,15 @@ def cmd_http(args: argparse.Namespace, command: str) -> int:
            "output_tokens": args.output_tokens, "rounds": args.rounds, "runs": [], "loadavg_start": _loadavg()}
     servers: dict[str, Server] = {}
     cache: dict = {}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{args.stem or 'http-' + time.strftime('%Y%m%d-%H%M%S')}.json"
+
+    def save() -> None:  # after every run: a run cut off keeps what it measured
+        doc["loadavg_end"] = _loadavg()
+        doc["summary"] = summary(doc)
+        path.write_text(json.dumps(doc, indent=1))
+
     try:
         for name in systems:
             print(f"starting {name} ...", flush=True)
@@ -333,7 +356,10 @@ def cmd_http(args: argparse.Namespace, command: str) -> int:
                     ref = run["systems"].get("prefixkv", {}).get("generated_texts")
                     run["identical_to_prefixkv"] = {n: identical_fraction(ref, s.get("generated_texts"))
                                                     for n, s in run["systems"].items() if n != "prefixkv"}
+                    for res in run["systems"].values():  # the texts were compared; the JSON keeps the figures
+                        res.pop("generated_texts", None)
                     doc["runs"].append(run)
+                    save()
     finally:
         for name, srv in servers.items():
             code = srv.stop()
@@ -342,16 +368,8 @@ def cmd_http(args: argparse.Namespace, command: str) -> int:
             if isinstance(key, tuple) and key[0] == "vllm-offline":
                 value.teardown()
         shutil.rmtree(workdir, ignore_errors=True)
-    doc["loadavg_end"] = _loadavg()
-    doc["summary"] = summary(doc)
+    save()
     print_summary(doc)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{args.stem or 'http-' + time.strftime('%Y%m%d-%H%M%S')}.json"
-    for run in doc["runs"]:  # the texts were compared; the JSON keeps the figures
-        for res in run["systems"].values():
-            res.pop("generated_texts", None)
-    path.write_text(json.dumps(doc, indent=1))
     print(f"wrote {path}")
     return 0
 

