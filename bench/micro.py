@@ -600,6 +600,7 @@ def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: in
     eng.check_integrity_each_step = False
     eng.num_steps = eng.num_prefill_tokens = eng.num_decode_steps = 0
     eng.prefill_s = eng.decode_s = 0.0
+    eng.kv_events = None  # (no KV events: the step publishes none)
     eng.dead = None
     for parent in eng._parents.values():  # detokenize=False requests: no text work
         parent.params.detokenize = False
