@@ -273,13 +273,13 @@ def offline_prefixkv(model_dir: Path, token_prompts: list[list[int]], output_tok
 
 def offline_vllm(model_dir: Path, token_prompts: list[list[int]], output_tokens: int, max_num_seqs: int,
                  kv_gib: float, cache: dict) -> float:
-    from bench.systems import EngineArgs, VLLMSystem
+    from bench.systems import SystemArgs, VLLMSystem
     from bench.workloads import BenchRequest
 
     key = ("vllm-offline", max_num_seqs)
     system = cache.get(key)
     if system is None:
-        a = EngineArgs(model=str(model_dir), dtype="float32", block_size=32, max_num_seqs=max_num_seqs)
+        a = SystemArgs(model=str(model_dir), dtype="float32", block_size=32, max_num_seqs=max_num_seqs)
         system = cache[key] = VLLMSystem("vllm-b32", model_dir, a, 32)
         system.setup()
     system.reset()
