@@ -44,8 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def tiny_model(out: Path) -> Path:
-    """A 2-layer, 64-wide random Llama with SmolLM2's tokenizer (built once, kept under ``out``)."""
-    path = out / "ceiling-tiny-smollm2-vocab"
+    """A 2-layer, 128-wide random Llama with SmolLM2's tokenizer (built once, kept under ``out``: the
+    cache directory, never the results);
+    head_dim 64: vLLM's CPU attention takes no head_dim 16 ("Unsupported CPU attention configuration")."""
+    path = out / "ceiling-tiny-smollm2-vocab-d64"
     if (path / "config.json").is_file():
         return path
     import torch
@@ -56,8 +58,8 @@ def tiny_model(out: Path) -> Path:
     src = resolve_model(None)
     tmp = Path(tempfile.mkdtemp(prefix=".ceiling-", dir=out))
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, torch_dtype="float32")
     LlamaForCausalLM(cfg).save_pretrained(tmp)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -83,7 +85,9 @@ def cmd_ceiling(args: argparse.Namespace, command: str) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = tiny_model(out)
+    from prefixkv.cache_dir import cache_root
+
+    model_dir = tiny_model(cache_root())
     tokenizer = Tokenizer.from_pretrained(str(model_dir))
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     streams = [int(s) for s in args.streams.split(",") if s.strip()]
