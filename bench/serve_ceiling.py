@@ -56,6 +56,7 @@ def tiny_model(out: Path) -> Path:
     from prefixkv.model.loader import resolve_model
 
     src = resolve_model(None)
+    out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".ceiling-", dir=out))
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
