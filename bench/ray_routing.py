@@ -130,10 +130,10 @@ async def _wait_up(base: str, replicas: int, timeout: float) -> None:
     import aiohttp
 
     end = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession() as http:
         while time.monotonic() < end:
             try:
-                async with session.get(base + "/health") as r:
+                async with http.get(base + "/health") as r:
                     if r.status == 200 and len((await r.json()).get("replicas", {})) >= replicas:
                         return
             except aiohttp.ClientError:
@@ -156,9 +156,9 @@ async def _drive(base: str, traffic: list[Traffic], args: argparse.Namespace) ->
 
     docs = {}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=None)) as session:
+                                     timeout=aiohttp.ClientTimeout(total=None)) as http:
         for t in traffic:
-            run = await run_rate(session, base, "/v1/completions", t.bodies, t.rate, args, {})
+            run = await run_rate(http, base, "/v1/completions", t.bodies, t.rate, args, {})
             doc = summarize(run)
             doc["routed"] = sorted(_labelled_delta(run.metrics_before, run.metrics_after,
                                                    "prefixkv_replica_routed_requests_total").values(), reverse=True)

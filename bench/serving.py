@@ -172,14 +172,14 @@ class Result:
         return self.sent_s is not None and self.error is None
 
 
-async def send_one(session, url: str, body: dict, headers: dict, res: Result, t_rate: float,
+async def send_one(http, url: str, body: dict, headers: dict, res: Result, t_rate: float,
                    timeout_s: float) -> None:
     import aiohttp
 
     t0 = time.perf_counter()
     res.sent_s = t0 - t_rate
     try:
-        await asyncio.wait_for(_stream(session, url, body, headers, res, t0), timeout_s)
+        await asyncio.wait_for(_stream(http, url, body, headers, res, t0), timeout_s)
     except asyncio.TimeoutError:
         res.error = f"client timeout after {timeout_s:g} s"
     except aiohttp.ClientError as e:
@@ -188,9 +188,9 @@ async def send_one(session, url: str, body: dict, headers: dict, res: Result, t_
         res.error = f"malformed response: {type(e).__name__}: {e}"
 
 
-async def _stream(session, url: str, body: dict, headers: dict, res: Result, t0: float) -> None:
+async def _stream(http, url: str, body: dict, headers: dict, res: Result, t0: float) -> None:
     t_first = t_last = None
-    async with session.post(url, json=body, headers=headers) as resp:
+    async with http.post(url, json=body, headers=headers) as resp:
         res.status = resp.status
         if resp.status != 200:
             res.error = f"HTTP {resp.status}: {(await resp.read())[:200].decode('utf-8', 'replace')}"
@@ -251,12 +251,12 @@ class RateRun:
     metrics_after: dict = field(default_factory=dict)
 
 
-async def run_rate(session, base: str, path: str, bodies: list[tuple[Prompt, dict]], rate: float,
+async def run_rate(http, base: str, path: str, bodies: list[tuple[Prompt, dict]], rate: float,
                    args: argparse.Namespace, headers: dict) -> RateRun:
     from tqdm import tqdm
 
     run = RateRun(rate)
-    run.metrics_before = await scrape(session, base)
+    run.metrics_before = await scrape(http, base)
     offsets = arrival_offsets(len(bodies), rate, args.seed)
     bar = tqdm(total=len(bodies), desc=f"serving rate {rate_label(rate)}/s", unit="req",
                disable=args.no_progress, leave=False, file=sys.stderr)
@@ -272,12 +272,12 @@ async def run_rate(session, base: str, path: str, bodies: list[tuple[Prompt, dic
         delay = t_rate + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        task = asyncio.create_task(send_one(session, base + path, body, headers, res, t_rate, args.request_timeout))
+        task = asyncio.create_task(send_one(http, base + path, body, headers, res, t_rate, args.request_timeout))
         task.add_done_callback(lambda _t: bar.update(1))
         tasks.append(task)
     await asyncio.gather(*tasks)
     bar.close()
-    _, run.metrics_after, _ = await drain(session, base, 30.0)  # a rate's aborted stragglers
+    _, run.metrics_after, _ = await drain(http, base, 30.0)  # a rate's aborted stragglers
     return run
 
 
@@ -344,13 +344,13 @@ async def run_all(base: str, args: argparse.Namespace, rates: list[float], bodie
     path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
     connector = aiohttp.TCPConnector(limit=args.num_requests + 8)
     info: dict = {}
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
-        await wait_health(session, base, 60, PROG)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
+        await wait_health(http, base, 60, PROG)
         t0 = time.perf_counter()
         warm = []
         for prompt, body in warmup:  # one at a time: each system prompt's KV ends up in the prefix cache
             r = Result(-1, prompt.group, 0.0)
-            await send_one(session, base + path, body, headers, r, time.perf_counter(), args.request_timeout)
+            await send_one(http, base + path, body, headers, r, time.perf_counter(), args.request_timeout)
             if r.error:
                 raise SystemExit(f"bench serving: the warm-up request failed: {r.error}")
             warm.append(dict(group=r.group, ttft_s=round(r.ttft_s, 4), latency_s=round(r.latency_s, 4),
@@ -358,7 +358,7 @@ async def run_all(base: str, args: argparse.Namespace, rates: list[float], bodie
         info["warmup"] = dict(requests=warm, seconds=round(time.perf_counter() - t0, 3))
         out = []
         for rate, rate_bodies in zip(rates, bodies):
-            run = await run_rate(session, base, path, rate_bodies, rate, args, headers)
+            run = await run_rate(http, base, path, rate_bodies, rate, args, headers)
             out.append(summarize(run))
             print(f"rate {rate_label(rate)}/s: " + row(out[-1], plain=True), file=sys.stderr, flush=True)
     return out, info

@@ -19,8 +19,8 @@ SELF = "tests/test_repository_text.py"  # names what it looks for
 
 WORK_WORD = "sess" + "ion"
 ORG_WORDS = re.compile("|".join([WORK_WORD, "hel" + "per"]), re.I)
-# the library senses of the first word: aiohttp's ClientSession, requests.Session, subprocess's
-# start_new_session, pytest's scope="session"
+# the library senses of the first word: aiohttp's and requests' client classes, subprocess's keyword
+# for a new process group, pytest's widest fixture scope
 LIBRARY_SENSE = re.compile(r"Client%s|requests\.%s|start_new_%s|scope=[\"']%s[\"']"
                            % ("Session", "Session", WORK_WORD, WORK_WORD))
 # numbered work periods: spelled ordinals from the eleventh on, and "-16th"-like name parts

@@ -2,7 +2,7 @@
 transformers and cupy): ``python tests/gpu/minirunner.py [--json OUT.json] [-k SUBSTR] [FILE ...]``.
 
 It installs a small stand-in ``pytest`` module covering what tests/gpu use -- ``mark.parametrize``
-(stacked), other marks as no-ops, ``fixture`` (``scope`` function, module or pytest's ``scope="session"``, ``params``,
+(stacked), other marks as no-ops, ``fixture`` (``scope`` function, module or the whole run, ``params``,
 ``autouse``, generator teardown, the built-ins ``request``, ``tmp_path``, ``tmp_path_factory``),
 ``skip`` (also module level), ``importorskip`` and ``raises(match=)`` -- then collects the
 ``test_*`` functions of each file, runs them in order and prints one line per test as it ends
