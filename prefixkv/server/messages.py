@@ -583,14 +583,10 @@ class MessagesServing:
                                    param="output_config.format")
                 so = {"json": oc.format.schema}
                 aliases["structured_outputs.json"] = "output_config.format.schema"
-        if tools is not None and tools.structured_outputs is not None:
-            if so is not None:
-                from prefixkv.server.serving import ApiError
+        from prefixkv.server.serving import constrain_to_tools
 
-                raise ApiError(400, "output_config.format: cannot be combined with tool_choice 'any' or 'tool'",
-                               param="output_config.format")
-            so = tools.structured_outputs
-            aliases.update({k: v.replace(".function.parameters", ".input_schema") for k, v in tools.aliases.items()})
+        so = constrain_to_tools(so, tools, aliases, "output_config.format", "tool_choice 'any' or 'tool'",
+                                lambda v: v.replace(".function.parameters", ".input_schema"))
         if so is not None:
             kw["structured_outputs"] = so
         params = self.api.sampling_params(kw, aliases)

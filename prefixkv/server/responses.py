@@ -528,7 +528,7 @@ class ResponsesServing:
         return out
 
     async def _plan(self, req: ResponsesRequest) -> _Plan:
-        from prefixkv.server.serving import ApiError
+        from prefixkv.server.serving import ApiError, constrain_to_tools
 
         api = self.api
         api._check_model(req.model)
@@ -556,13 +556,8 @@ class ResponsesServing:
         aliases = {"max_tokens": "max_output_tokens", "messages": "input"}
         kw: dict[str, Any] = dict(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
                                   output_kind="delta")
-        so = _format_constraint(req, aliases)
-        if tools is not None and tools.structured_outputs is not None:
-            if so is not None:
-                raise ApiError(400, "text.format: cannot be combined with tool_choice 'required' or a named function",
-                               param="text.format")
-            so = tools.structured_outputs
-            aliases.update({k: v.replace(".function.", ".") for k, v in tools.aliases.items()})
+        so = constrain_to_tools(_format_constraint(req, aliases), tools, aliases, "text.format",
+                                "tool_choice 'required' or a named function", lambda v: v.replace(".function.", "."))
         if so is not None:
             kw["structured_outputs"] = so
         params = api.sampling_params(kw, aliases)

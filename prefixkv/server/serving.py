@@ -603,6 +603,19 @@ def _usage(finals: list[RequestOutput]) -> Usage:
                       sum(o.num_cached_tokens for o in finals))
 
 
+def constrain_to_tools(so: dict | None, tools: ToolPlan | None, aliases: dict[str, str], field: str, choices: str,
+                       rename: Callable[[str], str] = lambda name: name) -> dict | None:
+    """The structured outputs of a reply: the format's (``so``, from ``field``), or, when the reply
+    must be tool calls (``choices``), the tools' grammar, its field names ``rename``d into the API's
+    for the errors it may raise; both at once is a 400 naming ``field``. Every API's one rule."""
+    if tools is None or tools.structured_outputs is None:
+        return so
+    if so is not None:
+        raise ApiError(400, f"{field}: cannot be combined with {choices}", param=field)
+    aliases.update({k: rename(v) for k, v in tools.aliases.items()})
+    return tools.structured_outputs
+
+
 # ---------------------------------------------------------------------- the API
 class OpenAIServing:
     """The routes' logic. ``t0`` (the request's arrival, ``loop.time()``) starts its timeout and its
@@ -789,14 +802,9 @@ class OpenAIServing:
             raise ApiError(400, "prompt_logprobs: is not supported with stream (ask without streaming)",
                            param="prompt_logprobs")
         kw: dict[str, Any] = dict(max_tokens=max_tokens, stop=req.stop, logprobs=logprobs, output_kind="delta")
-        so = self._structured_outputs(req, aliases)
-        if tools is not None and tools.structured_outputs is not None:  # the reply must be the tool call(s)
-            if so is not None:
-                name = "response_format" if req.response_format is not None else "structured_outputs"
-                raise ApiError(400, f"{name}: cannot be combined with tool_choice 'required' or a named function",
-                               param=name)
-            so = tools.structured_outputs
-            aliases.update(tools.aliases)
+        so = constrain_to_tools(self._structured_outputs(req, aliases), tools, aliases,
+                                "response_format" if req.response_format is not None else "structured_outputs",
+                                "tool_choice 'required' or a named function")
         if so is not None:
             kw["structured_outputs"] = so
         if req.logit_bias is not None:
