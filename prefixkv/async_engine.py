@@ -121,6 +121,14 @@ class AsyncEngine(StreamingClient):
         """``serve.load.queue_state`` (the queues and the prompt tokens left to compute), between steps."""
         return await self.run(queue_state)
 
+    async def release_retention(self, handle: str) -> bool:
+        """``LLMEngine.release_retention``, on the engine thread between steps."""
+        return await self.run(lambda e: e.release_retention(handle))
+
+    async def reset_prefix_cache(self) -> bool:
+        """``LLMEngine.reset_prefix_cache`` (False while requests run), on the engine thread between steps."""
+        return await self.run(lambda e: e.reset_prefix_cache())
+
     async def run(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps; returns its result or raises its
         exception. Use it for tokenizer work (chat templates) so the tokenizer has one user."""

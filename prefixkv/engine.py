@@ -121,6 +121,13 @@ class LLMEngine:
             self.publish_kv_events()
         return True
 
+    def release_retention(self, handle: str) -> bool:
+        """Let go of the retention requests asked for under ``handle``
+        (``SamplingParams.kv_retention_handle``) before its TTL: its blocks stay cached, evicted
+        by recency, unless another retention still covers them (kv/retention.py). False if
+        ``handle`` holds none (a request still waiting has retained nothing yet)."""
+        return self.scheduler.kv.release_retention(handle)
+
     # ------------------------------------------------------------------ requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

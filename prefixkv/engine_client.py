@@ -23,6 +23,10 @@ step failed for this request alone), ``RequestAbortedError``, ``EngineDeadError`
 subclass ``EngineFatalError`` (the engine died: ``fatal_error`` is set, ``is_running`` False, and a
 server exits non-zero), or ``ReplicaDiedError``.
 
+An engine whose one prefix cache is in reach also offers ``CacheControl`` (``AsyncEngine`` and
+``EngineCoreClient`` do; ``RemoteEngine`` spreads requests over replicas, each with its own cache,
+and does not): the API layers test for it (``isinstance``) and do without where it is missing.
+
 No torch, no server library here: the Protocols are structural (``typing.Protocol``), so the
 engines need not import this module to satisfy it.
 """
@@ -100,3 +104,19 @@ class EngineClient(Protocol):
     async def start(self) -> None: ...
 
     async def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class CacheControl(Protocol):
+    """What a server may ask of the engine's prefix cache besides requests (each runs between two
+    steps):
+
+    - ``release_retention(handle)``: ``LLMEngine.release_retention`` (a deleted stored Response's
+      retention lets go before its TTL); False if ``handle`` holds none.
+    - ``reset_prefix_cache()``: ``LLMEngine.reset_prefix_cache`` (every tier; ``AllBlocksCleared``
+      with KV events on); False, nothing changed, while a request runs or waits.
+    """
+
+    async def release_retention(self, handle: str) -> bool: ...
+
+    async def reset_prefix_cache(self) -> bool: ...

@@ -41,6 +41,10 @@ class LLM:
         """``LLMEngine.reset_prefix_cache``: every cached block dropped, if no request holds one."""
         return self.engine.reset_prefix_cache()
 
+    def release_retention(self, handle: str) -> bool:
+        """``LLMEngine.release_retention``: the retention asked under ``handle`` lets go before its TTL."""
+        return self.engine.release_retention(handle)
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (vLLM's method); what
         ``generate`` and ``chat`` use when given none."""

@@ -86,6 +86,9 @@ class SamplingParams:
     # cache for kv_retention_ttl_s seconds since their last use (kv/retention.py); None: no retention.
     kv_retention_ttl_s: float | None = None
     kv_retention_tokens: int | None = None
+    # A name for that retention, so that LLMEngine.release_retention(handle) lets it go before its
+    # TTL (the server names a stored Response's by the response's id); None: it lapses with its TTL.
+    kv_retention_handle: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -146,6 +149,11 @@ class SamplingParams:
         require(self.kv_retention_tokens is None or (_is_int(self.kv_retention_tokens) and self.kv_retention_tokens >= 1),
                 "kv_retention_tokens", f"must be a positive int or None, got {self.kv_retention_tokens!r}")
         require(self.kv_retention_tokens is None or self.kv_retention_ttl_s is not None, "kv_retention_tokens",
+                "needs kv_retention_ttl_s")
+        require(self.kv_retention_handle is None or (isinstance(self.kv_retention_handle, str)
+                                                     and self.kv_retention_handle), "kv_retention_handle",
+                f"must be a non-empty string or None, got {self.kv_retention_handle!r}")
+        require(self.kv_retention_handle is None or self.kv_retention_ttl_s is not None, "kv_retention_handle",
                 "needs kv_retention_ttl_s")
         if self.structured_outputs is not None:
             require(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",

@@ -410,7 +410,7 @@ class Scheduler:
             p = req.sampling_params
             if p.kv_retention_ttl_s is not None:
                 self.kv.retain(req.token_ids, p.kv_retention_tokens or req.num_prompt_tokens, p.kv_retention_ttl_s,
-                               req.block_hashes, req.cache_root)
+                               req.block_hashes, req.cache_root, p.kv_retention_handle)
         req.num_computed_tokens = cached
         self.kv.cache_blocks(req.seq_id, req.token_ids, cached + num_new, req.block_hashes, req.cache_root,
                              *req.cache_tenant)

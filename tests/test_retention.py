@@ -297,8 +297,8 @@ def test_retention_table_bound_refresh_release_and_expiry():
     clock.now = 15.5
     t.expire()
     assert not t.prefixes and t.num_expired == 2 and t.blocks == {}
-    t.retain([4, 5], 10.0)
-    assert not t.release([4]) and t.release([4, 5]) and t.blocks == {}
+    t.retain([4, 5], 10.0, "h")
+    assert not t.release("g") and t.release("h") and t.blocks == {} and t.handles == {}
     t.check_integrity()
     with pytest.raises(ValueError, match="max_blocks"):
         RetentionTable(-1)
@@ -326,3 +326,66 @@ def test_retention_fields_cross_the_engine_process_boundary_and_are_checked():
     add_engine_args(parser)
     args = parser.parse_args(["--max-retained-fraction", "0.25"])
     assert EngineArgs.from_cli_args(args).create_engine_config().cache.max_retained_fraction == 0.25
+
+
+def test_a_handle_releases_its_retention_and_only_its_own():
+    """Two handles on one prefix (two stored responses with the same prompt), a longer prefix over
+    it (a continuation), a prefix also asked for without a handle: each release lets go of its
+    own hold; blocks another retained prefix covers stay retained."""
+    t = RetentionTable(max_blocks=8, clock=Clock())
+    t.retain([1, 2], 10.0, "a")
+    t.retain([1, 2], 10.0, "b")
+    t.retain([1, 2, 3], 10.0, "c")
+    assert t.prefixes[2].holders == {"a", "b"} and t.handles == {"a": 2, "b": 2, "c": 3}
+    assert t.release("a") and not t.release("a")
+    assert list(t.prefixes) == [2, 3] and t.blocks == {1: 2, 2: 2, 3: 1}  # b still holds [1, 2]
+    assert t.release("b")
+    assert list(t.prefixes) == [3] and t.blocks == {1: 1, 2: 1, 3: 1}  # the continuation covers them
+    t.check_integrity()
+    assert t.release("c") and t.blocks == {} and t.handles == {}
+    t.retain([4, 5], 10.0)
+    t.retain([4, 5], 10.0, "d")  # also asked for without a handle: that ask lapses with the TTL only
+    assert t.release("d") and t.blocks == {4: 1, 5: 1} and not t.prefixes[5].holders
+    t.retain([6], 10.0, "e")
+    t.retain([7], 10.0, "e")  # the handle moves: [6], held by nothing else, goes
+    assert 6 not in t.blocks and t.handles == {"e": 7}
+    t.check_integrity()
+    t.clock.now = 11.0
+    t.expire()  # everything expired: the handles name nothing
+    assert not t.prefixes and t.handles == {} and not t.release("e")
+    t.check_integrity()
+
+
+def test_released_prefix_goes_in_the_next_flood_a_continuation_keeps_its_part():
+    """Through the scheduler: a conversation's first turn retained under "r1", its continuation
+    (the first turn's prompt and more) under "r2". Releasing r1 keeps what r2 covers; releasing r2
+    lets the flood take it; a released handle releases nothing twice."""
+    r = Run(num_blocks=24)
+    first = SYSTEM + [1, 2, 3, 4]  # 3 full blocks
+    r.run(first + [5], kv_retention_ttl_s=600.0, kv_retention_handle="r1")
+    r.run(first + [5, 6, 7, 8, 9, 10, 11, 12, 13], kv_retention_ttl_s=600.0, kv_retention_handle="r2")
+    assert r.kv.retention.num_blocks == 5
+    assert r.kv.release_retention("r1") and not r.kv.release_retention("r1")
+    r.flood(10_000, num=10)
+    assert r.cached(first + [5, 6, 7, 8, 9, 10, 11, 12]) == 5 * BS
+    assert r.kv.release_retention("r2") and r.kv.retention.num_blocks == 0
+    r.flood(20_000, num=10)
+    assert r.cached(first) == 0
+
+
+def test_a_released_retention_is_evicted_by_recency_like_any_block():
+    r = Run()
+    r.run(SYSTEM + [1], kv_retention_ttl_s=600.0, kv_retention_handle="resp_1")
+    r.flood(10_000)
+    assert r.cached(SYSTEM) == 2 * BS
+    assert r.kv.release_retention("resp_1")
+    r.flood(20_000)
+    assert r.cached(SYSTEM) == 0 and r.kv.retention.num_expired == 0
+
+
+def test_a_retention_handle_is_a_non_empty_string_with_a_ttl():
+    for kw, field in ((dict(kv_retention_ttl_s=5, kv_retention_handle=""), "kv_retention_handle"),
+                      (dict(kv_retention_ttl_s=5, kv_retention_handle=3), "kv_retention_handle"),
+                      (dict(kv_retention_handle="h"), "kv_retention_handle")):
+        with pytest.raises(ValueError, match=f"^{field}:"):
+            SamplingParams(**kw)

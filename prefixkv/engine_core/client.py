@@ -258,6 +258,14 @@ class EngineCoreClient(StreamingClient):
         """``serve.load.queue_state`` (the queues and the prompt tokens left to compute), between steps."""
         return await self.call("queue_state")
 
+    async def release_retention(self, handle: str) -> bool:
+        """``LLMEngine.release_retention``, between steps."""
+        return await self.call("release_retention", handle)
+
+    async def reset_prefix_cache(self) -> bool:
+        """``LLMEngine.reset_prefix_cache`` (False while requests run), between steps."""
+        return await self.call("reset_prefix_cache")
+
     async def start(self) -> None:
         """Open the socket on the running loop (the server's) and watch the core's process from it."""
         await self._on_home(self._started)
@@ -285,7 +293,7 @@ class EngineCoreClient(StreamingClient):
 
     async def call(self, method: str, *args: Any) -> Any:
         """A utility of the core (``core.UTILITIES``: cache_summary, cache_digest, queue_state,
-        check_integrity, stats, reset_prefix_cache), run between two steps; its error is raised here."""
+        check_integrity, stats, reset_prefix_cache, release_retention), run between two steps; its error is raised here."""
         self._check_alive()
         return await self._on_home(self._call, method, list(args))
 

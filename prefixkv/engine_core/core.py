@@ -63,6 +63,7 @@ UTILITIES: dict[str, Callable[..., Any]] = {
     "check_integrity": lambda engine: engine.check_integrity(),
     "stats": lambda engine: engine.stats(),
     "reset_prefix_cache": lambda engine: engine.reset_prefix_cache(),
+    "release_retention": lambda engine, handle: engine.release_retention(handle),
 }
 
 

@@ -176,15 +176,22 @@ class KVCacheCoordinator:
 
     # ------------------------------------------------------------------ retention
     def retain(self, token_ids: Sequence[int], num_tokens: int, ttl_s: float, hashes: list[int] | None = None,
-               root: int = 0) -> None:
+               root: int = 0, handle: str | None = None) -> None:
         """Spare the full blocks of ``token_ids[:num_tokens]`` (in the chain of ``root``; ``hashes``:
         the request's block hashes so far, extended here) from eviction until ``ttl_s`` seconds
-        have passed since their last use (kv/retention.py). Nothing without prefix caching."""
+        have passed since their last use, or ``handle`` is released (kv/retention.py). Nothing
+        without prefix caching."""
         n = min(num_tokens, len(token_ids)) // self.block_size
         if not self.enable_prefix_caching or n <= 0:
             return
         hashes = hash_blocks(token_ids, [] if hashes is None else hashes, n, self.block_size, root)
-        self.retention.retain(hashes[:n], ttl_s)
+        self.retention.retain(hashes[:n], ttl_s, handle)
+
+    def release_retention(self, handle: str) -> bool:
+        """``RetentionTable.release``: the retention asked under ``handle`` lets go before its TTL
+        (its blocks stay cached, evicted by recency from now on, unless another retention covers
+        them). False if ``handle`` holds none."""
+        return self.retention.release(handle)
 
     def retention_stats(self) -> dict[str, int]:
         """Retained blocks now (their TTLs checked first) and the retention counters."""
