@@ -67,7 +67,8 @@ def server_config_from_args(args: argparse.Namespace):
                         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser, max_stored_responses=args.max_stored_responses,
                         max_stored_response_bytes=args.max_stored_response_bytes,
-                        cache_view_text=args.cache_view_text)
+                        cache_view_text=args.cache_view_text,
+                        enable_reset_prefix_cache=args.enable_reset_prefix_cache)
 
 
 def read_keys_file(path: str) -> list[str]:
@@ -113,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-view-text", action="store_true",
                        help="let the /cache page (GET /v1/cache/summary) show the start of each cached run's text; "
                             "off by default: the cache view then shows token counts only, never prompt text")
+    serve.add_argument("--enable-reset-prefix-cache", action="store_true",
+                       help="serve POST /reset_prefix_cache (vLLM's): every cached block dropped, in every tier, "
+                            "while no request runs; behind the API key, but any key may then empty every tenant's "
+                            "cache (off by default: 403)")
     serve.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json", "none"), default="auto",
                        help="parse tool calls out of free replies, for tool_choice 'auto' (server/tools.py); auto "
                             "(the default): the parser for the chat template's tool format, if recognised (logged at "
@@ -162,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "generate":
             return cmd_generate(args)
         if args.cmd == "serve" and uses_ray(args):
+            if args.enable_reset_prefix_cache:
+                raise ValueError("--enable-reset-prefix-cache: POST /reset_prefix_cache is not served with Ray "
+                                 "replicas (each has a cache of its own)")
             from prefixkv.serve.app import run_ray_server
 
             return run_ray_server(args, engine_config_from_args(args), server_config_from_args(args))

@@ -135,7 +135,8 @@ def test_get_delete_and_the_bound(client):
 
 
 def test_store_bounds_count_and_bytes():
-    store = ResponseStore(max_responses=3, max_bytes=400)
+    dropped: list[str] = []  # what the server releases the retentions of
+    store = ResponseStore(max_responses=3, max_bytes=400, on_drop=dropped.append)
     conv = [{"role": "user", "content": "x" * 60}]
     for i in range(3):
         store.put({"id": f"r{i}"}, conv)
@@ -147,6 +148,9 @@ def test_store_bounds_count_and_bytes():
     assert store.num_bytes <= 400 and store.get("big") is not None and len(store) < 4
     store.put({"id": "huge"}, [{"role": "user", "content": "x" * 500}])  # larger than the store: not kept
     assert store.get("huge") is None and store.get("big") is not None
+    # r1 past the count, the rest (least recently used first) past the bytes, huge never kept
+    assert dropped == ["r1", "r0", "r2", "r3", "huge"]
+    assert store.drop("big") and not store.drop("big") and dropped[-1] == "big" and len(dropped) == 6
 
 
 @pytest.mark.parametrize("body, param", [

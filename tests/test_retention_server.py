@@ -148,3 +148,58 @@ def test_stored_response_conversation_is_kept_through_a_flood(server):
                                                  "previous_response_id": r1["id"], "input": "And the lakes?"})
     assert status == 200, r2
     assert r2["usage"]["input_tokens_details"]["cached_tokens"] >= (prompt - 1) // BLOCK * BLOCK - BLOCK
+
+
+def _respond(srv, **body) -> dict:
+    status, out = _post(srv, "/v1/responses", {"model": "t", "max_output_tokens": 3, "temperature": 0, **body})
+    assert status == 200, out
+    return out
+
+
+def _delete(srv, response_id: str) -> None:
+    status, out = _post(srv, f"/v1/responses/{response_id}", None, method="DELETE")
+    assert status == 200 and out == {"id": response_id, "object": "response.deleted", "deleted": True}, out
+
+
+def _cached_input(out: dict) -> int:
+    return out["usage"]["input_tokens_details"]["cached_tokens"]
+
+
+def test_deleting_a_stored_response_releases_its_retention(server):
+    """The same conversation sent again after a flood (its turns as input items, not stored): kept
+    while its stored response is, gone once the response is deleted."""
+    for deleted in (False, True):
+        question = "Rivers: which run north, and how far?" if deleted else "Forests of the north, please."
+        r1 = _respond(server, input=question)
+        full = (r1["usage"]["input_tokens"] - 1) // BLOCK * BLOCK
+        if deleted:
+            _delete(server, r1["id"])
+        _flood(server, 70_000 + 1000 * deleted)
+        reply = r1["output"][0]["content"][0]["text"]
+        again = _respond(server, store=False, input=[{"role": "user", "content": question},
+                                                     {"role": "assistant", "content": reply},
+                                                     {"role": "user", "content": "And the lakes?"}])
+        if deleted:  # (at most the template's first blocks, which other retained prompts share)
+            assert _cached_input(again) <= 2 * BLOCK < full - BLOCK
+        else:
+            assert _cached_input(again) >= full - BLOCK
+
+
+def test_a_deleted_response_keeps_the_prefix_a_chained_or_twin_response_retains(server):
+    """Retentions are held per response: deleting one response leaves the prefix that another
+    stored response holds -- the same input stored twice, or a previous_response_id continuation
+    (whose prompt begins with the deleted turn's) -- through a flood."""
+    twin_a = _respond(server, input="Describe the harbour at dawn.")
+    twin_b = _respond(server, input="Describe the harbour at dawn.")
+    c1 = _respond(server, input="Name the planets, slowly.")
+    c2 = _respond(server, previous_response_id=c1["id"], input="And their moons?")
+    assert _cached_input(c2) >= (c1["usage"]["input_tokens"] - 1) // BLOCK * BLOCK - BLOCK
+    _delete(server, twin_a["id"])
+    _delete(server, c1["id"])
+    _flood(server, 80_000)
+    b2 = _respond(server, previous_response_id=twin_b["id"], input="And at dusk?", store=False)
+    c3 = _respond(server, previous_response_id=c2["id"], input="Which is largest?", store=False)
+    assert _cached_input(b2) >= (twin_b["usage"]["input_tokens"] - 1) // BLOCK * BLOCK - BLOCK
+    assert _cached_input(c3) >= (c2["usage"]["input_tokens"] - 1) // BLOCK * BLOCK - BLOCK
+    status, _ = _post(server, f"/v1/responses/{c1['id']}", None, method="GET")
+    assert status == 404

@@ -5,7 +5,8 @@ itself (parsing, templates, sampling parameters, engine calls, wire formats) is
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET and DELETE
 /v1/responses/{id}, POST /v1/messages[/count_tokens] (Anthropic's), GET /v1/models[/{model}], GET /health,
-GET /metrics, POST /tokenize, POST /detokenize, GET /version, and the browser pages
+GET /metrics, POST /tokenize, POST /detokenize, GET /version, POST /reset_prefix_cache (off unless
+``--enable-reset-prefix-cache``), and the browser pages
 (``server/webui.py``: GET /, GET /cache, GET /v1/cache/summary). A client that disconnects cancels
 its handler, which closes its stream, which aborts its requests in the engine (their KV blocks are
 freed).
@@ -151,7 +152,9 @@ class _AioServer:
         return _response(self.api.responses.get(request.match_info["response_id"]))
 
     async def delete_response(self, request: web.Request) -> web.Response:
-        return _response(self.api.responses.delete(request.match_info["response_id"]))
+        reply = self.api.responses.delete(request.match_info["response_id"])
+        await self.api.responses.release_retentions()
+        return _response(reply)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         t0 = asyncio.get_running_loop().time()
@@ -184,6 +187,9 @@ class _AioServer:
     async def metrics_route(self, request: web.Request) -> web.Response:
         return _response(self.api.metrics_reply())
 
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        return _response(await self.api.reset_prefix_cache(request.query))
+
 
 SERVER_KEY = web.AppKey("prefixkv_server", _AioServer)
 
@@ -209,6 +215,7 @@ def create_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     app.router.add_post("/detokenize", server.detokenize)
     app.router.add_get("/version", server.version)
     app.router.add_get("/metrics", server.metrics_route)
+    app.router.add_post("/reset_prefix_cache", server.reset_prefix_cache)
     WebUI(engine, config.model_name, config.cache_view_text).add_routes(app)
 
     async def on_startup(app: web.Application) -> None:

@@ -18,8 +18,13 @@ recently used dropped first), so ``previous_response_id`` continues the conversa
 begins with the stored turn's prompt and reply, whose KV blocks the prefix cache holds (the usage's
 ``input_tokens_details.cached_tokens`` counts them). The stored conversation's prefix is asked to be
 retained (``Retention``: the whole prompt, for ``serving.STORED_RETENTION_TTL_S`` since its last use,
-which a continuation refreshes; kv/retention.py). The store lives in the serving process (each Ray
-ingress replica has its own).
+which a continuation refreshes; kv/retention.py), held under the response's id. A response the store
+forgets (``DELETE``, dropped beyond its bounds, or never stored: too large, or the request failed)
+releases that retention through the engine (``CacheControl.release_retention``), before the
+``DELETE`` is answered; what a continuation retained under its own id stays, so deleting the first
+turn of a chain keeps the prefix the later turns cover. An engine without ``CacheControl`` (the Ray
+ingress's ``RemoteEngine``) leaves the retention to its TTL. The store lives in the serving process
+(each Ray ingress replica has its own).
 
 Refused with a 400 naming the field: built-in tools (web search, file search, ...), ``background``,
 ``reasoning`` (effort), ``include``, ``top_logprobs``, ``truncation: "auto"``, stored prompts,
@@ -29,16 +34,18 @@ conversations objects, images and files in the input.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from msgspec import Struct
 
+from prefixkv.engine_client import CacheControl
 from prefixkv.outputs import RequestOutput
 from prefixkv.server.protocol import ApiRequest, ProtocolError, convert, decode_request, encode
 from prefixkv.server.reasoning import ReplyParser, thinking_enabled
@@ -46,6 +53,8 @@ from prefixkv.server.tools import ToolPlan, plan_tools
 
 if TYPE_CHECKING:
     from prefixkv.server.serving import OpenAIServing, Reply
+
+logger = logging.getLogger(__name__)
 
 # known fields of OpenAI's request that this server does not implement: a non-null value is a 400
 UNSUPPORTED = ("background", "include", "reasoning", "top_logprobs", "prompt", "conversation", "service_tier",
@@ -153,21 +162,30 @@ class _Stored:
 
 class ResponseStore:
     """Stored responses by id, least recently used first out when either bound is passed
-    (``max_responses``, ``max_bytes`` of their JSON). Used from the event loop only."""
+    (``max_responses``, ``max_bytes`` of their JSON). ``on_drop(id)`` is told of every response
+    forgotten (deleted, dropped beyond the bounds, or too large to be kept). Used from the event
+    loop only."""
 
-    def __init__(self, max_responses: int, max_bytes: int) -> None:
+    def __init__(self, max_responses: int, max_bytes: int, on_drop: Callable[[str], None] | None = None) -> None:
         self.max_responses, self.max_bytes = max_responses, max_bytes
+        self.on_drop = on_drop
         self._items: OrderedDict[str, _Stored] = OrderedDict()
         self.num_bytes = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
+    def __contains__(self, response_id: str) -> bool:
+        return response_id in self._items
+
     def put(self, response: dict, conversation: list[dict]) -> None:
         size = len(encode(response)) + len(encode(conversation))
         if size > self.max_bytes or self.max_responses == 0:
-            return  # larger than the whole store: not kept (GET and previous_response_id answer "not found")
-        self.drop(response["id"])
+            # larger than the whole store: not kept (GET and previous_response_id answer "not found")
+            if self.on_drop is not None:
+                self.on_drop(response["id"])
+            return
+        self._forget(response["id"])
         self._items[response["id"]] = _Stored(response, conversation, size)
         self.num_bytes += size
         while len(self._items) > self.max_responses or self.num_bytes > self.max_bytes:
@@ -180,8 +198,15 @@ class ResponseStore:
         return item
 
     def drop(self, response_id: str) -> bool:
-        """Forget a response (deleted, or the least recently used beyond the bounds). Its
-        conversation's retention lapses with its TTL (``serving.STORED_RETENTION_TTL_S``)."""
+        """Forget a response (deleted, or the least recently used beyond the bounds) and tell
+        ``on_drop``; False if it is not stored."""
+        if not self._forget(response_id):
+            return False
+        if self.on_drop is not None:
+            self.on_drop(response_id)
+        return True
+
+    def _forget(self, response_id: str) -> bool:
         item = self._items.pop(response_id, None)
         if item is None:
             return False
@@ -408,7 +433,30 @@ class ResponsesServing:
 
     def __init__(self, api: OpenAIServing) -> None:
         self.api = api
-        self.store = ResponseStore(api.config.max_stored_responses, api.config.max_stored_response_bytes)
+        # ids whose retentions the engine is yet to release (``release_retentions``)
+        self._to_release: list[str] = []
+        self._cache = api.engine if isinstance(api.engine, CacheControl) else None
+        self.store = ResponseStore(api.config.max_stored_responses, api.config.max_stored_response_bytes,
+                                   self._to_release.append if self._cache is not None else None)
+
+    async def release_retentions(self) -> None:
+        """Release, through the engine, the retentions of the responses forgotten since the last
+        call (the store's ``on_drop``, and requests that ended unstored). An engine error is
+        logged, never raised: the retention then lapses with its TTL."""
+        handles, self._to_release[:] = list(self._to_release), []
+        for handle in handles:
+            try:
+                await self._cache.release_retention(handle)
+            except Exception as e:  # a dead or stopping engine: nothing to keep anyway
+                logger.warning("releasing the retention of stored response %s: %s: %s", handle,
+                               type(e).__name__, e)
+                return
+
+    def _unstored(self, plan: _Plan) -> None:
+        """A request that asked for retention under its id ended without being stored."""
+        if self._cache is not None and plan.req.store is not False and plan.id not in self.store \
+                and plan.id not in self._to_release:
+            self._to_release.append(plan.id)
 
     def get(self, response_id: str) -> Reply:
         from prefixkv.server.serving import json_reply
@@ -419,6 +467,8 @@ class ResponsesServing:
         return json_reply(item.response)
 
     def delete(self, response_id: str) -> Reply:
+        """Forget a stored response; its retention is released by the next ``release_retentions``
+        (which the server awaits before it answers)."""
         from prefixkv.server.serving import json_reply
 
         if not self.store.drop(response_id):
@@ -441,7 +491,7 @@ class ResponsesServing:
         if plan.req.store is not False:
             from prefixkv.server.serving import Retention
 
-            retention = Retention(num_tokens=None, ttl_s=None)
+            retention = Retention(num_tokens=None, ttl_s=None, handle=plan.id)
         stream = await self.api.start(plan.req, plan.id, plan.prompt_ids, plan.params, plan.aliases, deadline,
                                       retention)
         reply = _Reply(ReplyParser(plan.tools, plan.reasoning))
@@ -455,34 +505,42 @@ class ResponsesServing:
                 ttft = ttft if ttft is not None else loop.time() - t0
                 reply.feed(out.outputs[0].delta_text, final=False)
                 final = out
+            reply.finish(_status(final))
+            response = self._finished(plan, reply, final, t0, ttft)
         finally:
             stream.abort()
-        reply.finish(_status(final))
-        return json_reply(self._finished(plan, reply, final, t0, ttft))
+            self._unstored(plan)
+        await self.release_retentions()
+        return json_reply(response)
 
     async def _events(self, plan: _Plan, reply: _Reply, stream: Any, t0: float,
                       deadline: float) -> AsyncIterator[bytes]:
         from prefixkv.server.serving import ApiError
 
         shell = self._response(plan, [], "in_progress", None, None)
-        yield reply.event("response.created", response=shell) + reply.event("response.in_progress", response=shell)
         final, ttft = None, None
         loop = asyncio.get_running_loop()
         try:
-            async for out in self.api.outputs(stream, deadline):
-                ttft = ttft if ttft is not None else loop.time() - t0
-                final = out
-                events = reply.feed(out.outputs[0].delta_text, final=False)
-                if events:
-                    yield b"".join(events)
-        except ApiError as e:
-            failed = self._response(plan, reply.items, "failed", None, None)
-            failed["error"] = {"code": e.code or "server_error", "message": e.message}
-            yield reply.event("response.failed", response=failed)
-            return
-        status = _status(final)
-        events = reply.finish(status)
-        response = self._finished(plan, reply, final, t0, ttft)
+            yield reply.event("response.created", response=shell) + reply.event("response.in_progress",
+                                                                                 response=shell)
+            try:
+                async for out in self.api.outputs(stream, deadline):
+                    ttft = ttft if ttft is not None else loop.time() - t0
+                    final = out
+                    events = reply.feed(out.outputs[0].delta_text, final=False)
+                    if events:
+                        yield b"".join(events)
+            except ApiError as e:
+                failed = self._response(plan, reply.items, "failed", None, None)
+                failed["error"] = {"code": e.code or "server_error", "message": e.message}
+                yield reply.event("response.failed", response=failed)
+                return
+            status = _status(final)
+            events = reply.finish(status)
+            response = self._finished(plan, reply, final, t0, ttft)
+        finally:  # (a client gone mid-stream too: its release goes with the next call)
+            self._unstored(plan)
+        await self.release_retentions()
         yield b"".join(events) + reply.event(f"response.{status}", response=response)
 
     def _finished(self, plan: _Plan, reply: _Reply, final: RequestOutput, t0: float, ttft: float | None) -> dict:

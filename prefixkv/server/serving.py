@@ -33,13 +33,13 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgspec
 
-from prefixkv.engine_client import EngineClient, OutputStream
+from prefixkv.engine_client import CacheControl, EngineClient, OutputStream
 from prefixkv.errors import EngineDeadError, EngineFatalError, ReplicaDiedError, RequestAbortedError
 from prefixkv.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from prefixkv.sampling_params import SamplingParams
@@ -135,6 +135,9 @@ class ServerConfig:
     # least recently used dropped first beyond either bound (server/responses.py)
     max_stored_responses: int = 1000
     max_stored_response_bytes: int = 64 << 20
+    # POST /reset_prefix_cache (vLLM's, a development route there) drops every tenant's cached
+    # blocks: refused (403) unless the operator turns it on
+    enable_reset_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in (*PARSERS, AUTO):
@@ -590,6 +593,7 @@ class Retention:
 
     num_tokens: int | None  # the prefix's length in tokens; None: the whole conversation
     ttl_s: float | None  # None: STORED_RETENTION_TTL_S (a stored Responses conversation)
+    handle: str | None = None  # held under this name until released (a stored response's id)
 
 
 # A stored Responses conversation is retained this long since its last use (a continuation refreshes it).
@@ -657,7 +661,7 @@ class OpenAIServing:
     # ------------------------------------------------------------------ access
     def needs_key(self, path: str) -> bool:
         return bool(self._tenants) and (path == "/v1" or path.startswith("/v1/")
-                                        or path in ("/tokenize", "/detokenize"))
+                                        or path in ("/tokenize", "/detokenize", "/reset_prefix_cache"))
 
     def authenticate(self, path: str, authorization: str | None, x_api_key: str | None = None) -> None:
         """A request's credentials, before its route runs (in the same task): 401 where ``path``
@@ -698,6 +702,41 @@ class OpenAIServing:
     def metrics_reply(self) -> Reply:
         body, content_type = self.metrics.render()
         return Reply(200, body, content_type)
+
+    async def reset_prefix_cache(self, query: Mapping[str, str]) -> Reply:
+        """``POST /reset_prefix_cache`` (vLLM's): every cached block dropped, in every tier
+        (``LLMEngine.reset_prefix_cache``; KV events tell ``AllBlocksCleared``). Behind the API key
+        where keys are set, and refused (403) unless ``enable_reset_prefix_cache``: the cache is
+        every tenant's, so with ``--cache-isolation api-key`` any key could otherwise empty the
+        others'. Refused (409) while a request runs or waits, as the engine does. ``query``:
+        vLLM's ``reset_running_requests`` (only false) and ``reset_external`` (either: every
+        tier is reset); any other parameter is a 400 naming it."""
+        if not self.config.enable_reset_prefix_cache:
+            raise ApiError(403, "POST /reset_prefix_cache is off: the server must be started with "
+                                "--enable-reset-prefix-cache (it empties every tenant's prefix cache)",
+                           type="permission_error", code="reset_prefix_cache_disabled")
+        for name, value in query.items():
+            if name == "reset_running_requests" and value.lower() in ("false", "0"):
+                continue
+            if name == "reset_external" and value.lower() in ("true", "false", "1", "0"):
+                continue
+            if name == "reset_running_requests":
+                raise ApiError(400, f"reset_running_requests: only false is supported (the cache is reset while "
+                                    f"no request runs), got {value!r:.40}", param=name)
+            raise ApiError(400, f"{name!r:.40}: unknown parameter of /reset_prefix_cache (known: "
+                                "reset_running_requests, reset_external)", param=name[:40])
+        if not isinstance(self.engine, CacheControl):
+            raise ApiError(501, "POST /reset_prefix_cache: this engine (several replicas) cannot reset its caches "
+                                "from here", type="server_error", code="not_implemented")
+        try:
+            done = await self.engine.reset_prefix_cache()
+        except EngineDeadError as e:
+            raise _engine_error(e) from None
+        if not done:
+            raise ApiError(409, "the prefix cache can be reset only while no request runs or waits: retry when "
+                                "the server is idle", code="requests_running")
+        logger.info("the prefix cache was reset (POST /reset_prefix_cache)")
+        return json_reply({"success": True})
 
     def _card(self) -> ModelCard:
         return ModelCard(self.config.model_name, self.created, max_model_len=self.max_model_len)
@@ -993,7 +1032,8 @@ class OpenAIServing:
         prefix cache the request shares (``SamplingParams.cache_salt`` / ``cache_partition``).
         ``retention`` asks that the prompt's prefix stay cached (Anthropic's ``cache_control``,
         a stored Responses conversation): it becomes the request's ``kv_retention_ttl_s`` /
-        ``kv_retention_tokens`` (chat and completions set those from their ``kv_retention``)."""
+        ``kv_retention_tokens`` / ``kv_retention_handle`` (chat and completions set the first two
+        from their ``kv_retention``)."""
         tenant = _TENANT.get() if self.isolate else None
         if req.cache_salt is not None or tenant is not None:
             params = dataclasses.replace(params, cache_salt=req.cache_salt,
@@ -1001,7 +1041,7 @@ class OpenAIServing:
         if retention is not None:
             params = dataclasses.replace(
                 params, kv_retention_ttl_s=STORED_RETENTION_TTL_S if retention.ttl_s is None else retention.ttl_s,
-                kv_retention_tokens=retention.num_tokens)
+                kv_retention_tokens=retention.num_tokens, kv_retention_handle=retention.handle)
         return await self.engine.add_requests(requests, params)
 
     async def render_chat(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None,
