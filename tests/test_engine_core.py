@@ -208,6 +208,23 @@ def test_the_cache_view_across_the_boundary(server):
     assert any(t.startswith("a cache view") for t in texts), texts
 
 
+def test_a_retention_handle_is_released_across_the_boundary(core):
+    """``kv_retention_handle`` crosses with the sampling parameters; ``release_retention`` (a utility
+    of the core) lets go of exactly that retention, once."""
+    async def main():
+        retained = lambda s: s["num_kv_blocks_retained"]  # noqa: E731
+        before = retained(await core.call("stats"))
+        prompt = [11 + (i * 5) % 300 for i in range(4 * 6 + 1)]  # 6 full blocks of 4
+        params = SamplingParams(max_tokens=1, temperature=0.0, kv_retention_ttl_s=600.0, kv_retention_handle="resp_x")
+        await _run(core, prompt, params, "held")
+        held = retained(await core.call("stats"))
+        released = [await core.release_retention("resp_x"), await core.release_retention("resp_x")]
+        return before, held, released, retained(await core.call("stats"))
+
+    before, held, released, after = asyncio.run(main())
+    assert held == before + 6 and released == [True, False] and after == before
+
+
 # ---------------------------------------------------------------------- malformed messages
 def test_malformed_messages_to_the_core_are_answered_with_an_error(core):
     ctx = zmq.Context()
