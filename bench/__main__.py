@@ -46,7 +46,8 @@ from pathlib import Path
 
 DEFAULT_OUT = str(Path(__file__).resolve().parent / "out")
 ALL_SYSTEMS = "prefixkv,prefixkv-nocache,hf-static,hf-cb"
-# vLLM's CPU build (tools/peer-vllm-cpu), prefixkv-spec, prefixkv-invariant, prefixkv-variant: opt-in with --systems
+# vLLM's CPU build (tools/peer-vllm-cpu), prefixkv-spec, prefixkv-invariant, prefixkv-variant, prefixkv-salted:
+# opt-in with --systems
 
 # Sizes per workload: (flag, default, help). Defaults finish in a few minutes on 2 cores.
 SIZES = {
@@ -79,7 +80,7 @@ def add_common(p: argparse.ArgumentParser, systems_default: str | None = ALL_SYS
     g = p.add_argument_group("run")
     if systems_default is not None:
         g.add_argument("--systems", default=systems_default,
-                       help=f"comma-separated, from {ALL_SYSTEMS},prefixkv-spec,prefixkv-invariant,prefixkv-variant,vllm-b16,vllm-b32 "
+                       help=f"comma-separated, from {ALL_SYSTEMS},prefixkv-spec,prefixkv-invariant,prefixkv-variant,prefixkv-salted,vllm-b16,vllm-b32 "
                             "(default: %(default)s)")
     g.add_argument("--out", default=DEFAULT_OUT, help="directory for the JSON and PNG (default: bench/out/)")
     g.add_argument("--repeat", type=int, default=1, help="repeats per system, interleaved; median reported")

@@ -4,6 +4,8 @@
     prefixkv-nocache  the same, prefix cache off
     prefixkv-invariant  the same, batch-invariant mode required (issue 14; the CPU default where possible)
     prefixkv-variant    the same, batch-invariant mode off (what it costs; neither is in the default --systems)
+    prefixkv-salted   prefixkv with every request carrying the same ``cache_salt`` (one tenant: what
+                      salting costs, issue 45; ``--systems prefixkv,prefixkv-salted``)
     hf-static         transformers ``model.generate``, left-padded batches of the engine's max batch
     hf-cb             transformers continuous batching, ``model.generate_batch``
     vllm-bN           vLLM's CPU build at block size N (vllm-b32, vllm-b128; 0.32.0's CPU attention
@@ -25,7 +27,8 @@ from bench.workloads import BenchRequest
 
 PEERS = ("prefixkv", "prefixkv-nocache", "hf-static", "hf-cb")
 # prefixkv with exact n-gram speculative decoding, and vLLM's CPU build (not in the default --systems)
-OPTIONAL = ("prefixkv-spec", "prefixkv-invariant", "prefixkv-variant", "vllm-b16", "vllm-b32")
+OPTIONAL = ("prefixkv-spec", "prefixkv-invariant", "prefixkv-variant", "prefixkv-salted", "vllm-b16", "vllm-b32")
+SALT = "bench-tenant"  # prefixkv-salted's cache_salt
 SPEC_TOKENS = 4
 
 
@@ -149,9 +152,10 @@ class KVProbe:
 class PrefixKVSystem(System):
     kind = "prefixkv"
 
-    def __init__(self, name: str, args: SystemArgs) -> None:
+    def __init__(self, name: str, args: SystemArgs, cache_salt: str | None = None) -> None:
         self.name = name
         self.args = args
+        self.cache_salt = cache_salt  # on every request of the workload
         self.llm = None
 
     def setup(self) -> None:
@@ -185,7 +189,8 @@ class PrefixKVSystem(System):
             rid = f"b{self._ids}"
             self._ids += 1
             eng.add_request(rid, r.prompt, SamplingParams(
-                max_tokens=r.max_tokens, temperature=r.temperature, n=r.n, seed=r.seed, ignore_eos=True))
+                max_tokens=r.max_tokens, temperature=r.temperature, n=r.n, seed=r.seed, ignore_eos=True,
+                cache_salt=self.cache_salt))
             rids.append(rid)
         done: dict[str, list[list[int]]] = {}
         while len(done) < len(rids):
@@ -213,7 +218,8 @@ class PrefixKVSystem(System):
         gc.collect()
 
     def info(self) -> dict:
-        return {k: v for k, v in self.args.llm_kwargs().items() if k not in ("model", "dtype")}
+        info = {k: v for k, v in self.args.llm_kwargs().items() if k not in ("model", "dtype")}
+        return info if self.cache_salt is None else {**info, "cache_salt": self.cache_salt}
 
 
 # ---------------------------------------------------------------------------------------- transformers
@@ -513,6 +519,8 @@ def make_system(name: str, args: SystemArgs, model_path) -> System:
         return PrefixKVSystem(name, replace(args, enable_prefix_caching=True, batch_invariant=True))
     if name == "prefixkv-variant":
         return PrefixKVSystem(name, replace(args, enable_prefix_caching=True, batch_invariant=False))
+    if name == "prefixkv-salted":
+        return PrefixKVSystem(name, replace(args, enable_prefix_caching=True), cache_salt=SALT)
     if name == "hf-static":
         return HFStaticSystem(model_path, args.dtype, args.max_num_seqs)
     if name == "hf-cb":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -188,3 +189,38 @@ def test_retention_bench_at_tiny_sizes(tiny_llama, tmp_path):
     s = json.loads(path.read_text())["summary"]
     assert s["no retention"]["hit_rate"] == 0
     assert s["retention"]["hit_rate"] == round(24 / 36, 3)  # the bound: half the pool, 6 of its 9 blocks
+
+
+def test_salting_cost_at_tiny_sizes(tiny_llama, tmp_path):
+    """``--systems prefixkv,prefixkv-salted`` (issue 45's "salting costs nothing measurable"): the
+    same shared-prefix workload with and without one cache_salt on every request, repeats
+    alternating which runs first; greedy outputs and prefix hits equal, a throughput ratio reported."""
+    common = [a if a != "prefixkv,hf-static" else "prefixkv,prefixkv-salted" for a in COMMON]
+    doc = _run(["shared-prefix", "--model", str(tiny_llama), "--repeat", "2"] + TINY["shared-prefix"] + common,
+               tmp_path, "salt")
+    plain, salted = doc["systems"]["prefixkv"], doc["systems"]["prefixkv-salted"]
+    assert plain["error"] is None and salted["error"] is None, (plain.get("traceback"), salted.get("traceback"))
+    assert salted["info"]["cache_salt"] == "bench-tenant" and "cache_salt" not in plain["info"]
+    assert len(salted["repeats"]) == len(plain["repeats"]) == 2
+    assert salted["prefix_hit_tokens"] == plain["prefix_hit_tokens"] >= 4 * 32  # one tenant hits as before
+    assert doc["ratios"]["prefixkv-salted"]["prefixkv"] > 0
+    ident = doc["output_identity"]
+    assert ident["reference"] == "prefixkv" and ident["systems"]["prefixkv-salted"]["identical_fraction"] == 1.0
+
+
+def test_the_salted_system_caches_under_its_salt(tiny_llama):
+    from bench.systems import SALT, SystemArgs, make_system
+    from bench.workloads import BenchRequest
+    from prefixkv.kv.keys import cache_root
+
+    s = make_system("prefixkv-salted", SystemArgs(model=str(tiny_llama), dtype="float64", kv_tokens=1024,
+                                                   max_num_seqs=4), tiny_llama)
+    s.setup()
+    s.reset()
+    prompt = [10 + i for i in range(33)]
+    (out,) = s.run_round([BenchRequest(prompt, 2)], SimpleNamespace(update=lambda n: None))
+    assert len(out[0]) == 2
+    kv = s.engine.scheduler.kv
+    assert kv.match_prefix(prompt + [0], touch=False, root=cache_root(SALT)).num_tokens == 32
+    assert kv.match_prefix(prompt + [0], touch=False).num_tokens == 0  # not in the unsalted chain
+    s.teardown()
