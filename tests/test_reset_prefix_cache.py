@@ -120,6 +120,7 @@ def test_the_reset_is_refused_while_a_request_runs(server):
 @pytest.mark.parametrize("query, status, param", [
     ("?reset_running_requests=true", 400, "reset_running_requests"),
     ("?drop=1", 400, "drop"),
+    ("?reset_external=maybe", 400, "reset_external"),
     ("?reset_running_requests=false&reset_external=true", 200, None),
 ])
 def test_vllms_query_parameters(server, query, status, param):

@@ -596,6 +596,8 @@ class Retention:
     handle: str | None = None  # held under this name until released (a stored response's id)
 
 
+# vLLM's query parameters of POST /reset_prefix_cache -> the values we accept
+_RESET_PARAMS = {"reset_running_requests": ("false", "0"), "reset_external": ("true", "false", "1", "0")}
 # A stored Responses conversation is retained this long since its last use (a continuation refreshes it).
 STORED_RETENTION_TTL_S = 3600.0
 # SamplingParams' retention fields -> the chat / completions field the client sent
@@ -716,15 +718,13 @@ class OpenAIServing:
                                 "--enable-reset-prefix-cache (it empties every tenant's prefix cache)",
                            type="permission_error", code="reset_prefix_cache_disabled")
         for name, value in query.items():
-            if name == "reset_running_requests" and value.lower() in ("false", "0"):
-                continue
-            if name == "reset_external" and value.lower() in ("true", "false", "1", "0"):
-                continue
-            if name == "reset_running_requests":
-                raise ApiError(400, f"reset_running_requests: only false is supported (the cache is reset while "
-                                    f"no request runs), got {value!r:.40}", param=name)
-            raise ApiError(400, f"{name!r:.40}: unknown parameter of /reset_prefix_cache (known: "
-                                "reset_running_requests, reset_external)", param=name[:40])
+            allowed = _RESET_PARAMS.get(name)
+            if allowed is None:
+                raise ApiError(400, f"{name[:40]}: not a parameter of /reset_prefix_cache (known: "
+                                    f"{', '.join(_RESET_PARAMS)})", param=name[:40])
+            if value.lower() not in allowed:
+                raise ApiError(400, f"{name}: must be {' or '.join(allowed)} (the cache is reset while no request "
+                                    f"runs, in every tier), got {value!r:.40}", param=name)
         if not isinstance(self.engine, CacheControl):
             raise ApiError(501, "POST /reset_prefix_cache: this engine (several replicas) cannot reset its caches "
                                 "from here", type="server_error", code="not_implemented")
