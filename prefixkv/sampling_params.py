@@ -88,6 +88,7 @@ class SamplingParams:
     kv_retention_tokens: int | None = None
     # A name for that retention, so that LLMEngine.release_retention(handle) lets it go before its
     # TTL (the server names a stored Response's by the response's id); None: it lapses with its TTL.
+    # A handle is kept until released or its prefix lapses: name only what will be released.
     kv_retention_handle: str | None = None
 
     def __post_init__(self) -> None:

@@ -491,7 +491,8 @@ class ResponsesServing:
         if plan.req.store is not False:
             from prefixkv.server.serving import Retention
 
-            retention = Retention(num_tokens=None, ttl_s=None, handle=plan.id)
+            # (named only where it can be released: a handle no one releases is held until its prefix lapses)
+            retention = Retention(num_tokens=None, ttl_s=None, handle=plan.id if self._cache is not None else None)
         stream = await self.api.start(plan.req, plan.id, plan.prompt_ids, plan.params, plan.aliases, deadline,
                                       retention)
         reply = _Reply(ReplyParser(plan.tools, plan.reasoning))
