@@ -186,6 +186,15 @@ class KVCacheCoordinator:
         hashes = hash_blocks(token_ids, [] if hashes is None else hashes, n, self.block_size, root)
         self.retention.retain(hashes[:n], ttl_s)
 
+    def retained_blocks(self) -> list[int]:
+        """The hashes of the cached blocks (in any tier) that a retained prefix covers now (their
+        TTLs checked first): what a router counts as held whatever else the replica evicts."""
+        self.retention.expire()
+        if not self.retention:
+            return []
+        digest = self.cache_digest()
+        return [h for h in self.retention.blocks if h in digest]
+
     def retention_stats(self) -> dict[str, int]:
         """Retained blocks now (their TTLs checked first) and the retention counters."""
         r = self.retention
