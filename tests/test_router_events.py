@@ -358,3 +358,22 @@ def test_retained_blocks_count_as_held_where_the_event_view_lost_them(fleet):
         assert d.replica is a.r and d.estimates[0].num_held_tokens == 8
     finally:
         r._subscriber.close()
+
+
+def test_replicas_bind_their_own_event_endpoints_and_a_shared_one_is_refused():
+    from prefixkv.config import EngineConfig
+    from prefixkv.serve.app import build_app
+    from prefixkv.serve.replica import replica_kv_events
+
+    on = KVEventsConfig(enable_kv_cache_events=True, topic="kv")
+    assert replica_kv_events(on, "10.0.0.7") == KVEventsConfig(
+        enable_kv_cache_events=True, topic="kv", endpoint="tcp://10.0.0.7:*", replay_endpoint="tcp://10.0.0.7:*")
+    assert replica_kv_events(on, "fd00::7").endpoint == "tcp://[fd00::7]:*"
+    assert replica_kv_events(KVEventsConfig(), "10.0.0.7") == KVEventsConfig()
+    shared = EngineConfig(kv_events=KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:6000"))
+    with pytest.raises(ValueError, match="kv_events_config.endpoint"):
+        build_app(shared, num_replicas=2)
+    with pytest.raises(ValueError, match="routing_cache_view: events applies to"):
+        build_app(num_replicas=2, router="power_of_two", routing_cache_view="events")
+    with pytest.raises(ValueError, match="routing_cache_view: must be one of"):
+        build_app(num_replicas=2, routing_cache_view="digest")

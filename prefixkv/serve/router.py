@@ -10,6 +10,17 @@ prompt will leave there), until that replica has published two digests after the
 so a burst sharing a new prefix sees where its first request went, and what the replica then
 evicts is what the digest says. A request is matched by its ``routing_keys``.
 
+``cache_view="events"`` (``--routing-cache-view events``, both prefixkv routers) reads each
+replica's KV events instead of its digest: the router subscribes to every replica's own endpoints
+(serve/kv_subscriber.py; the replica's stats name them) and keeps per replica the blocks each
+medium holds (serve/block_view.py), so what a replica stores or evicts counts from the step it
+happened, and a routed request stops counting as cached there once a batch published after its end
+has arrived. The events carry the replica's hash chain in its published form (``event_keys``): the
+salt and partition are in it, so a salted request matches only its salt's blocks. A view that lost
+batches the replay could not give back matches the digest as well until a digest taken after the
+loss is folded in. Blocks that a replica's retained prefixes cover (``retained`` in its stats,
+kv/retention.py) count as held there in either view.
+
 ``CacheAwareRouter`` (the default, ``--router cache_aware``) weighs, for each candidate replica
 r, the request's expected time to first token there and the time its prefill takes from the
 requests it shares r with, and picks the smallest::
@@ -320,6 +331,13 @@ class _PrefixView:
                 best = PrefixMatch(n, n)
         return best
 
+    def _watch(self, replicas: list[RunningReplica]) -> None:
+        """Subscribe to the events of the replicas whose stats name their endpoints (the stats come
+        with ``update_replicas``), so a view is whole before a request needs it."""
+        if self._subscriber is not None:
+            for r in replicas:
+                self._events_of(r)
+
     def _drop_view(self, replica_id: ReplicaID) -> None:
         self._recent.pop(replica_id, None)
         if self._subscriber is not None:
@@ -393,6 +411,7 @@ class CacheThresholdRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        self._watch(replicas)
         alive = {r.replica_id for r in replicas}
         for gone in [rid for rid in self._recent if rid not in alive]:  # a dead replica's state goes
             self._drop_view(gone)
@@ -596,6 +615,7 @@ class CacheAwareRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin, Re
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        self._watch(replicas)
         alive = {r.replica_id for r in replicas}
         for gone in {*self._by_replica, *self._recent, *self._ended_at} - alive:  # a dead replica's state goes
             self._drop_replica(gone)
