@@ -6,7 +6,6 @@ tiny float64 Llama; digests every 2 s (the events, not the digests, show the pre
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
 
@@ -14,28 +13,15 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 from prefixkv.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from prefixkv.server.serving import ServerConfig  # noqa: E402
-from test_ray_serve import MODEL, _complete, _health, _metrics, _per_replica, _tokens, _wait  # noqa: E402
+from test_ray_routing import serve_two_replicas  # noqa: E402
+from test_ray_serve import _complete, _health, _metrics, _per_replica, _tokens, _wait  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def app(one_ray_instance, tiny_llama):
-    from prefixkv.serve import build_app
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     cfg = EngineConfig(model=str(tiny_llama), dtype="float64", cache=CacheConfig(block_size=4, num_kv_blocks=256),
                        scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8))
-    serve.run(build_app(cfg, ServerConfig(MODEL), num_replicas=2, routing_stats_period_s=2.0,
-                        routing_cache_view="events"), name="prefixkv", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
-    _wait(lambda: len(_health(url)["replicas"]) == 2, 60, "two replicas publishing")
-    yield url
-    serve.shutdown()
-    ray.shutdown()
+    yield from serve_two_replicas(cfg, routing_stats_period_s=2.0, routing_cache_view="events")
 
 
 def _views(url: str) -> dict[str, dict]:

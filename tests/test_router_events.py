@@ -257,6 +257,8 @@ def test_salted_keys_match_only_the_same_salt_in_the_events(fleet):
         req.params.cache_partition = "k1"
         assert r.choose([a.r, b.r], req).estimates[0].num_held_tokens == 8
         assert r.choose([a.r, b.r], request(P)).reason == "no_match"
+        r._watch([a.r])  # b is gone: no longer followed
+        assert r._subscriber.keys() == {"a"} and r._subscriber.view("b") is None
     finally:
         r._subscriber.close()
 

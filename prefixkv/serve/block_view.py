@@ -45,6 +45,7 @@ class BlockView:
         self.num_batches = 0
         self.num_lost = 0  # gaps that could not be filled
         self.lock = threading.Lock()
+        self._media: dict[int | bytes, int] = {}  # block -> how many media hold it
         self._removed_since_loss: set[tuple[str, int | bytes]] = set()
 
     # ------------------------------------------------------------------ the subscriber's side
@@ -65,23 +66,39 @@ class BlockView:
             return True
 
     def _apply(self, batch: Any) -> None:
-        held = self.held
         for e in batch.events:
             kind = type(e).__name__
             if kind == "AllBlocksCleared":
-                for s in held.values():
-                    s.clear()
+                self._clear()
                 continue
             if getattr(e, "group_idx", None) not in (None, 0):
                 continue
             medium = e.medium or MEDIUM_GPU
-            s = held.setdefault(medium, set())
             if kind == "BlockStored":
-                s.update(e.block_hashes)
+                for h in e.block_hashes:
+                    self._add(medium, h)
             elif kind == "BlockRemoved":
-                s.difference_update(e.block_hashes)
+                s, media = self.held.setdefault(medium, set()), self._media
+                for h in e.block_hashes:
+                    if h in s:
+                        s.remove(h)
+                        if media[h] == 1:
+                            del media[h]
+                        else:
+                            media[h] -= 1
                 if not self.synced:
                     self._removed_since_loss.update((medium, h) for h in e.block_hashes)
+
+    def _add(self, medium: str, h: int | bytes) -> None:
+        s = self.held.setdefault(medium, set())
+        if h not in s:
+            s.add(h)
+            self._media[h] = self._media.get(h, 0) + 1
+
+    def _clear(self) -> None:
+        for s in self.held.values():
+            s.clear()
+        self._media.clear()
 
     def caught_up(self) -> None:
         """A replay from seq 0 answered with nothing: the replica has published no batch yet."""
@@ -92,8 +109,7 @@ class BlockView:
     def lost(self, seq: int) -> None:
         """Batches before ``seq`` cannot be had: start again, empty, from ``seq``."""
         with self.lock:
-            for s in self.held.values():
-                s.clear()
+            self._clear()
             self.next_seq = seq
             self.synced = False
             self.lost_at = time.time()
@@ -113,7 +129,7 @@ class BlockView:
                 medium = TIER_MEDIUM.get(tier, MEDIUM_GPU)
                 x = external(h)
                 if (medium, x) not in removed:
-                    self.held[medium].add(x)
+                    self._add(medium, x)
             removed.clear()
             self.synced = True
             return True
@@ -135,5 +151,4 @@ class BlockView:
     @property
     def num_blocks(self) -> int:
         """Distinct blocks held in any medium."""
-        with self.lock:
-            return len(set().union(*self.held.values()))
+        return len(self._media)

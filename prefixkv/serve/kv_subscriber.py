@@ -49,6 +49,11 @@ class EventSubscriber:
         with self._lock:
             return self._views.get(key)
 
+    def keys(self) -> set[str]:
+        """The replicas followed."""
+        with self._lock:
+            return set(self._wanted)
+
     def unwatch(self, key: str) -> None:
         with self._lock:
             self._wanted.pop(key, None)

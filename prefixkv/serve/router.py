@@ -333,10 +333,13 @@ class _PrefixView:
 
     def _watch(self, replicas: list[RunningReplica]) -> None:
         """Subscribe to the events of the replicas whose stats name their endpoints (the stats come
-        with ``update_replicas``), so a view is whole before a request needs it."""
+        with ``update_replicas``), so a view is whole before a request needs it; stop following
+        those gone."""
         if self._subscriber is not None:
             for r in replicas:
                 self._events_of(r)
+            for key in self._subscriber.keys() - {r.replica_id.unique_id for r in replicas}:
+                self._subscriber.unwatch(key)
 
     def _drop_view(self, replica_id: ReplicaID) -> None:
         self._recent.pop(replica_id, None)
