@@ -32,6 +32,7 @@ class EventSubscriber:
         self._views: dict[str, BlockView] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.failed = False  # the thread ended on an error: the views are no longer fed
 
     def watch(self, key: str, endpoint: str, replay_endpoint: str | None, topic: str = "") -> BlockView:
         """Follow the replica ``key``'s events (again from scratch if its endpoints changed); its view."""
@@ -107,9 +108,7 @@ class EventSubscriber:
                         self._deliver(w, view, frames)
         except Exception:
             logger.exception("KV event subscriber failed; the routers fall back to the replicas' digests")
-            with self._lock:
-                for view in self._views.values():
-                    view.lost(view.next_seq)
+            self.failed = True
         finally:
             for sock, _, _ in subs.values():
                 sock.close(linger=0)

@@ -263,8 +263,9 @@ class _PrefixView:
 
     def _events_of(self, r: RunningReplica) -> BlockView | None:
         """``r``'s event-fed view (``cache_view="events"``), once its stats name its endpoints; a view
-        that lost batches takes in the first digest ``r`` published after the loss."""
-        if self._subscriber is None:
+        that lost batches takes in the first digest ``r`` published after the loss. None: digests
+        (also when the subscriber failed)."""
+        if self._subscriber is None or self._subscriber.failed:
             return None
         info = r.routing_stats.get("kv_events")
         if not info:
