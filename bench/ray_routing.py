@@ -18,7 +18,9 @@ Traffics (``--traffic``, in this order on each application):
 Routers (``--routers``): power_of_two (Serve's default), prefix_affinity (Ray Serve LLM's
 ``PrefixCacheAffinityRouter``), cache_threshold (prefixkv's longest-cached-prefix rule with an
 imbalance threshold, the rule before issue 43) and cache_aware (prefixkv's cost model, the
-default). For each of ``--repeat`` rounds, the routers run in a rotated order (A/B alternation),
+default). ``--cache-view digests,events`` runs cache_threshold and cache_aware once per view of the
+replicas' caches (``--routing-cache-view``: periodic digests, or KV events), the events runs named
+``cache_aware+events``. For each of ``--repeat`` rounds, the routers run in a rotated order (A/B alternation),
 each on a fresh application (new replicas, cold caches), all through the ingress's
 /v1/completions (token ids). Reported per traffic and rate: prefix-cache hit fraction (the
 client's usage), TTFT p50/p90/p99, output tokens/s and requests/s over the run, requests per
@@ -43,6 +45,8 @@ from bench.corpus import TokenStream
 from bench.serving import Prompt, build_prompts, parse_rates, rate_label, request_body, run_rate, summarize
 
 ROUTERS = ("power_of_two", "prefix_affinity", "cache_threshold", "cache_aware")
+CACHE_VIEWS = ("digests", "events")
+VIEW_ROUTERS = ("cache_threshold", "cache_aware")  # the routers that read a cache view
 TRAFFICS = ("shared", "burst", "template")
 PROG = "bench ray-routing"
 
@@ -50,6 +54,9 @@ PROG = "bench ray-routing"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routers", default=",".join(ROUTERS))
     p.add_argument("--traffic", default=",".join(TRAFFICS), help="which traffics, of " + ", ".join(TRAFFICS))
+    p.add_argument("--cache-view", default="digests",
+                   help="the cache views cache_threshold and cache_aware run with, of " + ", ".join(CACHE_VIEWS)
+                        + " (several: each router once per view, e.g. digests,events)")
     p.add_argument("--repeat", type=int, default=1, help="rounds over the routers, their order rotated each round")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray instance")
@@ -170,22 +177,23 @@ async def _drive(base: str, traffic: list[Traffic], args: argparse.Namespace) ->
 
 def _line(router: str, label: str, doc: dict) -> str:
     ttft = doc["ttft_s"] or {}
-    return (f"{router:>16} {label:>14}: hit {doc['prefix_hit_fraction']}, TTFT p50 {ttft.get('p50', 0):.3f} s "
+    return (f"{router:>22} {label:>14}: hit {doc['prefix_hit_fraction']}, TTFT p50 {ttft.get('p50', 0):.3f} s "
             f"p99 {ttft.get('p99', 0):.3f} s, {doc['output_tokens_per_s']} tok/s, {doc['request_throughput']} req/s, "
             f"per replica {doc['routed']}, decisions {doc['decisions']}, errors {doc['errors']}")
 
 
-def _ratios(rounds: list[dict[str, dict[str, dict]]]) -> dict[str, dict[str, dict]]:
-    """traffic -> router -> medians over the rounds of its ratios to power_of_two's."""
+def _ratios(rounds: list[dict[str, dict[str, dict]]], base_of=lambda name: "power_of_two") -> dict[str, dict[str, dict]]:
+    """traffic -> router -> medians over the rounds of its ratios to its base run's (``base_of`` its
+    name: power_of_two's, or for ``X+events`` the digests run of X)."""
     def ratio(a, b):
         return a / b if a and b else None
 
     out: dict[str, dict[str, dict]] = {}
     for rnd in rounds:
-        base = rnd.get("power_of_two")
-        if not base:
-            continue
         for router, docs in rnd.items():
+            base = rnd.get(base_of(router))
+            if not base:
+                continue
             for label, doc in docs.items():
                 ref = base.get(label)
                 if ref is None or doc["ttft_s"] is None or ref["ttft_s"] is None:
@@ -216,12 +224,17 @@ def cmd_ray_routing(args: argparse.Namespace, command: str) -> int:
 
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     traffics = [t.strip() for t in args.traffic.split(",") if t.strip()]
-    for what, given, known in (("routers", routers, ROUTERS), ("traffic", traffics, TRAFFICS)):
+    views = [v.strip() for v in args.cache_view.split(",") if v.strip()]
+    for what, given, known in (("routers", routers, ROUTERS), ("traffic", traffics, TRAFFICS),
+                               ("cache-view", views, CACHE_VIEWS)):
         bad = [x for x in given if x not in known]
         if bad or not given:
             raise SystemExit(f"{PROG}: --{what}: unknown or none {bad}; choose from {', '.join(known)}")
     if args.repeat < 1:
         raise SystemExit(f"{PROG}: --repeat: must be >= 1")
+    # (name, router, view): a router that reads a cache view once per view
+    runs = [(r if v == "digests" else f"{r}+{v}", r, v) for r in routers
+            for v in (views if r in VIEW_ROUTERS else ["digests"])]
     if not 0 < args.template_tokens < args.burst_prompt_tokens:
         raise SystemExit(f"{PROG}: --template-tokens: must be between 0 and --burst-prompt-tokens")
     load0 = _loadavg()
@@ -246,15 +259,17 @@ def cmd_ray_routing(args: argparse.Namespace, command: str) -> int:
 
     def save() -> dict:  # after every router: a run cut off keeps what it measured
         ratios = _ratios(rounds)
+        view_ratios = {label: {r: d for r, d in by.items() if "+" in r}
+                       for label, by in _ratios(rounds, lambda name: name.split("+")[0]).items()}
         strip = lambda d: {k: v for k, v in d.items() if k != "requests"}  # noqa: E731
         path.write_text(json.dumps({
             "command": command, "machine": machine, "loadavg_start": load0, "loadavg_end": _loadavg(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_start)), "params": params,
-            "startup_s": startups, "ratios_vs_power_of_two": ratios,
+            "startup_s": startups, "ratios_vs_power_of_two": ratios, "events_vs_digests": view_ratios,
             "rounds": [{r: {label: strip(d) for label, d in docs.items()} for r, docs in rnd.items()} for rnd in rounds],
             "requests": [{r: {label: d["requests"] for label, d in docs.items()} for r, docs in rnd.items()}
                          for rnd in rounds]}, indent=1))
-        return ratios
+        return ratios, view_ratios
 
     ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
     port = _port()
@@ -264,28 +279,29 @@ def cmd_ray_routing(args: argparse.Namespace, command: str) -> int:
         for k in range(args.repeat):
             rnd: dict[str, dict[str, dict]] = {}
             rounds.append(rnd)
-            for router in routers[k % len(routers):] + routers[:k % len(routers)]:
+            for name, router, view in runs[k % len(runs):] + runs[:k % len(runs)]:
                 t0 = time.perf_counter()
                 kwargs = ({"imbalanced_threshold": args.router_imbalanced_threshold}
                           if router == "cache_threshold" and args.router_imbalanced_threshold is not None else None)
                 serve.run(build_app(cfg, ServerConfig("bench"), num_replicas=args.replicas, router=router,
                                     router_kwargs=kwargs, num_cpus_per_replica=args.num_cpus_per_replica,
-                                    routing_stats_period_s=args.routing_stats_period),
+                                    routing_stats_period_s=args.routing_stats_period, routing_cache_view=view),
                           name="prefixkv", route_prefix="/")
                 asyncio.run(_wait_up(base, args.replicas, 600))
-                startups.setdefault(router, []).append(round(time.perf_counter() - t0, 2))
-                rnd[router] = asyncio.run(_drive(base, traffic, args))
-                for label, doc in rnd[router].items():
-                    print(f"round {k + 1} " + _line(router, label, doc), file=sys.stderr, flush=True)
+                startups.setdefault(name, []).append(round(time.perf_counter() - t0, 2))
+                rnd[name] = asyncio.run(_drive(base, traffic, args))
+                for label, doc in rnd[name].items():
+                    print(f"round {k + 1} " + _line(name, label, doc), file=sys.stderr, flush=True)
                 save()
                 serve.delete("prefixkv")
     finally:
         serve.shutdown()
         ray.shutdown()
-    ratios = save()
-    for label, by_router in ratios.items():
-        for router, d in by_router.items():
-            print(f"{label:>14} {router:>16} vs power_of_two (median of {len(rounds)}): {d}", flush=True)
+    ratios, view_ratios = save()
+    for base, table in (("power_of_two", ratios), ("its digests run", view_ratios)):
+        for label, by_router in table.items():
+            for router, d in by_router.items():
+                print(f"{label:>14} {router:>22} vs {base} (median of {len(rounds)}): {d}", flush=True)
     print(f"wrote {path}")
     errors = sum(d["errors"] for rnd in rounds for docs in rnd.values() for d in docs.values())
     if errors:

@@ -117,6 +117,14 @@ class AsyncEngine(StreamingClient):
         """``KVCacheManager.cache_digest`` (block hash -> tier), for a router, between steps."""
         return await self.run(lambda e: e.scheduler.kv.cache_digest())
 
+    async def retained_blocks(self) -> list[int]:
+        """``KVCacheCoordinator.retained_blocks`` (the cached blocks retained now), between steps."""
+        return await self.run(lambda e: e.scheduler.kv.retained_blocks())
+
+    async def kv_events_info(self) -> dict[str, Any] | None:
+        """``LLMEngine.kv_events_info`` (where the KV events go, the hash algorithm)."""
+        return await self.run(lambda e: e.kv_events_info())
+
     async def queue_state(self) -> dict[str, int]:
         """``serve.load.queue_state`` (the queues and the prompt tokens left to compute), between steps."""
         return await self.run(queue_state)

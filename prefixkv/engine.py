@@ -107,6 +107,18 @@ class LLMEngine:
             if events:
                 self.kv_event_publisher.publish(events)
 
+    def kv_events_info(self) -> dict[str, Any] | None:
+        """Where this engine publishes its KV events and how it hashes blocks, for a subscriber
+        that matches prompts against them (serve/router.py): the bound addresses (a wildcard port
+        resolved), the topic, ``--prefix-caching-hash-algo`` and its root (hex; None for builtin,
+        whose root is 0). None when events are off."""
+        pub = self.kv_event_publisher
+        if self.kv_events is None or not hasattr(pub, "endpoint"):
+            return None
+        root = self.kv_events.hasher.root
+        return {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint, "topic": self.config.kv_events.topic,
+                "hash_algo": self.kv_events.hasher.algo, "hash_root": root.hex() if isinstance(root, bytes) else None}
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block, in every tier (files included), as vLLM's
         ``reset_prefix_cache``: only while no request holds a block (False, nothing changed,

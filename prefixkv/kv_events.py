@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
 from prefixkv.config import KVEventsConfig
 from prefixkv.kv import events as ev
@@ -74,6 +74,10 @@ def wire_schema() -> SimpleNamespace:
 
     class KVEventBatch(EventBatch):
         events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+    # the classes above are local: their names in this annotation (a string, as every one here)
+    # would not resolve where a decoder looks them up (serve/kv_subscriber.py decodes batches)
+    KVEventBatch.__annotations__["events"] = list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
 
     return SimpleNamespace(EventBatch=EventBatch, BlockStored=BlockStored, BlockRemoved=BlockRemoved,
                            AllBlocksCleared=AllBlocksCleared, KVEventBatch=KVEventBatch)

@@ -16,7 +16,8 @@ from tiny_models import build_model, build_tokenizer  # noqa: E402
 # Modules that `make test` runs after the rest, one test at a time: they start Ray clusters or wait
 # on a server's reaction within a deadline, so a busy neighbour must not share the cores. The rest
 # runs side by side in two pytest-xdist workers (`-n 2 --dist loadfile -m "not serial"`).
-SERIAL_MODULES = {"test_ray_serve.py", "test_ray_cli.py", "test_ray_ingress.py", "test_ray_routing.py", "test_faults.py"}
+SERIAL_MODULES = {"test_ray_serve.py", "test_ray_cli.py", "test_ray_ingress.py", "test_ray_routing.py", "test_ray_events.py",
+                  "test_faults.py"}
 
 
 def pytest_collection_modifyitems(config, items):

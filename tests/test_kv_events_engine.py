@@ -260,13 +260,3 @@ def test_events_are_off_by_default_and_bad_settings_name_their_field(tiny_llama)
         EngineArgs(kv_events_config={"bogus": 1}).create_engine_config()
     with pytest.raises(ValueError, match="^kv_events_config: "):
         EngineArgs(kv_events_config=3).create_engine_config()
-
-
-def test_ray_replicas_refuse_kv_events():
-    pytest.importorskip("ray.serve")
-    from prefixkv.config import EngineConfig, KVEventsConfig
-    from prefixkv.serve.app import build_app
-
-    cfg = EngineConfig(kv_events=KVEventsConfig(enable_kv_cache_events=True))
-    with pytest.raises(ValueError, match="^kv_events_config:"):
-        build_app(cfg, num_replicas=2)

@@ -25,8 +25,9 @@ PERIOD = 0.1  # the replicas publish their load this often
 OUTPUT = 400  # tokens per request: long enough that all run at once for a while
 
 
-@pytest.fixture(scope="module")
-def app(one_ray_instance, tiny_llama):
+def serve_two_replicas(cfg: EngineConfig, **build_kwargs):
+    """A local Ray instance serving two replicas of ``cfg``: yields the ingress's URL once both
+    publish, then shuts everything down."""
     from prefixkv.serve import build_app
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -34,15 +35,19 @@ def app(one_ray_instance, tiny_llama):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    cfg = EngineConfig(model=str(tiny_llama), dtype="float64", cache=CacheConfig(block_size=4, num_kv_blocks=1024),
-                       scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16))
-    serve.run(build_app(cfg, ServerConfig(MODEL), num_replicas=2, routing_stats_period_s=PERIOD),
-              name="prefixkv", route_prefix="/")
+    serve.run(build_app(cfg, ServerConfig(MODEL), num_replicas=2, **build_kwargs), name="prefixkv", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     _wait(lambda: len(_health(url)["replicas"]) == 2, 60, "two replicas publishing")
     yield url
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def app(one_ray_instance, tiny_llama):
+    cfg = EngineConfig(model=str(tiny_llama), dtype="float64", cache=CacheConfig(block_size=4, num_kv_blocks=1024),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16))
+    yield from serve_two_replicas(cfg, routing_stats_period_s=PERIOD)
 
 
 def _now(url: str, metric: str) -> dict[str, float]:

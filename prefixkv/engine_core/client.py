@@ -254,6 +254,14 @@ class EngineCoreClient(StreamingClient):
         """``KVCacheManager.cache_digest`` (block hash -> tier), for a router, between steps."""
         return await self.call("cache_digest")
 
+    async def retained_blocks(self) -> list[int]:
+        """``KVCacheCoordinator.retained_blocks`` (the cached blocks retained now), between steps."""
+        return await self.call("retained_blocks")
+
+    async def kv_events_info(self) -> dict[str, Any] | None:
+        """``LLMEngine.kv_events_info`` (where the KV events go, the hash algorithm)."""
+        return await self.call("kv_events_info")
+
     async def queue_state(self) -> dict[str, int]:
         """``serve.load.queue_state`` (the queues and the prompt tokens left to compute), between steps."""
         return await self.call("queue_state")

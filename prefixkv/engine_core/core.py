@@ -60,6 +60,8 @@ UTILITIES: dict[str, Callable[..., Any]] = {
     "cache_summary": lambda engine, max_nodes, text_tokens=0: engine.cache_summary(max_nodes, text_tokens),
     "cache_digest": lambda engine: engine.scheduler.kv.cache_digest(),
     "queue_state": lambda engine: queue_state(engine),
+    "retained_blocks": lambda engine: engine.scheduler.kv.retained_blocks(),
+    "kv_events_info": lambda engine: engine.kv_events_info(),
     "check_integrity": lambda engine: engine.check_integrity(),
     "stats": lambda engine: engine.stats(),
     "reset_prefix_cache": lambda engine: engine.reset_prefix_cache(),

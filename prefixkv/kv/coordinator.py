@@ -193,6 +193,15 @@ class KVCacheCoordinator:
         them). False if ``handle`` holds none."""
         return self.retention.release(handle)
 
+    def retained_blocks(self) -> list[int]:
+        """The hashes of the cached blocks (in any tier) that a retained prefix covers now (their
+        TTLs checked first): what a router counts as held whatever else the replica evicts."""
+        self.retention.expire()
+        if not self.retention:
+            return []
+        digest = self.cache_digest()
+        return [h for h in self.retention.blocks if h in digest]
+
     def retention_stats(self) -> dict[str, int]:
         """Retained blocks now (their TTLs checked first) and the retention counters."""
         r = self.retention

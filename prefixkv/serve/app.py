@@ -34,6 +34,7 @@ INGRESS_DEPLOYMENT = "PrefixKVIngress"
 # --router name -> class in serve/router.py (named, so that only the replicas' callers import it)
 ROUTERS = {"cache_aware": "CacheAwareRouter", "cache_threshold": "CacheThresholdRouter",
            "power_of_two": "PowerOfTwoRouter", "prefix_affinity": "PrefixAffinityRouter"}
+CACHE_VIEWS = ("digests", "events")  # --routing-cache-view (serve/router.py's cache_view)
 
 
 def build_app(engine_config: EngineConfig | None = None, server_config: ServerConfig | None = None, *,
@@ -41,14 +42,19 @@ def build_app(engine_config: EngineConfig | None = None, server_config: ServerCo
               num_cpus_per_replica: float = 1.0, num_gpus_per_replica: float = 0.0, router: str = "cache_aware",
               router_kwargs: dict[str, Any] | None = None, routing_stats_period_s: float = 1.0,
               max_ongoing_requests: int | None = None, health_check_period_s: float = 2.0,
-              engine_process: bool = True):
+              engine_process: bool = True, routing_cache_view: str = "digests"):
     """The Serve application: one ingress and ``num_replicas`` engine replicas (or Serve's
     autoscaling between ``autoscaling_config``'s min and max), routed by ``router``; each replica's
-    engine steps in its own process unless ``engine_process`` is False (serve/replica.py)."""
+    engine steps in its own process unless ``engine_process`` is False (serve/replica.py).
+
+    ``routing_cache_view``: what the cache-aware routers know of each replica's cache: its digest,
+    published with its routing stats every ``routing_stats_period_s`` (``digests``), or its KV
+    events as they happen (``events``: every replica publishes them on its own endpoints, which
+    this turns on; the digest stays the fallback for a view that lost batches)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from prefixkv.config import EngineConfig
+    from prefixkv.config import EngineConfig, KVEventsConfig
     from prefixkv.model.loader import resolve_model
     from prefixkv.serve.ingress import OpenAIIngress
     from prefixkv.server.serving import ServerConfig
@@ -57,10 +63,22 @@ def build_app(engine_config: EngineConfig | None = None, server_config: ServerCo
     engine_config = engine_config or EngineConfig()
     if router not in ROUTERS:
         raise ValueError(f"router: must be one of {', '.join(ROUTERS)}, got {router!r}")
-    if engine_config.kv_events is not None and engine_config.kv_events.enable_kv_cache_events:
-        # every replica would bind the same endpoint; per-replica endpoints are not built yet
-        raise ValueError("kv_events_config: KV events are published by a single engine (prefixkv serve without "
-                         "--replicas); with Ray replicas the router reads their cache digests")
+    if routing_cache_view not in CACHE_VIEWS:
+        raise ValueError(f"routing_cache_view: must be one of {', '.join(CACHE_VIEWS)}, got {routing_cache_view!r}")
+    if routing_cache_view == "events":
+        if router not in ("cache_aware", "cache_threshold"):
+            raise ValueError(f"routing_cache_view: events applies to the cache_aware and cache_threshold routers "
+                             f"(the router is {router})")
+        router_kwargs = {**(router_kwargs or {}), "cache_view": "events"}
+        if not engine_config.kv_events.enable_kv_cache_events:
+            engine_config = dataclasses.replace(engine_config, kv_events=dataclasses.replace(
+                engine_config.kv_events, enable_kv_cache_events=True, publisher="zmq"))
+    events = engine_config.kv_events
+    if events.enable_kv_cache_events and (events.endpoint != KVEventsConfig.endpoint
+                                          or events.replay_endpoint is not None):
+        # one address for all would collide: each replica binds free ports of its node (serve/replica.py)
+        raise ValueError("kv_events_config.endpoint: with replicas each one binds its own endpoints (free TCP ports "
+                         "of its node, listed in /health); leave endpoint and replay_endpoint unset")
     if autoscaling_config is None and num_replicas < 1:
         raise ValueError(f"replicas: must be >= 1, got {num_replicas}")
     if not routing_stats_period_s > 0:
@@ -151,7 +169,8 @@ def run_ray_server(args: argparse.Namespace, engine_config: EngineConfig, server
                     autoscaling_config=autoscaling_from_args(args), num_cpus_per_replica=args.num_cpus_per_replica,
                     num_gpus_per_replica=args.num_gpus_per_replica, router=args.router,
                     router_kwargs=router_kwargs_from_args(args),
-                    routing_stats_period_s=args.routing_stats_period, engine_process=args.engine_process)
+                    routing_stats_period_s=args.routing_stats_period, engine_process=args.engine_process,
+                    routing_cache_view=args.routing_cache_view)
     # "local": a new instance of our own unless --ray-address names one (a bare init would join
     # whatever cluster this machine last started, even a dead one)
     ray.init(address=args.ray_address or "local", include_dashboard=False, log_to_driver=True,
@@ -197,6 +216,11 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
                    help="cache_threshold: shorter cached prefixes do not steer the request (default 1)")
     g.add_argument("--routing-stats-period", type=float, default=1.0,
                    help="seconds between the replicas' cache digests")
+    g.add_argument("--routing-cache-view", choices=CACHE_VIEWS, default="digests",
+                   help="what cache_aware and cache_threshold know of each replica's prefix cache: digests (the "
+                        "default): its cache digest, every --routing-stats-period; events: its KV events as they "
+                        "happen (vLLM's schema, on the replica's own endpoints, turned on by this; a gap the replay "
+                        "socket cannot fill falls back to the digest)")
     g.add_argument("--min-replicas", type=int, default=None, help="autoscaling: the fewest replicas")
     g.add_argument("--max-replicas", type=int, default=None, help="autoscaling: the most replicas")
     g.add_argument("--target-ongoing-requests", type=float, default=None,

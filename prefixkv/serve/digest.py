@@ -38,3 +38,13 @@ def match_digest(hashes: Sequence[int], digest: Mapping[int, int]) -> PrefixMatc
         n += 1
         dev += tier == TIER_DEVICE
     return PrefixMatch(n, dev)
+
+
+def bounded_digest(digest: Mapping[int, int], retained: Sequence[int], max_blocks: int) -> dict[int, int]:
+    """``digest`` cut to ``max_blocks`` entries: the retained blocks first (what the replica keeps
+    whatever else it evicts), then by tier, the device's first."""
+    if len(digest) <= max_blocks:
+        return dict(digest)
+    keep = set(retained)
+    order = sorted(digest.items(), key=lambda kv: (kv[0] not in keep, kv[1]))
+    return dict(order[:max_blocks])

@@ -139,6 +139,13 @@ class RemoteEngine:
                       "num_routed": rs["num_routed"], "num_in_flight": rs["num_in_flight"], **_load_stats(rs)}
                 for rid, rs in self.published().items()}
 
+    def cache_views(self) -> dict[str, dict[str, Any]]:
+        """replica id -> the router's event-fed view of its cache (``--routing-cache-view events``)."""
+        out: dict[str, dict[str, Any]] = {}
+        for router in routers_for(self.deployment):
+            out.update(router.cache_views())
+        return out
+
     def router_decisions(self) -> dict[str, int]:
         total: dict[str, int] = {}
         for router in routers_for(self.deployment):
@@ -362,11 +369,19 @@ class OpenAIIngress:
     def _health(self, api: OpenAIServing) -> Reply:
         """200 while at least one replica runs (503 before the first one has published its routing
         stats, or when none is left); the body lists every replica the router sees, with the size
-        and sequence number of its last published cache digest."""
+        and sequence number of its last published cache digest, where it publishes KV events
+        (``kv_events``: endpoint, replay endpoint, hash algorithm) and, with
+        ``--routing-cache-view events``, the router's view fed by them (``cache_view``)."""
         stats = api.engine.replica_stats()
+        published, views = api.engine.published(), api.engine.cache_views()
         replicas = {rid: {"status": "ok" if s.get("running", True) else "unavailable",
                           "cached_blocks": s["num_cached_blocks"], "digest_seq": s["digest_seq"]}
                     for rid, s in sorted(stats.items())}
+        for rid, r in replicas.items():
+            if published.get(rid, {}).get("kv_events"):
+                r["kv_events"] = published[rid]["kv_events"]
+            if rid in views:
+                r["cache_view"] = views[rid]
         ok = any(r["status"] == "ok" for r in replicas.values())
         body = {"status": "ok" if ok else "unavailable", "replicas": replicas}
         return Reply(200 if ok else 503, msgspec.json.encode(body))

@@ -19,13 +19,22 @@ replica answers with its cache digest (``KVCacheCoordinator.cache_digest``: bloc
 cached block), its engine statistics and a bounded summary of its radix tree, which reach the router
 in the ingress's process (serve/router.py), its ``/metrics`` and its ``/v1/cache/summary``; with
 them its load (running and waiting requests, prompt tokens still to compute, measured prefill rate
-and decode step time: serve/load.py), which the cost-model router weighs against the cache.
+and decode step time: serve/load.py), which the cost-model router weighs against the cache, and the
+cached blocks that retained prefixes cover (``retained``: kv/retention.py), which the router counts
+as held whatever its view of the cache says.
+
+KV events (``kv_events_config``, kv_events.py): each replica publishes its own. Its engine binds
+the PUB and the replay sockets on free TCP ports of the replica's node (``replica_kv_events``), so
+replicas never share an address; the routing stats carry them under ``kv_events`` (with the hash
+algorithm and its root, what a subscriber needs to hash prompts as the events do), for the
+router's ``cache_view="events"`` and for any other subscriber (the ingress's ``/health`` lists them).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import time
@@ -33,9 +42,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prefixkv.async_engine import AsyncEngine
-from prefixkv.config import EngineConfig
+from prefixkv.config import EngineConfig, KVEventsConfig
 from prefixkv.errors import EngineDeadError, EngineFatalError, RequestAbortedError, RequestFailedError
 from prefixkv.sampling_params import SamplingParams
+from prefixkv.serve.digest import bounded_digest
 from prefixkv.serve.load import SpeedMeter
 from prefixkv.server.cache_view import TEXT_TOKENS
 
@@ -84,6 +94,25 @@ def _token_char(t: int) -> str:
     return chr(t if t < 0xD800 else t + 0x800)
 
 
+def replica_kv_events(config: KVEventsConfig, host: str) -> KVEventsConfig:
+    """A replica's own event addresses: the PUB and replay sockets bound on free ports of ``host``
+    (its node's address), the other fields as configured. One address for every replica would
+    collide, so a configured ``endpoint`` or ``replay_endpoint`` is refused (``build_app`` says so)."""
+    if not config.enable_kv_cache_events:
+        return config
+    h = f"[{host}]" if ":" in host else host
+    return dataclasses.replace(config, endpoint=f"tcp://{h}:*", replay_endpoint=f"tcp://{h}:*")
+
+
+def _node_address() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # outside Ray (tests, a notebook)
+        return "127.0.0.1"
+
+
 class EngineReplica:
     """The deployment class (``serve.deployment(EngineReplica)`` in serve/app.py)."""
 
@@ -96,6 +125,9 @@ class EngineReplica:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except RayServeException:  # constructed outside a Serve deployment (tests, a notebook)
             self.replica_id = "local"
+        if engine_config.kv_events.enable_kv_cache_events:
+            engine_config = dataclasses.replace(
+                engine_config, kv_events=replica_kv_events(engine_config.kv_events, _node_address()))
         if engine_process:  # its threads: Ray's OMP_NUM_THREADS for the actor (num_cpus), inherited
             from prefixkv.engine_core.client import EngineCoreClient
 
@@ -111,6 +143,7 @@ class EngineReplica:
         # requests this replica accepted and has not finished: those on their way into the engine
         # (its own process) count too, which the engine's queues do not show yet
         self._active = 0
+        self._kv_events: dict[str, Any] | None = None  # where its engine publishes KV events
         logger.info("engine replica %s ready (%d KV blocks of %d tokens)", self.replica_id,
                     self.engine.info.num_kv_blocks, self.block_size)
 
@@ -147,11 +180,15 @@ class EngineReplica:
         """The digest of the prefix cache and the engine's statistics, for the router."""
         running = self.engine.is_running
         digest: dict[int, int] = {}
+        retained: list[int] = []
         summary = load = None
         text_tokens = self.summary_text_tokens
         if running:
             try:
+                if self._kv_events is None:
+                    self._kv_events = await self.engine.kv_events_info()
                 digest = await self.engine.cache_digest()
+                retained = await self.engine.retained_blocks()
                 summary = await self.engine.cache_summary(SUMMARY_NODES, text_tokens)
                 # the time before the look: what the router sent after it is added to this load,
                 # what it sent while the engine looked may count twice (never not at all)
@@ -160,15 +197,15 @@ class EngineReplica:
                 load["num_waiting"] = max(load["num_waiting"], active - load["num_running"])
             except EngineDeadError:
                 running = False
-        if len(digest) > self.digest_max_blocks:  # bounded: keep the device tier first
-            digest = dict(sorted(digest.items(), key=lambda kv: kv[1])[:self.digest_max_blocks])
+        digest = bounded_digest(digest, retained, self.digest_max_blocks)
+        retained = [h for h in retained if h in digest]
         stats = self.engine.stats()
         if load is not None:  # what the replica reports of its queue and speed, for the router
             load["prefill_tokens_per_s"], load["decode_step_s"] = self._speed.update(stats)
         stats["running"] = running
         return {"replica_id": self.replica_id, "seq": next(self._digest_seq), "time": time.time(),
-                "block_size": self.block_size, "digest": digest, "stats": stats, "cache_summary": summary,
-                "load": load}
+                "block_size": self.block_size, "digest": digest, "retained": retained, "stats": stats,
+                "cache_summary": summary, "load": load, "kv_events": self._kv_events}
 
     def check_health(self) -> None:
         """Serve's health check: a dead engine makes Serve replace this replica."""

@@ -10,6 +10,17 @@ prompt will leave there), until that replica has published two digests after the
 so a burst sharing a new prefix sees where its first request went, and what the replica then
 evicts is what the digest says. A request is matched by its ``routing_keys``.
 
+``cache_view="events"`` (``--routing-cache-view events``, both prefixkv routers) reads each
+replica's KV events instead of its digest: the router subscribes to every replica's own endpoints
+(serve/kv_subscriber.py; the replica's stats name them) and keeps per replica the blocks each
+medium holds (serve/block_view.py), so what a replica stores or evicts counts from the step it
+happened, and a routed request stops counting as cached there once a batch published after its end
+has arrived. The events carry the replica's hash chain in its published form (``event_keys``): the
+salt and partition are in it, so a salted request matches only its salt's blocks. A view that lost
+batches the replay could not give back matches the digest as well until a digest taken after the
+loss is folded in. Blocks that a replica's retained prefixes cover (``retained`` in its stats,
+kv/retention.py) count as held there in either view.
+
 ``CacheAwareRouter`` (the default, ``--router cache_aware``) weighs, for each candidate replica
 r, the request's expected time to first token there and the time its prefill takes from the
 requests it shares r with, and picks the smallest::
@@ -93,9 +104,12 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from prefixkv.kv.hashing import U64, BlockHasher, first_block_keys
 from prefixkv.kv.keys import cache_root
 from prefixkv.serve import registry
+from prefixkv.serve.block_view import BlockView
 from prefixkv.serve.digest import PrefixMatch, match_digest, prompt_block_hashes
+from prefixkv.serve.kv_subscriber import EventSubscriber
 from prefixkv.serve.load import ReplicaLoad
 from prefixkv.serve.replica import ReplicaRequest
 
@@ -105,6 +119,7 @@ DEFAULT_MIN_MATCH_TOKENS = 1  # one whole cached block is worth following
 DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
 DEFAULT_DECODE_STEP_S = 0.05
 SPEEDS = ("deployment", "replica")  # whose measured speeds weigh a replica: the median of all, or its own
+CACHE_VIEWS = ("digests", "events")  # what a router knows of a replica's cache: its periodic digest, or its KV events
 
 
 def routing_keys(req: ReplicaRequest, block_size: int) -> list[int]:
@@ -144,6 +159,19 @@ class _Observed:
     def in_flight(self) -> dict[str, int]:
         """replica id -> requests this router counts against it (none for Ray's own routers)."""
         return {}
+
+    def cache_views(self) -> dict[str, dict[str, Any]]:
+        """replica id -> the state of its event-fed cache view (``cache_view="events"``; none else)."""
+        sub = getattr(self, "_subscriber", None)
+        if sub is None:
+            return {}
+        out = {}
+        for rid in list(self.curr_replicas):
+            view = sub.view(rid.unique_id)
+            if view is not None:
+                out[rid.unique_id] = {"synced": view.synced, "num_blocks": view.num_blocks,
+                                      "num_batches": view.num_batches, "num_lost": view.num_lost}
+        return out
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
@@ -190,16 +218,38 @@ class PrefixAffinityRouter(_Counted, _prefix_affinity_base()):
     decision = "prefix_affinity"
 
 
-class _PrefixView:
-    """What each replica holds of a prompt: its last digest, and the prompts routed there that no
-    digest may show yet (in flight, or ended less than two of its digests ago)."""
+def event_keys(req: ReplicaRequest, keys: list[int], block_size: int, kv_events: dict[str, Any]) -> list[int | bytes]:
+    """A request's ``routing_keys`` in the form its replica's KV events carry them: with
+    ``--prefix-caching-hash-algo builtin`` the same chain, published as its low 64 bits unsigned;
+    with vLLM's algorithms the chain of that function from the replica's root (salt and partition
+    in the first block's extra keys, as the engine hashes them), published the same way."""
+    algo = kv_events.get("hash_algo") or "builtin"
+    if algo == "builtin":
+        return [k & U64 for k in keys]
+    hasher = BlockHasher(algo, bytes.fromhex(kv_events["hash_root"]))
+    p = req.params
+    chain = hasher.extend([], req.prompt_token_ids[:len(keys) * block_size], block_size,
+                          first_block_keys(p.cache_salt, p.cache_partition))
+    return [hasher.external(h) for h in chain]
 
-    def _init_view(self) -> None:
-        # replica -> {internal request id: [routing keys, digest seq at its end or None]}
+
+class _PrefixView:
+    """What each replica holds of a prompt: its last digest or the view its KV events keep
+    (``cache_view``), the blocks its retained prefixes cover, and the prompts routed there that
+    neither may show yet (in flight, or ended less than two of its digests ago, or, with events,
+    before the last batch it published)."""
+
+    def _init_view(self, cache_view: str = "digests") -> None:
+        if cache_view not in CACHE_VIEWS:
+            raise ValueError(f"cache_view: must be one of {', '.join(CACHE_VIEWS)}, got {cache_view!r}")
+        self.cache_view = cache_view
+        self._subscriber: EventSubscriber | None = EventSubscriber() if cache_view == "events" else None
+        # replica -> {internal request id: [routing keys, digest seq at its end or None, time.time() at its end]}
         self._recent: dict[ReplicaID, dict[str, list]] = collections.defaultdict(dict)
+        self._event_keys_memo: tuple[Any, ...] = (None,)
 
     def _remember(self, replica_id: ReplicaID, rid: str, keys: list[int]) -> None:
-        self._recent[replica_id][rid] = [keys, None]
+        self._recent[replica_id][rid] = [keys, None, math.inf]
 
     def _forget(self, replica_id: ReplicaID, rid: str) -> None:
         self._recent.get(replica_id, {}).pop(rid, None)
@@ -209,19 +259,72 @@ class _PrefixView:
         if entry is not None:
             r = self.curr_replicas.get(replica_id)
             entry[1] = r.routing_stats.get("seq", 0) if r is not None else 0
+            entry[2] = time.time()
+
+    def _events_of(self, r: RunningReplica) -> BlockView | None:
+        """``r``'s event-fed view (``cache_view="events"``), once its stats name its endpoints; a view
+        that lost batches takes in the first digest ``r`` published after the loss. None: digests
+        (also when the subscriber failed)."""
+        if self._subscriber is None or self._subscriber.failed:
+            return None
+        info = r.routing_stats.get("kv_events")
+        if not info:
+            return None
+        view = self._subscriber.watch(r.replica_id.unique_id, info["endpoint"], info.get("replay_endpoint"),
+                                      info.get("topic") or "")
+        if not view.synced and (info.get("hash_algo") or "builtin") == "builtin" and "time" in r.routing_stats:
+            view.fold_digest(r.routing_stats.get("digest") or {}, r.routing_stats["time"], lambda h: h & U64)
+        return view
 
     def _expire(self, r: RunningReplica) -> None:
-        """Drop the routed requests whose blocks ``r``'s digests now tell (or no longer hold): those
-        that ended two digests ago."""
+        """Drop the routed requests whose blocks ``r``'s cache view now tells (or no longer holds):
+        those that ended two digests ago, or, with events, before the last batch the view applied."""
         recent = self._recent.get(r.replica_id)
         if recent:
             seq = r.routing_stats.get("seq", 0)
-            for rid in [rid for rid, (_, end_seq) in recent.items() if end_seq is not None and seq >= end_seq + 2]:
+            view = self._events_of(r)
+            told = view.last_ts if view is not None and view.synced else -math.inf
+            for rid in [rid for rid, (_, end_seq, end) in recent.items()
+                        if end_seq is not None and (seq >= end_seq + 2 or end < told)]:
                 del recent[rid]
 
-    def _match(self, r: RunningReplica, keys: list[int]) -> PrefixMatch:
-        best = match_digest(keys, r.routing_stats.get("digest") or {})
-        for h, _ in self._recent.get(r.replica_id, {}).values():  # routed here, not yet in a digest
+    def _held(self, r: RunningReplica, keys: list[int], req: ReplicaRequest | None) -> PrefixMatch:
+        """The leading blocks of ``keys`` that ``r``'s cache view holds: its events' view (while it
+        is whole, else the longer of it and the digest) or its digest; blocks its retained prefixes
+        cover count as held in any case (a digest cut to its bound, or a view that lost batches,
+        may not show them; the replica keeps them while anything else can go)."""
+        digest = r.routing_stats.get("digest") or {}
+        retained = r.routing_stats.get("retained") or ()
+        view = self._events_of(r) if req is not None else None
+        if view is None:
+            best = match_digest(keys, digest)
+        else:
+            info = r.routing_stats["kv_events"]
+            memo = self._event_keys_memo
+            if memo[0] is not req or memo[1] != (info.get("hash_algo"), info.get("hash_root")):
+                ek = event_keys(req, keys, _block_size([r]), info)
+                self._event_keys_memo = memo = (req, (info.get("hash_algo"), info.get("hash_root")), ek)
+            best = view.match(memo[2])
+            if not view.synced:
+                best = max(best, match_digest(keys, digest))
+        if retained and best.num_blocks < len(keys):
+            kept, n = set(retained), best.num_blocks
+            while n < len(keys) and keys[n] in kept:
+                n += 1
+            best = PrefixMatch(n, best.num_device_blocks)
+        return best
+
+    def _num_cached(self, r: RunningReplica) -> int:
+        """How many blocks ``r`` caches, by its cache view (the tie-break: a cold prefix goes where
+        it displaces the least)."""
+        view = self._events_of(r)
+        if view is not None and view.synced:
+            return view.num_blocks
+        return len(r.routing_stats.get("digest") or ())
+
+    def _match(self, r: RunningReplica, keys: list[int], req: ReplicaRequest | None = None) -> PrefixMatch:
+        best = self._held(r, keys, req)
+        for h, *_ in self._recent.get(r.replica_id, {}).values():  # routed here, not yet in its view
             n = 0
             while n < len(h) and n < len(keys) and h[n] == keys[n]:
                 n += 1
@@ -229,19 +332,32 @@ class _PrefixView:
                 best = PrefixMatch(n, n)
         return best
 
+    def _watch(self, replicas: list[RunningReplica]) -> None:
+        """Subscribe to the events of the replicas whose stats name their endpoints (the stats come
+        with ``update_replicas``), so a view is whole before a request needs it; stop following
+        those gone."""
+        if self._subscriber is not None:
+            for r in replicas:
+                self._events_of(r)
+            for key in self._subscriber.keys() - {r.replica_id.unique_id for r in replicas}:
+                self._subscriber.unwatch(key)
+
     def _drop_view(self, replica_id: ReplicaID) -> None:
         self._recent.pop(replica_id, None)
+        if self._subscriber is not None:
+            self._subscriber.unwatch(replica_id.unique_id)
 
 
 class CacheThresholdRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin, RequestRouter):
     def initialize_state(self, imbalanced_threshold: int = DEFAULT_IMBALANCED_THRESHOLD,
-                         min_match_tokens: int = DEFAULT_MIN_MATCH_TOKENS, **kwargs: Any) -> None:
+                         min_match_tokens: int = DEFAULT_MIN_MATCH_TOKENS, cache_view: str = "digests",
+                         **kwargs: Any) -> None:
         if imbalanced_threshold < 0:
             raise ValueError(f"imbalanced_threshold: must be >= 0, got {imbalanced_threshold}")
         if min_match_tokens < 1:
             raise ValueError(f"min_match_tokens: must be >= 1, got {min_match_tokens}")
+        self._init_view(cache_view)
         self._register()
-        self._init_view()
         self.imbalanced_threshold = imbalanced_threshold
         self.min_match_tokens = min_match_tokens
         self._in_flight: collections.Counter[ReplicaID] = collections.Counter()
@@ -261,7 +377,7 @@ class CacheThresholdRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin
         least = min(self._load(r) for r in candidates)
         for r in candidates:
             self._expire(r)
-        matches = [self._match(r, keys) for r in candidates]
+        matches = [self._match(r, keys, req) for r in candidates]
         i = max(range(len(candidates)), key=lambda i: (matches[i].num_blocks, matches[i].num_device_blocks,
                                                          -self._load(candidates[i])))
         if matches[i].num_blocks and matches[i].num_blocks * block_size >= self.min_match_tokens:
@@ -270,8 +386,7 @@ class CacheThresholdRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin
             reason = "imbalanced"
         else:
             reason = "no_match"
-        j = min(range(len(candidates)), key=lambda j: (self._load(candidates[j]),
-                                                       len(candidates[j].routing_stats.get("digest") or ())))
+        j = min(range(len(candidates)), key=lambda j: (self._load(candidates[j]), self._num_cached(candidates[j])))
         return candidates[j], reason, matches[j].num_blocks * block_size
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -300,6 +415,7 @@ class CacheThresholdRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        self._watch(replicas)
         alive = {r.replica_id for r in replicas}
         for gone in [rid for rid in self._recent if rid not in alive]:  # a dead replica's state goes
             self._drop_view(gone)
@@ -346,15 +462,16 @@ class Decision(NamedTuple):
 class CacheAwareRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin, RequestRouter):
     def initialize_state(self, speeds: str = "deployment",
                          default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
-                         default_decode_step_s: float = DEFAULT_DECODE_STEP_S, **kwargs: Any) -> None:
+                         default_decode_step_s: float = DEFAULT_DECODE_STEP_S, cache_view: str = "digests",
+                         **kwargs: Any) -> None:
         if speeds not in SPEEDS:
             raise ValueError(f"speeds: must be one of {', '.join(SPEEDS)}, got {speeds!r}")
         if not default_prefill_tokens_per_s > 0:
             raise ValueError(f"default_prefill_tokens_per_s: must be positive, got {default_prefill_tokens_per_s}")
         if not default_decode_step_s > 0:
             raise ValueError(f"default_decode_step_s: must be positive, got {default_decode_step_s}")
+        self._init_view(cache_view)
         self._register()
-        self._init_view()
         self.speeds = speeds
         self.default_prefill_tokens_per_s = default_prefill_tokens_per_s
         self.default_decode_step_s = default_decode_step_s
@@ -400,9 +517,9 @@ class CacheAwareRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin, Re
         return max(n, len(mine)), p
 
     def estimate(self, r: RunningReplica, keys: list[int], num_prompt_tokens: int, block_size: int,
-                 speed: tuple[float, float]) -> Estimate:
+                 speed: tuple[float, float], req: ReplicaRequest | None = None) -> Estimate:
         n, p = self._queue(r)
-        held = self._match(r, keys).num_blocks * block_size  # (never the block of the last token)
+        held = self._match(r, keys, req).num_blocks * block_size  # (never the block of the last token)
         rate, step = speed
         uncached = num_prompt_tokens - held
         ttft = (p + uncached) / rate + n * step
@@ -415,9 +532,10 @@ class CacheAwareRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin, Re
         for r in candidates:
             self._expire(r)
         num_tokens = len(req.prompt_token_ids)
-        est = [self.estimate(r, keys, num_tokens, block_size, s) for r, s in zip(candidates, self._speeds(candidates))]
+        est = [self.estimate(r, keys, num_tokens, block_size, s, req)
+               for r, s in zip(candidates, self._speeds(candidates))]
         i = min(range(len(candidates)), key=lambda i: (est[i].cost_s, -est[i].num_held_tokens, est[i].num_requests,
-                                                       len(candidates[i].routing_stats.get("digest") or ()), i))
+                                                       self._num_cached(candidates[i]), i))
         reason = ("prefix" if est[i].num_held_tokens else
                   "queue" if any(e.num_held_tokens for e in est) else "no_match")
         return Decision(candidates[i], reason, est, keys)
@@ -472,7 +590,7 @@ class CacheAwareRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin, Re
             block_size = _block_size([r] if r is not None else [])
             keys = routing_keys(req, block_size)
             num_tokens = len(req.prompt_token_ids)
-            held = self._match(r, keys).num_blocks * block_size if r is not None else 0
+            held = self._match(r, keys, req).num_blocks * block_size if r is not None else 0
             res = self._reserve(rid, replica_id, num_tokens - held, keys, None)
         res.pending = None
         self._cap(replica_id)
@@ -501,6 +619,7 @@ class CacheAwareRouter(_Observed, _PrefixView, LocalityMixin, MultiplexMixin, Re
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        self._watch(replicas)
         alive = {r.replica_id for r in replicas}
         for gone in {*self._by_replica, *self._recent, *self._ended_at} - alive:  # a dead replica's state goes
             self._drop_replica(gone)
