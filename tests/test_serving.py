@@ -107,3 +107,58 @@ def test_a_text_delta_event_is_the_encoded_chunk_byte_for_byte():
                 assert fmt.delta_event(index, text, None, 0, None) == want, (fmt_type.__name__, text)
         # a finish reason or logprobs take the whole encoder
         assert fmt.delta_event(0, "x", None, 0, "length") == _sse(fmt.delta_chunk(0, "x", None, 0, "length"))
+
+
+def test_a_stream_deadline_ends_the_wait_it_falls_in_and_nothing_else():
+    """One timer for a whole stream (serving.StreamDeadline): the wait it falls in raises
+    TimeoutError and leaves the task uncancelled; the consumer's work between waits runs to its end,
+    the next wait raises; a cancellation from elsewhere stays a cancellation."""
+    from prefixkv.server.serving import StreamDeadline
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        never = loop.create_future()
+        # the deadline falls in a wait
+        timer = StreamDeadline(loop.time() + 0.05)
+        assert await timer.wait(asyncio.sleep(0, "first")) == "first"
+        with pytest.raises(TimeoutError):
+            await timer.wait(never)
+        timer.close()
+        if sys.version_info >= (3, 11):
+            assert asyncio.current_task().cancelling() == 0
+        await asyncio.sleep(0.01)  # the task goes on: nothing is left to cancel it
+        # the deadline falls between waits (a slow write): the write finishes, the next wait raises
+        timer = StreamDeadline(loop.time() + 0.02)
+        wrote = []
+        await asyncio.sleep(0.06)
+        wrote.append("chunk")
+        with pytest.raises(TimeoutError):
+            await timer.wait(never)
+        assert wrote == ["chunk"]
+        timer.close()
+        # a cancellation from elsewhere during a wait is not turned into a timeout
+        async def consumer():
+            timer = StreamDeadline(loop.time() + 60)
+            try:
+                await timer.wait(never)
+            finally:
+                timer.close()
+
+        task = asyncio.ensure_future(consumer())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return "done"
+
+    assert asyncio.run(main()) == "done"
+
+
+def test_http_processes_run_on_uvloop_where_it_is_installed():
+    pytest.importorskip("uvloop")
+    from prefixkv.server.app import run_event_loop
+
+    async def main():
+        return type(asyncio.get_running_loop()).__module__
+
+    assert run_event_loop(main()).startswith("uvloop")

@@ -17,7 +17,6 @@ the others are stopped and this one exits 1.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import multiprocessing
 import os
@@ -119,11 +118,11 @@ def _watch(core, servers, ready, stop, config, url) -> int:
 def _http_process(address: str, facts: CoreFacts, config: ServerConfig, host: str, sock: socket.socket,
                   ready) -> None:
     from prefixkv.engine_core.client import EngineCoreClient
-    from prefixkv.server.app import serve
+    from prefixkv.server.app import run_event_loop, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the parent stops us with SIGTERM
     engine = EngineCoreClient(address, facts)
-    raise SystemExit(asyncio.run(serve(engine, config, host, sock.getsockname()[1], sock=sock,
+    raise SystemExit(run_event_loop(serve(engine, config, host, sock.getsockname()[1], sock=sock,
                                        on_ready=lambda url: ready.put(os.getpid()), signals=(signal.SIGTERM,))))

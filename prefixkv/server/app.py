@@ -22,7 +22,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -293,7 +293,18 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, host: str = "1
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    return asyncio.run(serve(engine, config, host, port))
+    return run_event_loop(serve(engine, config, host, port))
+
+
+def run_event_loop(main: Coroutine[Any, Any, int]) -> int:
+    """Run an HTTP process's ``main`` on uvloop's event loop where uvloop is installed (the server
+    extra installs it on Linux and macOS: libuv's loop and transports cost less CPU per streamed
+    event than asyncio's), on asyncio's otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 async def serve(engine: EngineClient, config: ServerConfig, host: str, port: int, sock: socket.socket | None = None,

@@ -114,6 +114,44 @@ else:  # Python 3.10: the same contract, without Task.uncancel
             handle.cancel()
 
 
+class StreamDeadline:
+    """A streamed request's timeout: one timer for the whole stream (``asyncio.wait_for`` on each
+    output would cost a task and a timer per token). ``wait(aw)`` awaits ``aw`` and raises
+    ``TimeoutError`` if the deadline passes during the wait or passed before it; the consumer's
+    work between two waits (the transport's writes) is never cancelled. Built, waited on and
+    closed in one task."""
+
+    __slots__ = ("_task", "_handle", "_waiting", "_fired")
+
+    def __init__(self, when: float) -> None:
+        self._task = asyncio.current_task()
+        self._waiting = False
+        self._fired = False
+        self._handle = asyncio.get_running_loop().call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self._fired = True
+        if self._waiting:
+            self._task.cancel()
+
+    async def wait(self, aw: Any) -> Any:
+        if self._fired:
+            raise TimeoutError
+        self._waiting = True
+        try:
+            return await aw
+        except asyncio.CancelledError:
+            # ours if the deadline fired and nothing else cancelled the task meanwhile
+            if self._fired and (sys.version_info < (3, 11) or self._task.uncancel() == 0):
+                raise TimeoutError from None
+            raise
+        finally:
+            self._waiting = False
+
+    def close(self) -> None:
+        self._handle.cancel()
+
+
 CACHE_ISOLATIONS = ("none", "api-key")
 
 
@@ -992,6 +1030,7 @@ class OpenAIServing:
         states = [_ChoiceState() for _ in range(num_choices)]
         ttft = None
         merged = _merge(streams)
+        timer = StreamDeadline(deadline)
         try:
             start = fmt.start_chunks(num_choices)
             if start:
@@ -1000,11 +1039,9 @@ class OpenAIServing:
                 # the deadline bounds each wait here, not the transport's writes between them (a
                 # timeout scope around a yield would cancel whatever the consumer awaits)
                 try:
-                    i, out = await asyncio.wait_for(merged.__anext__(), max(0.0, deadline - loop.time()))
+                    i, out = await timer.wait(merged.__anext__())
                 except StopAsyncIteration:
                     break
-                except asyncio.TimeoutError:
-                    raise TimeoutError from None
                 if ttft is None:
                     ttft = loop.time() - t0
                 if out.finished:
@@ -1019,6 +1056,7 @@ class OpenAIServing:
             if include_usage:
                 yield _sse(fmt.usage_chunk(usage))
         finally:
+            timer.close()
             await merged.aclose()
         yield _SSE_DONE
 
@@ -1069,17 +1107,18 @@ class OpenAIServing:
     async def outputs(stream: OutputStream, deadline: float) -> AsyncIterator[RequestOutput]:
         """A started request's outputs until its last; the deadline bounds each wait (not the
         consumer's work between them). An engine failure or the deadline raises ApiError."""
-        loop = asyncio.get_running_loop()
-        while not stream.done:
-            try:
-                out = await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - loop.time()))
-            except StopAsyncIteration:
-                return
-            except asyncio.TimeoutError:
-                raise _engine_error(TimeoutError()) from None
-            except Exception as e:
-                raise _engine_error(e) from None
-            yield out
+        timer = StreamDeadline(deadline)
+        try:
+            while not stream.done:
+                try:
+                    out = await timer.wait(stream.__anext__())
+                except StopAsyncIteration:
+                    return
+                except Exception as e:
+                    raise _engine_error(e) from None
+                yield out
+        finally:
+            timer.close()
 
     def observe(self, t0: float, ttft: float | None, finals: list[RequestOutput]) -> Usage:
         """Record a finished request in the metrics; returns its usage."""
