@@ -9,7 +9,9 @@ under ``--out``. ``--streams`` requests of ``--prompt-tokens`` distinct tokens e
 - offline: ``LLM.generate`` in this process, ``max_num_seqs`` = streams: output tokens/s;
 - served: each system of ``--systems`` started (prefixkv serve: the engine in its own process;
   prefixkv-inproc: in a thread of the HTTP process; vllm: vLLM's api_server), driven by ``vllm bench
-  serve`` at concurrency = streams: output tokens/s, and served / offline.
+  serve`` at concurrency = streams: output tokens/s, and served / the same round's offline;
+- where the CPU went while the load ran: CPU seconds of the server's own process (the front end),
+  of its child processes (the engine core), and of the load generator (after its imports).
 
 The load generator runs on the same CPUs as the server; ``--rounds`` alternate the systems.
 """
@@ -115,8 +117,12 @@ def cmd_ceiling(args: argparse.Namespace, command: str) -> int:
                         res = run_load(servers[name], texts, server_args, n, model_dir, "tiny", workdir,
                                        f"ceiling-{n}-{r}")
                         run["systems"][name] = {k: res.get(k) for k in ("output_throughput", "request_throughput",
-                                                                         "median_itl_ms", "median_ttft_ms", "failed")}
-                        print(f"streams {n} round {r} {name}: {res['output_throughput']:.0f} tok/s", flush=True)
+                                                                         "median_itl_ms", "median_ttft_ms", "failed",
+                                                                         "server_cpu_s", "load_generator_cpu_s")}
+                        cpu = res["server_cpu_s"]
+                        print(f"streams {n} round {r} {name}: {res['output_throughput']:.0f} tok/s; CPU s: front "
+                              f"{cpu['front']:.2f}, engine {cpu['engine']:.2f}, load generator "
+                              f"{res.get('load_generator_cpu_s', float('nan')):.2f}", flush=True)
                     # the offline run encodes the served text again: the same token counts as served
                     enc = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
                     run["offline_tokens_per_s"] = offline_tokens_per_s(model_dir, enc, args.output_tokens, args.threads)
@@ -129,16 +135,24 @@ def cmd_ceiling(args: argparse.Namespace, command: str) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     doc["loadavg_end"] = _loadavg()
     print(f"\n{command}\nload average {doc['loadavg_start']} -> {doc['loadavg_end']}")
-    print("| streams | system | served tok/s | offline tok/s | served / offline |\n|---|---|---|---|---|")
+    # each round's served / that round's offline (the offline runs move with the machine too)
+    print("| streams | system | served tok/s | offline tok/s | served / offline (median of the rounds') | "
+          "CPU s: front / engine / load generator |\n|---|---|---|---|---|---|")
     doc["summary"] = []
+    med = statistics.median
     for n in streams:
         runs = [r for r in doc["runs"] if r["streams"] == n]
-        offline = statistics.median(r["offline_tokens_per_s"] for r in runs)
+        offline = med(r["offline_tokens_per_s"] for r in runs)
         for name in systems:
-            served = statistics.median(r["systems"][name]["output_throughput"] for r in runs)
+            got = [r["systems"][name] for r in runs]
+            served = med(g["output_throughput"] for g in got)
+            ratio = med(g["output_throughput"] / r["offline_tokens_per_s"] for g, r in zip(got, runs))
+            cpu = {k: med(g["server_cpu_s"][k] for g in got) for k in ("front", "engine")}
+            cpu["load_generator"] = med(g.get("load_generator_cpu_s") or float("nan") for g in got)
             doc["summary"].append({"streams": n, "system": name, "served": served, "offline": offline,
-                                   "ratio": served / offline})
-            print(f"| {n} | {name} | {served:.0f} | {offline:.0f} | {served / offline:.2f} |")
+                                   "ratio": ratio, "cpu_s": cpu})
+            print(f"| {n} | {name} | {served:.0f} | {offline:.0f} | {ratio:.2f} | {cpu['front']:.2f} / "
+                  f"{cpu['engine']:.2f} / {cpu['load_generator']:.2f} |")
     path = out / f"{args.stem or 'http-ceiling-' + time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(doc, indent=1))
     print(f"wrote {path}")

@@ -214,6 +214,37 @@ def bench_serve_args(url: str, model_name: str, model_dir: Path, data: Path, num
             "--result-filename", result, "--seed", str(seed)]
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far (Linux ``/proc``); 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux ``/proc``)."""
+    kids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    if int(f.read().rsplit(b")", 1)[1].split()[1]) == pid:
+                        kids.append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return kids
+
+
+def server_cpu_s(server: Server) -> dict[str, float]:
+    """CPU seconds so far of a server's own process ("front") and of its child processes together
+    ("engine": prefixkv's engine core, vLLM's EngineCore; 0 for a one-process server)."""
+    pid = server.proc.pid
+    return {"front": process_cpu_s(pid), "engine": sum(process_cpu_s(k) for k in child_pids(pid))}
+
+
 def run_load(server: Server, prompts: list[str], args: argparse.Namespace, concurrency: int, model_dir: Path,
              model_name: str, workdir: Path, tag: str) -> dict:
     """``vllm bench serve`` against ``server``: its result JSON (detailed: every output's text)."""
@@ -228,12 +259,16 @@ def run_load(server: Server, prompts: list[str], args: argparse.Namespace, concu
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("PYTHONPATH", None)
     t0 = time.perf_counter()
+    cpu0 = server_cpu_s(server)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    cpu1 = server_cpu_s(server)
     if proc.returncode != 0:
         raise SystemExit(f"{PROG}: vllm bench serve failed against {server.name}:\n{proc.stdout[-3000:]}\n"
                          f"{proc.stderr[-3000:]}")
     doc = json.loads((workdir / result).read_text())
     doc["wall_s"] = time.perf_counter() - t0
+    # while the load generator ran (its start-up included: the servers idle meanwhile)
+    doc["server_cpu_s"] = {k: cpu1[k] - cpu0[k] for k in cpu0}
     lens = doc.get("output_lens") or []
     doc["output_len_mismatches"] = sum(n != args.output_tokens for n in lens)
     if doc["output_len_mismatches"]:
