@@ -314,6 +314,10 @@ def offline_vllm(model_dir: Path, token_prompts: list[list[int]], output_tokens:
     key = ("vllm-offline", max_num_seqs)
     system = cache.get(key)
     if system is None:
+        # one offline vLLM at a time: each holds its model and KV pool (~3.6 GB for SmolLM2 at 1 GiB of
+        # KV) beside the three servers; two of them left llama-server to the kernel's OOM killer
+        for other in [k for k in cache if isinstance(k, tuple) and k[0] == "vllm-offline"]:
+            cache.pop(other).teardown()
         a = SystemArgs(model=str(model_dir), dtype="float32", block_size=32, max_num_seqs=max_num_seqs)
         system = cache[key] = VLLMSystem("vllm-b32", model_dir, a, 32)
         system.setup()
