@@ -11,7 +11,8 @@ under ``--out``. ``--streams`` requests of ``--prompt-tokens`` distinct tokens e
   prefixkv-inproc: in a thread of the HTTP process; vllm: vLLM's api_server), driven by ``vllm bench
   serve`` at concurrency = streams: output tokens/s, and served / the same round's offline;
 - where the CPU went while the load ran: CPU seconds of the server's own process (the front end),
-  of its child processes (the engine core), and of the load generator (after its imports).
+  of the processes it started (the engine core; vLLM's engine core and worker), and of the load
+  generator (after its imports).
 
 The load generator runs on the same CPUs as the server; ``--rounds`` alternate the systems.
 """

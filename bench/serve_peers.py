@@ -238,11 +238,22 @@ def child_pids(pid: int) -> list[int]:
     return kids
 
 
+def descendant_pids(pid: int) -> list[int]:
+    """``pid``'s children, their children, and so on."""
+    found, todo = [], [pid]
+    while todo:
+        kids = child_pids(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
 def server_cpu_s(server: Server) -> dict[str, float]:
-    """CPU seconds so far of a server's own process ("front") and of its child processes together
-    ("engine": prefixkv's engine core, vLLM's EngineCore; 0 for a one-process server)."""
+    """CPU seconds so far of a server's own process ("front") and of the processes it started,
+    theirs included ("engine": prefixkv's engine core; vLLM's EngineCore and its worker; 0 for a
+    one-process server)."""
     pid = server.proc.pid
-    return {"front": process_cpu_s(pid), "engine": sum(process_cpu_s(k) for k in child_pids(pid))}
+    return {"front": process_cpu_s(pid), "engine": sum(process_cpu_s(k) for k in descendant_pids(pid))}
 
 
 def run_load(server: Server, prompts: list[str], args: argparse.Namespace, concurrency: int, model_dir: Path,
