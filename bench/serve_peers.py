@@ -296,7 +296,8 @@ SUMMARY_KEYS = ("completed", "failed", "output_len_mismatches", "duration", "req
 def summarize(doc: dict) -> dict:
     out = {k: doc.get(k) for k in SUMMARY_KEYS}
     out["generated_texts"] = doc.get("generated_texts")
-    out["errors"] = [e for e in doc.get("errors", []) if e][:3]
+    # each failed request's exception (its traceback's last line), the first three
+    out["errors"] = [e.strip().splitlines()[-1] for e in doc.get("errors", []) if e and e.strip()][:3]
     return out
 
 
