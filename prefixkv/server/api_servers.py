@@ -125,4 +125,4 @@ def _http_process(address: str, facts: CoreFacts, config: ServerConfig, host: st
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the parent stops us with SIGTERM
     engine = EngineCoreClient(address, facts)
     raise SystemExit(run_event_loop(serve(engine, config, host, sock.getsockname()[1], sock=sock,
-                                       on_ready=lambda url: ready.put(os.getpid()), signals=(signal.SIGTERM,))))
+                                          on_ready=lambda url: ready.put(os.getpid()), signals=(signal.SIGTERM,))))
