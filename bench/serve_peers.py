@@ -86,8 +86,10 @@ def vllm_python() -> str:
 class Server:
     """A server process on 127.0.0.1:``port``, its output in a log file; ``stop`` ends it (SIGTERM)."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str] | None = None,
+                 client_headers: dict[str, str] | None = None) -> None:
         self.name, self.cmd, self.port = name, cmd, port
+        self.client_headers = client_headers or {}  # sent with each of the load generator's requests
         self.url = f"http://127.0.0.1:{port}"
         fd, self.log = tempfile.mkstemp(prefix=f"bench-http-{name}-", suffix=".log")
         self.proc = subprocess.Popen(cmd, stdout=fd, stderr=fd, env={**os.environ, **(env or {})},
@@ -154,7 +156,10 @@ def start_server(name: str, model_dir: Path, model_name: str, args: argparse.Nam
         cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
                "-c", str(slots * 2048), "--threads", str(os.cpu_count() or 1), "-b", "512", "-ub", "512",
                "--cache-type-k", "f32", "--cache-type-v", "f32", "--no-webui", "--alias", model_name]
-        return Server(name, cmd, port)
+        # llama-server (cpp-httplib: a kept-alive connection closed after 5 s idle) closed connections
+        # the load generator's pool went on to reuse: 1-9 requests a run failed with "Server
+        # disconnected" (2026-12-05); with a connection per request (Connection: close), none.
+        return Server(name, cmd, port, client_headers={"Connection": "close"})
     raise SystemExit(f"{PROG}: unknown system {name!r}")
 
 
@@ -202,16 +207,19 @@ def multi_turn_prompts(w, model_dir: Path, cache: dict, key) -> list[list[int]]:
 
 
 def bench_serve_args(url: str, model_name: str, model_dir: Path, data: Path, num_prompts: int, concurrency: int,
-                     output_tokens: int, workdir: Path, result: str, seed: int) -> list[str]:
+                     output_tokens: int, workdir: Path, result: str, seed: int,
+                     headers: dict[str, str] | None = None) -> list[str]:
     """``vllm bench serve``'s arguments for one run. Its custom dataset ignores the JSONL's
-    ``output_tokens`` unless ``--custom-output-len`` says so (its default, 256, overrides them)."""
+    ``output_tokens`` unless ``--custom-output-len`` says so (its default, 256, overrides them).
+    ``headers`` go with every request (one ``--header`` list: a second would replace the first)."""
+    extra = ["--header", *(f"{k}={v}" for k, v in headers.items())] if headers else []
     return ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model_name,
             "--tokenizer", str(model_dir), "--dataset-name", "custom", "--dataset-path", str(data),
             "--custom-output-len", str(output_tokens), "--skip-chat-template", "--disable-shuffle",
             "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
             "--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", PERCENTILES, "--save-result", "--save-detailed", "--result-dir", str(workdir),
-            "--result-filename", result, "--seed", str(seed)]
+            "--result-filename", result, "--seed", str(seed), *extra]
 
 
 def process_cpu_s(pid: int) -> float:
@@ -266,7 +274,7 @@ def run_load(server: Server, prompts: list[str], args: argparse.Namespace, concu
     result = f"{tag}-{server.name}.json"
     cmd = [vllm_python(), str(ROOT / "bench" / "vllm_bench_serve.py"),
            *bench_serve_args(server.url, model_name, model_dir, data, len(prompts), concurrency,
-                             args.output_tokens, workdir, result, args.seed)]
+                             args.output_tokens, workdir, result, args.seed, server.client_headers)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("PYTHONPATH", None)
     t0 = time.perf_counter()

@@ -119,25 +119,29 @@ def test_ray_routing_traffic_is_the_same_for_every_router_and_shares_what_it_say
 def test_bench_http_asks_vllm_bench_serve_for_the_output_length(tmp_path):
     """``bench http`` writes each prompt's ``output_tokens`` into a custom dataset, but vLLM's
     custom dataset overrides them with ``--custom-output-len`` (default 256): the argument carries the
-    length. Where the vLLM peer is installed, its own parser and dataset read it back."""
+    length; extra headers (llama-server's Connection: close) go last, in one --header list. Where the
+    vLLM peer is installed, its own parser reads them back."""
     import subprocess
 
     from bench.serve_peers import ROOT, bench_serve_args
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": "a b c", "output_tokens": 7}) + "\n")
-    argv = bench_serve_args("http://127.0.0.1:1", "m", tmp_path, data, 1, 4, 7, tmp_path, "r.json", 0)
+    argv = bench_serve_args("http://127.0.0.1:1", "m", tmp_path, data, 1, 4, 7, tmp_path, "r.json", 0,
+                            {"Connection": "close", "X-Probe": "a=b"})
     assert argv[argv.index("--custom-output-len") + 1] == "7"
     assert argv[argv.index("--max-concurrency") + 1] == "4" and "--ignore-eos" in argv
+    assert argv[argv.index("--header"):] == ["--header", "Connection=close", "X-Probe=a=b"]
+    assert "--header" not in bench_serve_args("http://127.0.0.1:1", "m", tmp_path, data, 1, 4, 7, tmp_path, "r.json", 0)
     py = ROOT / ".peers" / "vllm-cpu" / "bin" / "python"
     if not py.exists():
         return
     code = ("import sys; from vllm.benchmarks.serve import add_cli_args; "
             "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; p = P(); add_cli_args(p); "
-            "print(p.parse_args(sys.argv[1:]).custom_output_len)")
+            "a = p.parse_args(sys.argv[1:]); print(a.custom_output_len, a.header)")
     out = subprocess.run([str(py), "-c", code, *argv], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-1] == "7"
+    assert out.stdout.strip().splitlines()[-1] == "7 ['Connection=close', 'X-Probe=a=b']"
 
 
 def test_server_cpu_is_split_between_the_front_process_and_what_it_started():
