@@ -113,13 +113,10 @@ class AsyncEngine(StreamingClient):
         """``LLMEngine.cache_summary``, computed on the engine thread between steps."""
         return await self.run(lambda e: e.cache_summary(max_nodes, text_tokens))
 
-    async def cache_digest(self) -> dict[int, int]:
-        """``KVCacheManager.cache_digest`` (block hash -> tier), for a router, between steps."""
-        return await self.run(lambda e: e.scheduler.kv.cache_digest())
-
-    async def retained_blocks(self) -> list[int]:
-        """``KVCacheCoordinator.retained_blocks`` (the cached blocks retained now), between steps."""
-        return await self.run(lambda e: e.scheduler.kv.retained_blocks())
+    async def routing_digest(self) -> tuple[dict[int, int], list[int]]:
+        """``KVCacheCoordinator.routing_digest`` (block hash -> tier; the cached blocks retained
+        now), for a router, on the engine thread between steps."""
+        return await self.run(lambda e: e.scheduler.kv.routing_digest())
 
     async def kv_events_info(self) -> dict[str, Any] | None:
         """``LLMEngine.kv_events_info`` (where the KV events go, the hash algorithm)."""

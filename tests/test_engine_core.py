@@ -225,6 +225,34 @@ def test_a_retention_handle_is_released_across_the_boundary(core):
     assert held == before + 6 and released == [True, False] and after == before
 
 
+@pytest.mark.parametrize("where", ["core", "in-process"])
+def test_the_routing_digest_across_the_boundary(core, tiny_llama, where):
+    """``routing_digest`` (a utility of the core, one walk of the caches; the in-process engine's
+    the same): block hash -> tier of every cached block, integer keys after MessagePack, and the
+    cached blocks a retained prefix covers, until its handle is released."""
+    from prefixkv.kv.tiers import TIER_DEVICE
+    from prefixkv.serve.digest import prompt_block_hashes
+
+    engine = core if where == "core" else AsyncEngine(LLMEngine(_config(tiny_llama)))
+
+    async def main():
+        prompt = [7 + (i * 11) % 300 for i in range(4 * 5 + 1)]  # 5 full blocks of 4
+        params = SamplingParams(max_tokens=1, temperature=0.0, kv_retention_ttl_s=600.0, kv_retention_handle="resp_d")
+        await _run(engine, prompt, params, "digest")
+        held = await engine.routing_digest()
+        await engine.release_retention("resp_d")
+        return prompt_block_hashes(prompt, 4), held, await engine.routing_digest()
+
+    try:
+        hashes, (digest, retained), (digest_after, retained_after) = asyncio.run(main())
+    finally:
+        if engine is not core:
+            engine.close()
+    assert all(digest.get(h) == TIER_DEVICE for h in hashes) and all(type(k) is int for k in digest)
+    assert set(hashes) <= set(retained) <= set(digest)
+    assert not set(hashes) & set(retained_after) and all(h in digest_after for h in hashes)
+
+
 # ---------------------------------------------------------------------- malformed messages
 def test_malformed_messages_to_the_core_are_answered_with_an_error(core):
     ctx = zmq.Context()

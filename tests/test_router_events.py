@@ -315,13 +315,14 @@ def test_a_cache_lists_its_retained_blocks_that_it_holds():
     kv = KVCacheCoordinator(num_blocks=8, block_size=BS, clock=lambda: clock[0])
     hashes = prompt_block_hashes(P[:13], BS)
     kv.retain(P, 8, ttl_s=10.0)
-    assert kv.retained_blocks() == []  # asked for, not cached yet
+    assert kv.routing_digest() == ({}, [])  # asked for, not cached yet
     assert kv.allocate_slots("a", 0, 12) == []
     kv.cache_blocks("a", P[:12], 12)
     kv.free("a")
-    assert kv.retained_blocks() == hashes[:2]
+    digest = dict.fromkeys(hashes[:3], TIER_DEVICE)
+    assert kv.cache_digest() == digest and kv.routing_digest() == (digest, hashes[:2])
     clock[0] = 11.0
-    assert kv.retained_blocks() == []  # lapsed
+    assert kv.routing_digest() == (digest, [])  # lapsed
 
 
 def test_a_bounded_digest_keeps_the_retained_blocks_first():

@@ -250,13 +250,11 @@ class EngineCoreClient(StreamingClient):
     async def cache_summary(self, max_nodes: int, text_tokens: int = 0) -> dict[str, Any]:
         return await self.call("cache_summary", max_nodes, text_tokens)
 
-    async def cache_digest(self) -> dict[int, int]:
-        """``KVCacheManager.cache_digest`` (block hash -> tier), for a router, between steps."""
-        return await self.call("cache_digest")
-
-    async def retained_blocks(self) -> list[int]:
-        """``KVCacheCoordinator.retained_blocks`` (the cached blocks retained now), between steps."""
-        return await self.call("retained_blocks")
+    async def routing_digest(self) -> tuple[dict[int, int], list[int]]:
+        """``KVCacheCoordinator.routing_digest`` (block hash -> tier; the cached blocks retained
+        now), for a router, between steps."""
+        digest, retained = await self.call("routing_digest")
+        return digest, retained
 
     async def kv_events_info(self) -> dict[str, Any] | None:
         """``LLMEngine.kv_events_info`` (where the KV events go, the hash algorithm)."""
@@ -300,8 +298,9 @@ class EngineCoreClient(StreamingClient):
         return await self._on_home(self._abort_now, request_id)
 
     async def call(self, method: str, *args: Any) -> Any:
-        """A utility of the core (``core.UTILITIES``: cache_summary, cache_digest, queue_state,
-        check_integrity, stats, reset_prefix_cache, release_retention), run between two steps; its error is raised here."""
+        """A utility of the core (``core.UTILITIES``: cache_summary, routing_digest, queue_state,
+        kv_events_info, check_integrity, stats, reset_prefix_cache, release_retention), run between
+        two steps; its error is raised here."""
         self._check_alive()
         return await self._on_home(self._call, method, list(args))
 

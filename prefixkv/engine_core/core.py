@@ -58,9 +58,8 @@ STATS_PERIOD_S = 0.1  # statistics go out this often while the same requests run
 # MessagePack-able.
 UTILITIES: dict[str, Callable[..., Any]] = {
     "cache_summary": lambda engine, max_nodes, text_tokens=0: engine.cache_summary(max_nodes, text_tokens),
-    "cache_digest": lambda engine: engine.scheduler.kv.cache_digest(),
+    "routing_digest": lambda engine: engine.scheduler.kv.routing_digest(),
     "queue_state": lambda engine: queue_state(engine),
-    "retained_blocks": lambda engine: engine.scheduler.kv.retained_blocks(),
     "kv_events_info": lambda engine: engine.kv_events_info(),
     "check_integrity": lambda engine: engine.check_integrity(),
     "stats": lambda engine: engine.stats(),

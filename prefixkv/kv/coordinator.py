@@ -193,14 +193,13 @@ class KVCacheCoordinator:
         them). False if ``handle`` holds none."""
         return self.retention.release(handle)
 
-    def retained_blocks(self) -> list[int]:
-        """The hashes of the cached blocks (in any tier) that a retained prefix covers now (their
-        TTLs checked first): what a router counts as held whatever else the replica evicts."""
+    def routing_digest(self) -> tuple[dict[int, int], list[int]]:
+        """``cache_digest()``, and the hashes in it that a retained prefix covers now (their TTLs
+        checked first): what a router counts as held whatever else the replica evicts. One walk
+        of the caches for both."""
         self.retention.expire()
-        if not self.retention:
-            return []
         digest = self.cache_digest()
-        return [h for h in self.retention.blocks if h in digest]
+        return digest, [h for h in self.retention.blocks if h in digest] if self.retention else []
 
     def retention_stats(self) -> dict[str, int]:
         """Retained blocks now (their TTLs checked first) and the retention counters."""

@@ -187,8 +187,7 @@ class EngineReplica:
             try:
                 if self._kv_events is None:
                     self._kv_events = await self.engine.kv_events_info()
-                digest = await self.engine.cache_digest()
-                retained = await self.engine.retained_blocks()
+                digest, retained = await self.engine.routing_digest()
                 summary = await self.engine.cache_summary(SUMMARY_NODES, text_tokens)
                 # the time before the look: what the router sent after it is added to this load,
                 # what it sent while the engine looked may count twice (never not at all)
