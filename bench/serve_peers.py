@@ -32,6 +32,7 @@ requests through ``LLM.generate`` (prefixkv, this process) and vLLM's ``LLM.gene
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -222,35 +223,31 @@ def bench_serve_args(url: str, model_name: str, model_dir: Path, data: Path, num
             "--result-filename", result, "--seed", str(seed), *extra]
 
 
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) process ``pid`` has used so far (Linux ``/proc``); 0 if it is gone."""
+def _stat_fields(pid: int | str) -> list[bytes] | None:
+    """The fields of Linux ``/proc/PID/stat`` after the command name (the state first); None if the
+    process is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
+            return f.read().rsplit(b")", 1)[1].split()
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return None
 
 
-def child_pids(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (Linux ``/proc``)."""
-    kids = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat", "rb") as f:
-                    if int(f.read().rsplit(b")", 1)[1].split()[1]) == pid:
-                        kids.append(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
-    return kids
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far (Linux ``/proc``); 0 if it is gone."""
+    fields = _stat_fields(pid)
+    return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def descendant_pids(pid: int) -> list[int]:
-    """``pid``'s children, their children, and so on."""
+    """``pid``'s children, their children, and so on (one pass over Linux ``/proc``)."""
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for d in os.listdir("/proc"):
+        if d.isdigit() and (fields := _stat_fields(d)) is not None:
+            children[int(fields[1])].append(int(d))
     found, todo = [], [pid]
     while todo:
-        kids = child_pids(todo.pop())
+        kids = children.get(todo.pop(), [])
         found += kids
         todo += kids
     return found
