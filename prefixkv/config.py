@@ -103,6 +103,9 @@ class SchedulerConfig:
     # draft makes a step compute more rows; that pays while weight streaming dominates (small
     # batches, GPUs), not once a large batch already keeps the matmuls busy.
     speculative_disable_by_batch_size: int | None = None
+    # A streamed request's outputs go out every this many new tokens (first token and finish at
+    # once); a request's SamplingParams.stream_interval can only raise it. 1: every step.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         require(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
@@ -117,6 +120,9 @@ class SchedulerConfig:
             require(self.policy == "continuous", "max_admitted_prefill_tokens",
                      "applies to the continuous policy only (static admits a batch once)")
         require(self.max_waiting_requests >= 1, "max_waiting_requests", "must be >= 1")
+        require(isinstance(self.stream_interval, int) and not isinstance(self.stream_interval, bool)
+                and self.stream_interval >= 1, "stream_interval",
+                f"must be a positive int, got {self.stream_interval!r}")
         require(self.max_wait_steps >= 0, "max_wait_steps", "must be >= 0")
         require(self.policy in ("continuous", "static"), "policy",
                  f"must be 'continuous' or 'static', got {self.policy!r}")

@@ -62,7 +62,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler.for_device(config.device), config.cache, runner.num_pages,
                                    runner.max_model_len, runner.kv_plan.windows, TierConnector.bound_to(runner.tiers),
                                    events=self.kv_events)
-        self.output = OutputProcessor(self.tokenizer, eos, runner.max_model_len)
+        self.output = OutputProcessor(self.tokenizer, eos, runner.max_model_len, config.scheduler.stream_interval)
         self.grammars = GrammarCompiler(self.tokenizer, runner.vocab_size)
         # SamplingParams fields -> the model's defaults, for what a request leaves unset (server, LLM)
         self.default_sampling: dict[str, Any] = generation_config_defaults(
@@ -338,8 +338,9 @@ class LLMEngine:
         return outputs
 
     def _emit(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
+        due = self.output.due
         outputs = [self.output.make_output(p) for p in touched.values()
-                   if p.finished or p.params.output_kind != "final_only"]
+                   if p.finished or (p.params.output_kind != "final_only" and due(p))]
         for p in touched.values():
             if p.finished:
                 del self._parents[p.request_id]

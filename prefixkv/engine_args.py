@@ -55,6 +55,7 @@ class EngineArgs:
     prompt_lookup_min: int = SchedulerConfig.prompt_lookup_min
     prompt_lookup_max: int = SchedulerConfig.prompt_lookup_max
     speculative_disable_by_batch_size: int | None = None
+    stream_interval: int = SchedulerConfig.stream_interval
 
     @classmethod
     def names(cls) -> set[str]:
@@ -90,7 +91,8 @@ class EngineArgs:
                                       enable_chunked_prefill=self.enable_chunked_prefill,
                                       num_speculative_tokens=self.num_speculative_tokens,
                                       prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
-                                      speculative_disable_by_batch_size=self.speculative_disable_by_batch_size),
+                                      speculative_disable_by_batch_size=self.speculative_disable_by_batch_size,
+                                      stream_interval=self.stream_interval),
         )
 
 
@@ -171,6 +173,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
                    help="requests queued beyond this are refused with 503")
+    g.add_argument("--stream-interval", type=int, default=d.stream_interval,
+                   help="a streamed request's output goes out every this many new tokens (its first token and "
+                        "its finish at once); a request's stream_interval can raise it (default: %(default)s)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--cpu-linear", default=d.cpu_linear, choices=["auto", "c", "onednn", "torch"],
                    help="CPU float32 GEMMs: the engine's C kernel on packed weights, oneDNN on prepacked "

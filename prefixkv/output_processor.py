@@ -82,6 +82,7 @@ class SeqOutputState:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_processed: int = 0  # output tokens already detokenized and checked for stops
+    finish_sent: bool = False  # an output with finish_reason went out
 
 
 @dataclass
@@ -105,10 +106,25 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, eos_token_ids: list[int], max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: list[int], max_model_len: int,
+                 stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
+        self.stream_interval = stream_interval  # the least of every request's (SchedulerConfig.stream_interval)
+
+    def due(self, parent: RequestState) -> bool:
+        """Whether a running request's output goes out now under its stream interval: a sample's
+        first token, every ``interval`` new tokens of a sample, a sample's finish."""
+        interval = max(self.stream_interval, parent.params.stream_interval or 1)
+        if interval == 1 or parent.finished:
+            return True
+        seqs = parent.seqs
+        for idx, st in parent.states.items():
+            if (st.num_sent_tokens == 0 or seqs[idx].num_output_tokens - st.num_sent_tokens >= interval
+                    or (st.finish_reason is not None and not st.finish_sent)):
+                return True
+        return False
 
     def decode_token(self, token_id: int) -> str:
         """One token's text alone (vLLM's ``Logprob.decoded_token``)."""
@@ -191,6 +207,7 @@ class OutputProcessor:
             st = states[idx]
             seq = parent.seqs[idx]
             finished = st.finish_reason is not None
+            st.finish_sent = finished
             text = st.text
             sendable = text.length
             if sendable == st.num_sent_chars:  # no new text (or detokenize=False)

@@ -70,6 +70,10 @@ class SamplingParams:
     # (everything so far, every step), "delta" (what is new; the final output has everything), or
     # "final_only" (nothing until it finishes).
     output_kind: str = "cumulative"
+    # Streamed outputs ("cumulative" / "delta") go out every this many new tokens of a sequence, and
+    # its first token and its finish at once (vLLM's stream_interval): fewer, larger chunks for
+    # many streams. The engine's own (SchedulerConfig.stream_interval) is the least; None: that one.
+    stream_interval: int | None = None
     structured_outputs: StructuredOutputsParams | dict | None = None
     # token id -> a number in [-100, 100] added to its logit before sampling (OpenAI's logit_bias);
     # logprobs stay those of the raw distribution
@@ -126,6 +130,8 @@ class SamplingParams:
                f"{max(map(len, self.stop), default=0)}")
         require(self.output_kind in OUTPUT_KINDS, "output_kind",
                f"must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
+        require(self.stream_interval is None or (_is_int(self.stream_interval) and self.stream_interval >= 1),
+                "stream_interval", f"must be a positive int or None, got {self.stream_interval!r}")
         require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be a list of non-negative ints")
         require(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool")

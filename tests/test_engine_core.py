@@ -130,6 +130,8 @@ def test_outputs_equal_the_in_process_engine(core, tiny_llama):
         dict(logprobs=3, prompt_logprobs=2, max_tokens=12, output_kind="delta"),
         dict(stop_token_ids=[free[1][5]], skip_special_tokens=False, max_tokens=30, output_kind="delta"),
         dict(detokenize=False, max_tokens=10, output_kind="delta"),
+        dict(stop=[stop], stream_interval=4, output_kind="delta"),
+        dict(n=2, temperature=1.0, seed=5, stop=[stop], stream_interval=3, output_kind="cumulative"),
     ]
 
     async def both():
@@ -168,6 +170,39 @@ def test_the_client_api_from_another_event_loop(server, core):
 
     asyncio.run(main())
     _wait(lambda: _idle(core), 10, "the aborted request's blocks to be freed")
+
+
+def test_a_stream_interval_across_the_boundary(server, core):
+    """The core sends a request's tokens at its first token, every ``stream_interval`` tokens and
+    its finish (a consumer may see fewer outputs, merged, never other boundaries); over HTTP the
+    same field (vLLM's) gives chunks on those boundaries, and 0 is a 400 naming it."""
+    import openai
+
+    async def counts(interval):
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, output_kind="delta",
+                                stream_interval=interval)
+        got, n = [], 0
+        async for out in core.generate(f"si{interval}", "the quick brown fox", params):
+            n += len(out.outputs[0].delta_token_ids)
+            got.append(n)
+        return got
+
+    got = asyncio.run(counts(5))
+    assert got[-1] == 12 and set(got) <= {1, 6, 11, 12}, got
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    chunks = client.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=12, temperature=0,
+                                       logprobs=0, stream=True, extra_body={"stream_interval": 5, "ignore_eos": True})
+    n, seen = 0, []
+    for c in chunks:
+        if c.choices and c.choices[0].logprobs is not None:
+            n += len(c.choices[0].logprobs.tokens)
+            seen.append(n)
+    assert seen[-1] == 12 and set(seen) <= {1, 6, 11, 12}, seen
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       stream=True, extra_body={"stream_interval": 0})
+    assert err.value.status_code == 400 and err.value.body["param"] == "stream_interval"
+    assert err.value.body["message"].startswith("stream_interval: must be a positive int")
 
 
 # ---------------------------------------------------------------------- disconnects

@@ -151,3 +151,70 @@ def test_server_refuses_an_overlong_stop_string_naming_the_field(tiny_llama):
             client.completions.create(model="m", prompt="hi", max_tokens=2, stop=["x" * (MAX_STOP_STRING_CHARS + 1)])
         assert err.value.status_code == 400 and err.value.body["param"] == "stop"
         assert err.value.body["message"].startswith("stop: each stop string must be at most 1024 characters")
+
+
+# ---------------------------------------------------------------------- stream interval
+def _token_counts(outs, k: int = 0) -> list[int]:
+    """Sample ``k``'s tokens so far at each output (delta outputs)."""
+    counts, n = [], 0
+    for o in outs:
+        n += len(o.outputs[k].delta_token_ids) if k < len(o.outputs) else 0
+        counts.append(n)
+    return counts
+
+
+def test_a_stream_interval_sends_the_first_token_then_every_n_and_the_finish(llm):
+    base = dict(max_tokens=11, temperature=0.0, ignore_eos=True, logprobs=1, output_kind="delta")
+    every = _run(llm, SamplingParams(**base))
+    outs = _run(llm, SamplingParams(**base, stream_interval=4))
+    assert _token_counts(outs) == [1, 5, 9, 11]
+    assert [o.finished for o in outs] == [False, False, False, True]
+    final, final_every = outs[-1].outputs[0], every[-1].outputs[0]
+    assert final.token_ids == final_every.token_ids and final.text == final_every.text
+    assert [lp.logprob for lp in final.token_logprobs] == [lp.logprob for lp in final_every.token_logprobs]
+    assert "".join(o.outputs[0].delta_text for o in outs) == final_every.text
+    assert [len(o.outputs[0].delta_token_logprobs) for o in outs] == [1, 4, 4, 2]
+    cumulative = _run(llm, SamplingParams(**{**base, "output_kind": "cumulative"}, stream_interval=4))
+    assert [len(o.outputs[0].token_ids) for o in cumulative] == [1, 5, 9, 11]
+    assert cumulative[-1].outputs[0].text == final_every.text
+
+
+def test_a_sample_that_finishes_is_sent_at_once_under_a_stream_interval(llm):
+    """n = 3 with a stop string: each sample's finish goes out in the step it finished (the other
+    samples' tokens then are what the every-step run had at its finish), and each sample's deltas
+    add up to the every-step run's text; no sample holds more than the interval."""
+    base = dict(n=3, max_tokens=24, temperature=1.0, seed=11, ignore_eos=True, output_kind="delta")
+    free = _run(llm, SamplingParams(**base))[-1].outputs
+    stop = next(c for c in free[0].text[3:] if c.isalnum() and all(c in co.text for co in free))
+    every = _run(llm, SamplingParams(**base, stop=[stop]))
+    outs = _run(llm, SamplingParams(**base, stop=[stop], stream_interval=6))
+    assert len(outs) < len(every)
+
+    def at_finish(run):  # sample -> every sample's token count at its first output with a finish
+        counts = [_token_counts(run, k) for k in range(3)]
+        got = {}
+        for i, o in enumerate(run):
+            for co in o.outputs:
+                if co.finish_reason is not None and co.index not in got:
+                    got[co.index] = [c[i] for c in counts]
+        return got
+
+    finishes = at_finish(every)
+    assert sorted(finishes) == [0, 1, 2] and len({tuple(v) for v in finishes.values()}) >= 2  # not all at once
+    assert at_finish(outs) == finishes
+    for k in range(3):
+        assert "".join(o.outputs[k].delta_text for o in outs if k < len(o.outputs)) == every[-1].outputs[k].text
+        assert max(len(o.outputs[k].delta_token_ids) for o in outs if k < len(o.outputs)) <= 6
+
+
+def test_the_engine_stream_interval_is_the_least_a_request_gets(tiny_llama):
+    eng = LLM(model=str(tiny_llama), block_size=4, num_kv_blocks=256, stream_interval=3)
+    base = dict(max_tokens=10, temperature=0.0, ignore_eos=True, output_kind="delta")
+    assert _token_counts(_run(eng, SamplingParams(**base))) == [1, 4, 7, 10]
+    assert _token_counts(_run(eng, SamplingParams(**base, stream_interval=2))) == [1, 4, 7, 10]
+    assert _token_counts(_run(eng, SamplingParams(**base, stream_interval=5))) == [1, 6, 10]
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="^stream_interval:"):
+            SamplingParams(stream_interval=bad)
+    with pytest.raises(ValueError, match="^stream_interval:"):
+        LLM(model=str(tiny_llama), stream_interval=0)

@@ -146,6 +146,7 @@ class _SamplingRequest(_Unsupported, kw_only=True, forbid_unknown_fields=True):
     repetition_penalty: float | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    stream_interval: int | None = None  # vLLM's: a chunk every this many tokens (the server's --stream-interval at least)
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None

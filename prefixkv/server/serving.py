@@ -892,7 +892,7 @@ class OpenAIServing:
                                param="logit_bias") from None
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
-                     "allowed_token_ids", "include_stop_str_in_output", "bad_words", "prompt_logprobs"):
+                     "allowed_token_ids", "include_stop_str_in_output", "bad_words", "prompt_logprobs", "stream_interval"):
             value = getattr(req, name)
             if value is not None:
                 kw[name] = value
