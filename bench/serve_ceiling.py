@@ -10,6 +10,8 @@ under ``--out``. ``--streams`` requests of ``--prompt-tokens`` distinct tokens e
 - served: each system of ``--systems`` started (prefixkv serve: the engine in its own process;
   prefixkv-inproc: in a thread of the HTTP process; vllm: vLLM's api_server), driven by ``vllm bench
   serve`` at concurrency = streams: output tokens/s, and served / the same round's offline;
+  ``--stream-interval N`` starts prefixkv and vLLM with their ``--stream-interval N`` (a chunk every
+  N tokens instead of every token);
 - where the CPU went while the load ran: CPU seconds of the server's own process (the front end),
   of the processes it started (the engine core; vLLM's engine core and worker), and of the load
   generator (after its imports).
@@ -39,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="the servers' --stream-interval (prefixkv and vLLM): a chunk every this many tokens")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of the offline run")
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
     p.add_argument("--stem", default=None)
@@ -98,12 +102,12 @@ def cmd_ceiling(args: argparse.Namespace, command: str) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="bench-ceiling-"))
     doc = {"command": command, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
            "machine": machine_info(torch.get_num_threads()), "model": str(model_dir), "systems": systems,
-           "streams": streams, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-           "runs": [], "loadavg_start": _loadavg()}
+           "streams": streams, "stream_interval": args.stream_interval, "prompt_tokens": args.prompt_tokens,
+           "output_tokens": args.output_tokens, "runs": [], "loadavg_start": _loadavg()}
     try:
         for n in streams:
             server_args = argparse.Namespace(max_num_seqs=n, kv_cache_gib=1.0, output_tokens=args.output_tokens,
-                                             seed=args.seed)
+                                             seed=args.seed, stream_interval=args.stream_interval)
             servers = {name: start_server(name, model_dir, "tiny", server_args, n) for name in systems}
             for srv in servers.values():
                 srv.wait_ready(args.startup_seconds)

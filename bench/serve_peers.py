@@ -130,10 +130,15 @@ def start_server(name: str, model_dir: Path, model_name: str, args: argparse.Nam
                  max_concurrency: int) -> Server:
     port = free_port()
     kv_gib = args.kv_cache_gib
+    # a chunk every this many tokens (--stream-interval of both prefixkv and vLLM; llama-server has none)
+    interval = getattr(args, "stream_interval", 1)
+    if interval > 1 and name != "vllm" and not name.startswith("prefixkv"):
+        raise SystemExit(f"{PROG}: --stream-interval: {name} has no stream interval")
+    stream_interval = ["--stream-interval", str(interval)] if interval > 1 else []
     if name.startswith("prefixkv"):
         cmd = [sys.executable, "-m", "prefixkv.cli", "serve", "--model", str(model_dir), "--served-model-name",
                model_name, "--port", str(port), "--dtype", "float32", "--max-num-seqs", str(args.max_num_seqs),
-               "--kv-cache-memory", str(kv_gib), "--max-waiting-requests", "100000"]
+               "--kv-cache-memory", str(kv_gib), "--max-waiting-requests", "100000", *stream_interval]
         if name == "prefixkv-inproc":
             cmd.append("--no-engine-process")
         elif name == "prefixkv-t1":  # the engine's compute pool one thread short of the CPUs
@@ -145,7 +150,7 @@ def start_server(name: str, model_dir: Path, model_name: str, args: argparse.Nam
         cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
                model_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size", "32",
                "--enable-prefix-caching", "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048",
-               "--no-enable-log-requests"]
+               "--no-enable-log-requests", *stream_interval]
         env = {"LD_PRELOAD": str(venv / "lib" / "libiomp5.so"), "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_gib))),
                "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
         return Server(name, cmd, port, env)
