@@ -5,7 +5,8 @@ One command starts every server itself on 127.0.0.1 (each on a free port, all ke
 whole run) and drives each with ``vllm bench serve`` (its Python API in the vLLM peer's interpreter,
 bench/vllm_bench_serve.py): streaming ``/v1/completions``, greedy, ``ignore_eos``, the same text
 prompts for every server (a custom JSONL dataset, no chat template, in a fixed order), at every
-``--concurrency`` with ``max(64, 2 x c)`` requests. Workloads (new text every round, so that no
+``--concurrency`` with ``max(64, 2 x c)`` requests (``--stream-interval N``: prefixkv and vLLM
+send a chunk every N tokens). Workloads (new text every round, so that no
 server starts a run with its prompts cached)::
 
     shared-prefix  4 system prompts of 512 tokens, each request its own 64-token question
@@ -61,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="every server's batch bound (default: %(default)s)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="prefixkv's and vLLM's KV space (default: 1)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="prefixkv's and vLLM's --stream-interval: a chunk every this many tokens (llama-server has none)")
     p.add_argument("--offline", action="store_true", help="also the same requests offline (prefixkv and vLLM)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads of the offline runs (default: every CPU)")
@@ -131,7 +134,7 @@ def start_server(name: str, model_dir: Path, model_name: str, args: argparse.Nam
     port = free_port()
     kv_gib = args.kv_cache_gib
     # a chunk every this many tokens (--stream-interval of both prefixkv and vLLM; llama-server has none)
-    interval = getattr(args, "stream_interval", 1)
+    interval = args.stream_interval
     if interval > 1 and name != "vllm" and not name.startswith("prefixkv"):
         raise SystemExit(f"{PROG}: --stream-interval: {name} has no stream interval")
     stream_interval = ["--stream-interval", str(interval)] if interval > 1 else []
@@ -370,7 +373,8 @@ def cmd_http(args: argparse.Namespace, command: str) -> int:
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     doc = {"command": command, "started": started, "machine": machine_info(torch.get_num_threads()),
            "systems": systems, "workloads": workloads, "concurrency": concurrencies,
-           "output_tokens": args.output_tokens, "rounds": args.rounds, "runs": [], "loadavg_start": _loadavg()}
+           "output_tokens": args.output_tokens, "stream_interval": args.stream_interval, "rounds": args.rounds,
+           "runs": [], "loadavg_start": _loadavg()}
     servers: dict[str, Server] = {}
     cache: dict = {}
     out = Path(args.out)

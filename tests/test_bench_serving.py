@@ -172,3 +172,29 @@ def test_server_cpu_is_split_between_the_front_process_and_what_it_started():
             subprocess.run(["kill", str(kid)])
         proc.kill()
         proc.wait()
+
+
+def test_the_servers_are_started_with_the_stream_interval(tiny_llama):
+    """``--stream-interval N`` reaches prefixkv serve (its chunks then carry N tokens after the first);
+    llama-server, which has none, is refused before anything starts."""
+    import argparse
+    import urllib.request
+
+    from bench.serve_peers import start_server
+
+    args = argparse.Namespace(max_num_seqs=4, kv_cache_gib=0.05, stream_interval=3)
+    with pytest.raises(SystemExit, match="--stream-interval: llama has no stream interval"):
+        start_server("llama", tiny_llama, "m", args, 4)
+    srv = start_server("prefixkv", tiny_llama, "m", args, 4)
+    try:
+        srv.wait_ready(120)
+        body = {"model": "m", "prompt": "a b c", "max_tokens": 7, "temperature": 0, "ignore_eos": True,
+                "logprobs": 0, "stream": True}
+        req = urllib.request.Request(srv.url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            events = [json.loads(line[6:]) for line in r.read().decode().splitlines()
+                      if line.startswith("data: {")]
+        assert [len(e["choices"][0]["logprobs"]["tokens"]) for e in events if e["choices"]] == [1, 3, 3]
+    finally:
+        srv.stop()
