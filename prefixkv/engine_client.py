@@ -24,8 +24,9 @@ subclass ``EngineFatalError`` (the engine died: ``fatal_error`` is set, ``is_run
 server exits non-zero), or ``ReplicaDiedError``.
 
 An engine whose one prefix cache is in reach also offers ``CacheControl`` (``AsyncEngine`` and
-``EngineCoreClient`` do; ``RemoteEngine`` spreads requests over replicas, each with its own cache,
-and does not): the API layers test for it (``isinstance``) and do without where it is missing.
+``EngineCoreClient`` do); ``RemoteEngine`` spreads requests over replicas, each with its own cache,
+and offers only its ``RetentionControl`` part (a release every replica applies). The API layers
+test for them (``isinstance``) and do without where they are missing.
 
 No torch, no server library here: the Protocols are structural (``typing.Protocol``), so the
 engines need not import this module to satisfy it.
@@ -107,16 +108,20 @@ class EngineClient(Protocol):
 
 
 @runtime_checkable
-class CacheControl(Protocol):
-    """What a server may ask of the engine's prefix cache besides requests (each runs between two
-    steps):
-
-    - ``release_retention(handle)``: ``LLMEngine.release_retention`` (a deleted stored Response's
-      retention lets go before its TTL); False if ``handle`` holds none.
-    - ``reset_prefix_cache()``: ``LLMEngine.reset_prefix_cache`` (every tier; ``AllBlocksCleared``
-      with KV events on); False, nothing changed, while a request runs or waits.
-    """
+class RetentionControl(Protocol):
+    """``release_retention(handle)``: ``LLMEngine.release_retention`` (a deleted stored Response's
+    retention lets go before its TTL); False if ``handle`` holds none. The Ray ingress's engine
+    logs the handle for every replica to release within a routing-stats period (serve/releases.py)."""
 
     async def release_retention(self, handle: str) -> bool: ...
+
+
+@runtime_checkable
+class CacheControl(RetentionControl, Protocol):
+    """What a server may ask of one engine's prefix cache besides requests (each runs between two
+    steps): ``release_retention`` and ``reset_prefix_cache()``: ``LLMEngine.reset_prefix_cache``
+    (every tier; ``AllBlocksCleared`` with KV events on); False, nothing changed, while a request
+    runs or waits.
+    """
 
     async def reset_prefix_cache(self) -> bool: ...

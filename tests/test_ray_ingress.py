@@ -202,3 +202,37 @@ def test_no_replica_answering_is_a_503_not_a_crash(replica, tiny_llama):
     ing = OpenAIIngress(Unreachable(replica), str(tiny_llama), ServerConfig("tiny"), "EngineReplica")
     status, body = asyncio.run(call(ing, "GET", "/v1/models"))
     assert status == 503 and json.loads(body)["error"]["code"] == "not_ready"
+
+
+def test_a_replica_releases_the_logged_handles_its_requests_named(replica):
+    """What the ingress logged (serve/releases.py) is read from where the replica left off; of it,
+    the replica releases in its engine only the handles its own requests named."""
+
+    class Log:  # the ReleaseLog actor's handle: since.remote(...) awaited
+        def __init__(self, handles: list[str]) -> None:
+            self.handles, self.asked = handles, []
+
+        @property
+        def since(self):
+            async def remote(log_id, position):
+                self.asked.append((log_id, position))
+                return "log-1", len(self.handles), self.handles[position if log_id == "log-1" else 0:]
+            return SimpleNamespace(remote=remote)
+
+    async def main():
+        for handle in ("resp_mine", "resp_kept"):
+            params = SamplingParams(max_tokens=2, temperature=0.0, kv_retention_ttl_s=600.0,
+                                    kv_retention_handle=handle)
+            items = [item async for item in replica.generate(ReplicaRequest(handle, list(range(5, 30)), params))]
+            assert items[0][0] == "accepted" and items[-1].finished
+        log = replica._releases = Log(["resp_other", "resp_mine"])
+        first = await replica.release_logged()
+        again = await replica.release_logged()
+        return first, again, log.asked, [await replica.engine.release_retention(h) for h in ("resp_mine", "resp_kept")]
+
+    try:
+        first, again, asked, still_held = asyncio.run(main())
+    finally:
+        replica._releases, replica._releases_read = None, (None, 0)
+    assert (first, again) == (1, 0) and asked == [(None, 0), ("log-1", 2)]
+    assert still_held == [False, True]  # released by the log / not in it (released here by the check)

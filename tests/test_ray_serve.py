@@ -233,6 +233,25 @@ def test_responses_and_messages_through_the_ingress(cluster):
     assert e.value.body["type"] == "error" and e.value.body["error"]["message"].startswith("stop_sequences:")
 
 
+def test_a_deleted_stored_response_is_released_on_its_replica(cluster):
+    """A stored Response's prompt is retained (an hour) on the replica that served it; DELETE at the
+    ingress logs the release and that replica lets it go within a routing-stats period."""
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def retained() -> float:
+        return sum(_per_replica(_metrics(cluster), "prefixkv_replica_kv_blocks_retained").values())
+
+    _fresh_digests(cluster)
+    before = retained()
+    r = client.responses.create(model=MODEL, input="keep this conversation for later, please", max_output_tokens=2,
+                                temperature=0)
+    _wait(lambda: retained() > before, 10, "the stored response's prompt retained")
+    client.responses.delete(r.id)
+    _wait(lambda: retained() == before, 10, "the retention released on its replica")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+
+
 def test_errors_are_the_single_process_servers(cluster):
     url = cluster
     status, body = _post(url + "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1})

@@ -28,6 +28,7 @@ from prefixkv.errors import EngineDeadError, ReplicaDiedError, RequestAbortedErr
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.serve.replica import SUMMARY_NODES, ReplicaRequest
 from prefixkv.serve.registry import routers_for
+from prefixkv.serve.releases import ReleaseLog, log_name, serve_context
 from prefixkv.server.cache_view import parse_max_nodes, summary_payload, trim_tree
 from prefixkv.server.metrics import ReplicaCollector
 from prefixkv.server.pages import PAGE_HEADERS, PAGES, STATIC_DIR, static_file
@@ -104,7 +105,8 @@ class RemoteEngine:
 
     fatal_error: BaseException | None = None
 
-    def __init__(self, handle: Any, facts: dict[str, Any], tokenizer: Any, deployment: str) -> None:
+    def __init__(self, handle: Any, facts: dict[str, Any], tokenizer: Any, deployment: str,
+                 app_name: str = "local") -> None:
         from prefixkv.structured_outputs import GrammarCompiler
 
         self.handle = handle.options(stream=True)
@@ -114,7 +116,9 @@ class RemoteEngine:
         self.max_waiting_requests = facts["max_waiting_requests"]
         self.default_sampling = facts["default_sampling"]
         self.deployment = deployment
+        self.app_name = app_name
         self._grammars = GrammarCompiler(tokenizer, facts["vocab_size"])
+        self._releases: Any = None  # the application's ReleaseLog actor, created at the first release
 
     def compile_grammar(self, structured_outputs: Any) -> None:
         """Validates here (a 400 before routing); the replica compiles it again into its own cache."""
@@ -184,6 +188,21 @@ class RemoteEngine:
 
     async def cache_summary(self, max_nodes: int, text_tokens: int = 0) -> dict[str, Any]:
         return self.replica_summary(None, max_nodes)[1]
+
+    async def release_retention(self, handle: str) -> bool:
+        """Log ``handle`` for every replica to release in its engine within a routing-stats period
+        (serve/releases.py). True once logged (which replica held it is not known here); False
+        outside Ray (an ingress driven in-process: no replica to tell)."""
+        if self._releases is None:
+            import ray
+
+            if not ray.is_initialized():
+                return False
+            # owned by this ingress; no CPU of its own (the replicas may hold every one)
+            self._releases = ray.remote(ReleaseLog).options(name=log_name(self.app_name), get_if_exists=True,
+                                                            num_cpus=0).remote()
+        await self._releases.append.remote([handle])
+        return True
 
     async def start(self) -> None:
         """Nothing to open: the deployment handle is Serve's."""
@@ -259,6 +278,7 @@ class OpenAIIngress:
         self._tokenizer = Tokenizer.from_pretrained(model_path)
         self.config = config
         self._deployment = replica_deployment
+        self._app_name = serve_context()[1]
         self.api: OpenAIServing | None = None
         self._starting: asyncio.Lock | None = None
 
@@ -268,7 +288,7 @@ class OpenAIIngress:
             async with self._starting:
                 if self.api is None:
                     facts = await self._replicas.describe.remote()
-                    engine = RemoteEngine(self._replicas, facts, self._tokenizer, self._deployment)
+                    engine = RemoteEngine(self._replicas, facts, self._tokenizer, self._deployment, self._app_name)
                     api = OpenAIServing(engine, self.config)
                     api.metrics.register(ReplicaCollector(engine.replica_stats, engine.router_decisions))
                     self.api = api
@@ -310,8 +330,9 @@ class OpenAIIngress:
             return _response(api.model(model.group("model")))
         stored = _RESPONSE_ROUTE.fullmatch(path)
         if name is None and stored is not None and method in ("GET", "DELETE"):
-            call = api.responses.get if method == "GET" else api.responses.delete
-            return _response(call(stored.group("id")))
+            if method == "GET":
+                return _response(api.responses.get(stored.group("id")))
+            return _response(await api.responses.delete(stored.group("id")))
         if name is None and path.startswith("/static/") and method == "GET":
             f = static_file(path[len("/static/"):])
             if f is None:

@@ -15,9 +15,10 @@ Streams start with a verdict, so that the ingress can answer 400 / 503 before it
 Cancelling the stream (the client went away) aborts the request here, which frees its blocks.
 
 Every ``request_routing_stats_period_s`` Serve's controller calls ``record_routing_stats``: the
-replica answers with its cache digest (``KVCacheCoordinator.cache_digest``: block hash -> tier of every
-cached block), its engine statistics and a bounded summary of its radix tree, which reach the router
-in the ingress's process (serve/router.py), its ``/metrics`` and its ``/v1/cache/summary``; with
+replica first releases the retentions the ingress logged since (a deleted stored Response's:
+serve/releases.py), then answers with its cache digest (``KVCacheCoordinator.routing_digest``:
+block hash -> tier of every cached block), its engine statistics and a bounded summary of its radix
+tree, which reach the router in the ingress's process (serve/router.py), its ``/metrics`` and its ``/v1/cache/summary``; with
 them its load (running and waiting requests, prompt tokens still to compute, measured prefill rate
 and decode step time: serve/load.py), which the cost-model router weighs against the cache, and the
 cached blocks that retained prefixes cover (``retained``: kv/retention.py), which the router counts
@@ -33,6 +34,7 @@ router's ``cache_view="events"`` and for any other subscriber (the ingress's ``/
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -47,6 +49,7 @@ from prefixkv.errors import EngineDeadError, EngineFatalError, RequestAbortedErr
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.serve.digest import bounded_digest
 from prefixkv.serve.load import SpeedMeter
+from prefixkv.serve.releases import log_name, serve_context
 from prefixkv.server.cache_view import TEXT_TOKENS
 
 if TYPE_CHECKING:
@@ -55,6 +58,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SUMMARY_NODES = 64  # radix nodes in the cache summary each digest carries (the /cache page's view)
+MAX_HANDLES = 1 << 16  # retention handles a replica remembers its requests named (release_logged)
 
 # exception class -> the kind a stream's error item names (checked in order: subclasses first)
 ERROR_KINDS = (
@@ -118,13 +122,7 @@ class EngineReplica:
 
     def __init__(self, engine_config: EngineConfig, cache_view_text: bool = False,
                  digest_max_blocks: int = 1 << 20, engine_process: bool = True) -> None:
-        from ray import serve
-        from ray.serve.exceptions import RayServeException
-
-        try:
-            self.replica_id = serve.get_replica_context().replica_id.unique_id
-        except RayServeException:  # constructed outside a Serve deployment (tests, a notebook)
-            self.replica_id = "local"
+        self.replica_id, self.app_name = serve_context()
         if engine_config.kv_events.enable_kv_cache_events:
             engine_config = dataclasses.replace(
                 engine_config, kv_events=replica_kv_events(engine_config.kv_events, _node_address()))
@@ -144,6 +142,12 @@ class EngineReplica:
         # (its own process) count too, which the engine's queues do not show yet
         self._active = 0
         self._kv_events: dict[str, Any] | None = None  # where its engine publishes KV events
+        # the application's release log (serve/releases.py), how far this replica has read it, and
+        # the retention handles its requests named (the most recent MAX_HANDLES; one the engine still
+        # holds beyond them lapses with its TTL): the log's other handles are no business of its engine
+        self._releases: Any = None
+        self._releases_read: tuple[str | None, int] = (None, 0)
+        self._handles: collections.OrderedDict[str, None] = collections.OrderedDict()
         logger.info("engine replica %s ready (%d KV blocks of %d tokens)", self.replica_id,
                     self.engine.info.num_kv_blocks, self.block_size)
 
@@ -157,6 +161,12 @@ class EngineReplica:
 
     async def generate(self, req: ReplicaRequest):
         self._active += 1
+        handle = req.params.kv_retention_handle
+        if handle is not None:
+            self._handles[handle] = None
+            self._handles.move_to_end(handle)
+            if len(self._handles) > MAX_HANDLES:
+                self._handles.popitem(last=False)
         try:
             try:
                 if req.params.structured_outputs is not None:  # compiled off the event loop and the step
@@ -176,8 +186,35 @@ class EngineReplica:
         finally:
             self._active -= 1
 
+    async def release_logged(self) -> int:
+        """Release in the engine the retentions the ingress logged since the last look (a deleted
+        stored Response's: serve/releases.py) that this replica's requests named; how many it
+        released. Nothing before the first release (no log yet) or outside Ray."""
+        import ray
+        from ray.exceptions import RayError
+
+        if self._releases is None:
+            if not ray.is_initialized():
+                return 0
+            try:
+                self._releases = ray.get_actor(log_name(self.app_name))
+            except ValueError:  # nothing released yet
+                return 0
+        try:
+            log_id, end, handles = await self._releases.since.remote(*self._releases_read)
+        except RayError:  # its owner, the ingress, died: the next one logs anew
+            self._releases = None
+            return 0
+        mine = [h for h in handles if h in self._handles]
+        for handle in mine:
+            del self._handles[handle]
+            await self.engine.release_retention(handle)
+        self._releases_read = (log_id, end)
+        return len(mine)
+
     async def record_routing_stats(self) -> dict[str, Any]:
-        """The digest of the prefix cache and the engine's statistics, for the router."""
+        """The digest of the prefix cache and the engine's statistics, for the router; first the
+        retentions released at the ingress since the last period (``release_logged``)."""
         running = self.engine.is_running
         digest: dict[int, int] = {}
         retained: list[int] = []
@@ -185,6 +222,7 @@ class EngineReplica:
         text_tokens = self.summary_text_tokens
         if running:
             try:
+                await self.release_logged()
                 if self._kv_events is None:
                     self._kv_events = await self.engine.kv_events_info()
                 digest, retained = await self.engine.routing_digest()

@@ -152,9 +152,7 @@ class _AioServer:
         return _response(self.api.responses.get(request.match_info["response_id"]))
 
     async def delete_response(self, request: web.Request) -> web.Response:
-        reply = self.api.responses.delete(request.match_info["response_id"])
-        await self.api.responses.release_retentions()
-        return _response(reply)
+        return _response(await self.api.responses.delete(request.match_info["response_id"]))
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         t0 = asyncio.get_running_loop().time()

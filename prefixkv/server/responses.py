@@ -20,11 +20,11 @@ begins with the stored turn's prompt and reply, whose KV blocks the prefix cache
 retained (``Retention``: the whole prompt, for ``serving.STORED_RETENTION_TTL_S`` since its last use,
 which a continuation refreshes; kv/retention.py), held under the response's id. A response the store
 forgets (``DELETE``, dropped beyond its bounds, or never stored: too large, or the request failed)
-releases that retention through the engine (``CacheControl.release_retention``), before the
-``DELETE`` is answered; what a continuation retained under its own id stays, so deleting the first
-turn of a chain keeps the prefix the later turns cover. An engine without ``CacheControl`` (the Ray
-ingress's ``RemoteEngine``) leaves the retention to its TTL. The store lives in the serving process
-(each Ray ingress replica has its own).
+releases that retention through the engine (``RetentionControl.release_retention``), before the
+``DELETE`` is answered (through the Ray ingress, every replica releases it within a routing-stats
+period: serve/releases.py); what a continuation retained under its own id stays, so deleting the
+first turn of a chain keeps the prefix the later turns cover. The store lives in the serving
+process (each Ray ingress replica has its own).
 
 Refused with a 400 naming the field: built-in tools (web search, file search, ...), ``background``,
 ``reasoning`` (effort), ``include``, ``top_logprobs``, ``truncation: "auto"``, stored prompts,
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from msgspec import Struct
 
-from prefixkv.engine_client import CacheControl
+from prefixkv.engine_client import RetentionControl
 from prefixkv.outputs import RequestOutput
 from prefixkv.server.protocol import ApiRequest, ProtocolError, convert, decode_request, encode
 from prefixkv.server.reasoning import ReplyParser, thinking_enabled
@@ -435,7 +435,7 @@ class ResponsesServing:
         self.api = api
         # ids whose retentions the engine is yet to release (``release_retentions``)
         self._to_release: list[str] = []
-        self._cache = api.engine if isinstance(api.engine, CacheControl) else None
+        self._cache = api.engine if isinstance(api.engine, RetentionControl) else None
         self.store = ResponseStore(api.config.max_stored_responses, api.config.max_stored_response_bytes,
                                    self._to_release.append if self._cache is not None else None)
 
@@ -466,13 +466,14 @@ class ResponsesServing:
             raise self._not_found(response_id, "response_id")
         return json_reply(item.response)
 
-    def delete(self, response_id: str) -> Reply:
-        """Forget a stored response; its retention is released by the next ``release_retentions``
-        (which the server awaits before it answers)."""
+    async def delete(self, response_id: str) -> Reply:
+        """Forget a stored response and release its retention (with what else the store dropped)
+        before answering."""
         from prefixkv.server.serving import json_reply
 
         if not self.store.drop(response_id):
             raise self._not_found(response_id, "response_id")
+        await self.release_retentions()
         return json_reply({"id": response_id, "object": "response.deleted", "deleted": True})
 
     @staticmethod

@@ -1,0 +1,61 @@
+"""Retentions released at the ingress, for every engine replica to release.
+
+A stored Response's prefix is retained under the response's id on whichever replica served it
+(``SamplingParams.kv_retention_handle``); the ingress cannot tell which one, nor call a chosen
+replica through Serve's router. So a deleted (or dropped) stored response's id goes into one log,
+a named Ray actor of the application that the ingress creates (and owns); every replica reads what
+is new in it each routing-stats period (``EngineReplica.record_routing_stats``) and releases those
+handles in its engine, where holding none is a no-op. A release takes effect within one period
+(the single-process server's before the DELETE is answered).
+
+The log keeps the last ``keep`` handles. A replica that started after a handle was logged reads
+the whole log (releasing handles it never held: nothing); a log created again (a new ingress)
+has another ``log_id``, and the replicas start over on it.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import uuid
+
+
+class ReleaseLog:
+    """The Ray actor's class (``ray.remote(ReleaseLog)``): handles in the order they were released."""
+
+    def __init__(self, keep: int = 1 << 16) -> None:
+        self.log_id = uuid.uuid4().hex
+        self._handles: collections.deque[str] = collections.deque(maxlen=keep)
+        self._next = 0  # the position the next handle gets
+
+    def append(self, handles: list[str]) -> int:
+        """Log ``handles``; returns the position after the last one."""
+        self._handles.extend(handles)
+        self._next += len(handles)
+        return self._next
+
+    def since(self, log_id: str | None, position: int) -> tuple[str, int, list[str]]:
+        """(this log's id, the position after its last handle, the handles from ``position`` on)
+        for a reader that has read up to ``position`` of the log ``log_id`` (another log, or None:
+        every handle kept)."""
+        first = self._next - len(self._handles)
+        start = position if log_id == self.log_id else 0
+        return self.log_id, self._next, list(itertools.islice(self._handles, max(0, start - first), None))
+
+
+def serve_context() -> tuple[str, str]:
+    """(this Serve replica's id, its application's name); ("local", "local") outside a deployment
+    (tests, a notebook)."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        ctx = serve.get_replica_context()
+    except RayServeException:
+        return "local", "local"
+    return ctx.replica_id.unique_id, ctx.app_name
+
+
+def log_name(app_name: str) -> str:
+    """The named actor of ``app_name``'s release log."""
+    return f"prefixkv-releases-{app_name}"
