@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.serve_peers import ROOT, run_load, start_server
+from bench.serve_peers import ROOT, check_stream_interval, run_load, start_server
 
 PROG = "bench http-ceiling"
 
@@ -99,6 +99,7 @@ def cmd_ceiling(args: argparse.Namespace, command: str) -> int:
     tokenizer = Tokenizer.from_pretrained(str(model_dir))
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     streams = [int(s) for s in args.streams.split(",") if s.strip()]
+    check_stream_interval(args.stream_interval, systems)
     workdir = Path(tempfile.mkdtemp(prefix="bench-ceiling-"))
     doc = {"command": command, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
            "machine": machine_info(torch.get_num_threads()), "model": str(model_dir), "systems": systems,

@@ -129,15 +129,22 @@ class Server:
         return self.proc.returncode
 
 
+def check_stream_interval(interval: int, systems: list[str]) -> None:
+    """--stream-interval: a positive int, for prefixkv and vLLM only (llama-server has none)."""
+    if interval < 1:
+        raise SystemExit(f"{PROG}: --stream-interval: must be >= 1, got {interval}")
+    other = [s for s in systems if s != "vllm" and not s.startswith("prefixkv")]
+    if interval > 1 and other:
+        raise SystemExit(f"{PROG}: --stream-interval: {', '.join(other)} has no stream interval")
+
+
 def start_server(name: str, model_dir: Path, model_name: str, args: argparse.Namespace,
                  max_concurrency: int) -> Server:
     port = free_port()
     kv_gib = args.kv_cache_gib
     # a chunk every this many tokens (--stream-interval of both prefixkv and vLLM; llama-server has none)
-    interval = args.stream_interval
-    if interval > 1 and name != "vllm" and not name.startswith("prefixkv"):
-        raise SystemExit(f"{PROG}: --stream-interval: {name} has no stream interval")
-    stream_interval = ["--stream-interval", str(interval)] if interval > 1 else []
+    check_stream_interval(args.stream_interval, [name])
+    stream_interval = ["--stream-interval", str(args.stream_interval)] if args.stream_interval > 1 else []
     if name.startswith("prefixkv"):
         cmd = [sys.executable, "-m", "prefixkv.cli", "serve", "--model", str(model_dir), "--served-model-name",
                model_name, "--port", str(port), "--dtype", "float32", "--max-num-seqs", str(args.max_num_seqs),
@@ -366,6 +373,7 @@ def cmd_http(args: argparse.Namespace, command: str) -> int:
     for s in systems:
         if s not in SYSTEMS:
             raise SystemExit(f"{PROG}: --systems: unknown {s!r} (from {', '.join(SYSTEMS)})")
+    check_stream_interval(args.stream_interval, systems)
     model_dir = resolve_model(args.model)
     model_name = model_dir.name
     tokenizer = Tokenizer.from_pretrained(str(model_dir))

@@ -70,9 +70,12 @@ class SamplingParams:
     # (everything so far, every step), "delta" (what is new; the final output has everything), or
     # "final_only" (nothing until it finishes).
     output_kind: str = "cumulative"
-    # Streamed outputs ("cumulative" / "delta") go out every this many new tokens of a sequence, and
-    # its first token and its finish at once (vLLM's stream_interval): fewer, larger chunks for
-    # many streams. The engine's own (SchedulerConfig.stream_interval) is the least; None: that one.
+    # Streamed outputs ("cumulative" / "delta") go out once a sequence has this many new tokens
+    # unsent (more after an accepted speculative draft), and its first token and its finish at once
+    # (vLLM's stream_interval): fewer, larger chunks for many streams. With the engine in its own
+    # process a stop string is found where the text is made, when the chunk arrives: up to this
+    # many tokens later (the output is the same). The engine's own (SchedulerConfig.stream_interval)
+    # is the least; None: that one.
     stream_interval: int | None = None
     structured_outputs: StructuredOutputsParams | dict | None = None
     # token id -> a number in [-100, 100] added to its logit before sampling (OpenAI's logit_bias);

@@ -178,6 +178,7 @@ def test_the_servers_are_started_with_the_stream_interval(tiny_llama):
     """``--stream-interval N`` reaches prefixkv serve (its chunks then carry N tokens after the first);
     llama-server, which has none, is refused before anything starts."""
     import argparse
+    import itertools
     import urllib.request
 
     from bench.serve_peers import start_server
@@ -185,6 +186,8 @@ def test_the_servers_are_started_with_the_stream_interval(tiny_llama):
     args = argparse.Namespace(max_num_seqs=4, kv_cache_gib=0.05, stream_interval=3)
     with pytest.raises(SystemExit, match="--stream-interval: llama has no stream interval"):
         start_server("llama", tiny_llama, "m", args, 4)
+    with pytest.raises(SystemExit, match="--stream-interval: must be >= 1, got 0"):
+        start_server("prefixkv", tiny_llama, "m", argparse.Namespace(**{**vars(args), "stream_interval": 0}), 4)
     srv = start_server("prefixkv", tiny_llama, "m", args, 4)
     try:
         srv.wait_ready(120)
@@ -195,6 +198,9 @@ def test_the_servers_are_started_with_the_stream_interval(tiny_llama):
         with urllib.request.urlopen(req, timeout=60) as r:
             events = [json.loads(line[6:]) for line in r.read().decode().splitlines()
                       if line.startswith("data: {")]
-        assert [len(e["choices"][0]["logprobs"]["tokens"]) for e in events if e["choices"]] == [1, 3, 3]
+        counts = list(itertools.accumulate(len(e["choices"][0]["logprobs"]["tokens"]) for e in events
+                                           if e["choices"]))
+        # outputs a slow reader merges lose boundaries, never add one
+        assert counts[-1] == 7 and set(counts) <= {1, 4, 7}, counts
     finally:
         srv.stop()

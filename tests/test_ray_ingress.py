@@ -204,20 +204,24 @@ def test_no_replica_answering_is_a_503_not_a_crash(replica, tiny_llama):
     assert status == 503 and json.loads(body)["error"]["code"] == "not_ready"
 
 
+class FakeReleaseLog:
+    """The ReleaseLog actor's handle (serve/releases.py): ``since.remote(...)`` awaited."""
+
+    def __init__(self, handles: list[str]) -> None:
+        self.handles, self.asked = handles, []
+
+    @property
+    def since(self):
+        async def remote(log_id, position):
+            self.asked.append((log_id, position))
+            return "log-1", len(self.handles), self.handles[position if log_id == "log-1" else 0:]
+        return SimpleNamespace(remote=remote)
+
+
 def test_a_replica_releases_the_logged_handles_its_requests_named(replica):
     """What the ingress logged (serve/releases.py) is read from where the replica left off; of it,
     the replica releases in its engine only the handles its own requests named."""
-
-    class Log:  # the ReleaseLog actor's handle: since.remote(...) awaited
-        def __init__(self, handles: list[str]) -> None:
-            self.handles, self.asked = handles, []
-
-        @property
-        def since(self):
-            async def remote(log_id, position):
-                self.asked.append((log_id, position))
-                return "log-1", len(self.handles), self.handles[position if log_id == "log-1" else 0:]
-            return SimpleNamespace(remote=remote)
+    Log = FakeReleaseLog
 
     async def main():
         for handle in ("resp_mine", "resp_kept"):
@@ -236,3 +240,36 @@ def test_a_replica_releases_the_logged_handles_its_requests_named(replica):
         replica._releases, replica._releases_read = None, (None, 0)
     assert (first, again) == (1, 0) and asked == [(None, 0), ("log-1", 2)]
     assert still_held == [False, True]  # released by the log / not in it (released here by the check)
+
+
+def test_a_handle_released_while_its_request_runs_is_released_again_when_it_ends(replica, monkeypatch):
+    """A request still running (or waiting) when its handle is logged may retain its prefix after
+    the release: the replica releases the handle once more when that request ends."""
+    calls: list[str] = []
+    real = replica.engine.release_retention
+
+    async def spy(handle):
+        calls.append(handle)
+        return await real(handle)
+
+    monkeypatch.setattr(replica.engine, "release_retention", spy)
+
+    async def main():
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, kv_retention_ttl_s=600.0,
+                                kv_retention_handle="resp_live")
+        gen = replica.generate(ReplicaRequest("live", list(range(5, 30)), params))
+        assert (await gen.__anext__())[0] == "accepted"
+        await gen.__anext__()  # its first tokens: it runs
+        replica._releases = FakeReleaseLog(["resp_live"])
+        released = await replica.release_logged()
+        during = list(calls)
+        rest = [out async for out in gen]
+        await asyncio.gather(*replica._tasks)
+        return released, during, rest[-1].finished, list(calls)
+
+    try:
+        released, during, finished, after = asyncio.run(main())
+    finally:
+        replica._releases, replica._releases_read = None, (None, 0)
+    assert (released, during, finished) == (1, ["resp_live"], True)
+    assert after == ["resp_live", "resp_live"] and "resp_live" not in replica._handles

@@ -190,19 +190,28 @@ class RemoteEngine:
         return self.replica_summary(None, max_nodes)[1]
 
     async def release_retention(self, handle: str) -> bool:
-        """Log ``handle`` for every replica to release in its engine within a routing-stats period
-        (serve/releases.py). True once logged (which replica held it is not known here); False
-        outside Ray (an ingress driven in-process: no replica to tell)."""
-        if self._releases is None:
-            import ray
+        """Log ``handle`` for the replicas to release (serve/releases.py). True once logged (which
+        replica holds it is not known here); False outside a Serve application (an ingress driven
+        in-process: no replica to tell)."""
+        import ray
+        from ray.exceptions import RayActorError
 
-            if not ray.is_initialized():
-                return False
-            # owned by this ingress; no CPU of its own (the replicas may hold every one)
-            self._releases = ray.remote(ReleaseLog).options(name=log_name(self.app_name), get_if_exists=True,
-                                                            num_cpus=0).remote()
-        await self._releases.append.remote([handle])
-        return True
+        if self.app_name == "local" or not ray.is_initialized():
+            return False
+        for attempt in range(2):
+            if self._releases is None:
+                # owned by the ingress replica that created it; no CPU of its own (the replicas may
+                # hold every one)
+                self._releases = ray.remote(ReleaseLog).options(name=log_name(self.app_name), get_if_exists=True,
+                                                                num_cpus=0).remote()
+            try:
+                await self._releases.append.remote([handle])
+                return True
+            except RayActorError:  # its owner (another ingress replica) is gone: a new log, once
+                self._releases = None
+                if attempt:
+                    raise
+        return False
 
     async def start(self) -> None:
         """Nothing to open: the deployment handle is Serve's."""

@@ -3,14 +3,17 @@
 A stored Response's prefix is retained under the response's id on whichever replica served it
 (``SamplingParams.kv_retention_handle``); the ingress cannot tell which one, nor call a chosen
 replica through Serve's router. So a deleted (or dropped) stored response's id goes into one log,
-a named Ray actor of the application that the ingress creates (and owns); every replica reads what
-is new in it each routing-stats period (``EngineReplica.record_routing_stats``) and releases those
-handles in its engine, where holding none is a no-op. A release takes effect within one period
-(the single-process server's before the DELETE is answered).
+a named Ray actor of the application that the ingress creates at its first release (owned by that
+ingress replica); every replica reads what is new in it each routing-stats period
+(``EngineReplica.release_logged``) and releases in its engine the handles its own requests named
+(a request still running when its handle comes is released again when it ends). A release takes
+effect within a period of the replica's next look; the first one also waits for the log to start
+and be found (looked up every few periods). The single-process server releases before the DELETE
+is answered.
 
 The log keeps the last ``keep`` handles. A replica that started after a handle was logged reads
-the whole log (releasing handles it never held: nothing); a log created again (a new ingress)
-has another ``log_id``, and the replicas start over on it.
+what the log keeps (none of it named by its requests); a log created again (its owner gone) has
+another ``log_id``, and the replicas start over on it.
 """
 
 from __future__ import annotations

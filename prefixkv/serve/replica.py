@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 SUMMARY_NODES = 64  # radix nodes in the cache summary each digest carries (the /cache page's view)
 MAX_HANDLES = 1 << 16  # retention handles a replica remembers its requests named (release_logged)
+LOOKUP_EVERY = 10  # routing-stats periods between two lookups of a release log not created yet
 
 # exception class -> the kind a stream's error item names (checked in order: subclasses first)
 ERROR_KINDS = (
@@ -143,11 +144,15 @@ class EngineReplica:
         self._active = 0
         self._kv_events: dict[str, Any] | None = None  # where its engine publishes KV events
         # the application's release log (serve/releases.py), how far this replica has read it, and
-        # the retention handles its requests named (the most recent MAX_HANDLES; one the engine still
-        # holds beyond them lapses with its TTL): the log's other handles are no business of its engine
+        # the retention handles its requests named -> how many of those requests run (the most recent
+        # MAX_HANDLES; one the engine still holds beyond them lapses with its TTL): the log's other
+        # handles are no business of its engine
         self._releases: Any = None
         self._releases_read: tuple[str | None, int] = (None, 0)
-        self._handles: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._lookups = 0
+        self._handles: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._release_when_ended: set[str] = set()  # released while a request naming it ran
+        self._tasks: set[asyncio.Task] = set()
         logger.info("engine replica %s ready (%d KV blocks of %d tokens)", self.replica_id,
                     self.engine.info.num_kv_blocks, self.block_size)
 
@@ -163,7 +168,7 @@ class EngineReplica:
         self._active += 1
         handle = req.params.kv_retention_handle
         if handle is not None:
-            self._handles[handle] = None
+            self._handles[handle] = self._handles.get(handle, 0) + 1
             self._handles.move_to_end(handle)
             if len(self._handles) > MAX_HANDLES:
                 self._handles.popitem(last=False)
@@ -185,31 +190,60 @@ class EngineReplica:
                     yield ("error", error_kind(e), str(e))
         finally:
             self._active -= 1
+            if handle is not None:
+                self._request_ended(handle)
+
+    def _request_ended(self, handle: str) -> None:
+        live = self._handles.get(handle, 0)
+        if live:
+            self._handles[handle] = live - 1
+        if live <= 1 and handle in self._release_when_ended:
+            # released while this request ran (it may have been admitted, and retained, after)
+            self._release_when_ended.discard(handle)
+            self._handles.pop(handle, None)
+            task = asyncio.get_running_loop().create_task(self._release(handle))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _release(self, handle: str) -> None:
+        try:
+            await self.engine.release_retention(handle)
+        except EngineDeadError:
+            pass
+        except Exception as e:  # the retention then lapses with its TTL
+            logger.warning("releasing retention %s: %s: %s", handle, type(e).__name__, e)
 
     async def release_logged(self) -> int:
         """Release in the engine the retentions the ingress logged since the last look (a deleted
         stored Response's: serve/releases.py) that this replica's requests named; how many it
-        released. Nothing before the first release (no log yet) or outside Ray."""
+        released. Nothing before the first release (no log yet: looked up every LOOKUP_EVERY-th
+        call) or outside a Serve application."""
         import ray
         from ray.exceptions import RayError
 
         if self._releases is None:
-            if not ray.is_initialized():
+            if self.app_name == "local" or not ray.is_initialized():
                 return 0
-            try:
-                self._releases = ray.get_actor(log_name(self.app_name))
+            self._lookups += 1
+            if self._lookups % LOOKUP_EVERY != 1:
+                return 0
+            try:  # a call to Ray's control store: off the event loop, which streams tokens
+                self._releases = await asyncio.to_thread(ray.get_actor, log_name(self.app_name))
             except ValueError:  # nothing released yet
                 return 0
         try:
             log_id, end, handles = await self._releases.since.remote(*self._releases_read)
         except RayError:  # its owner, the ingress, died: the next one logs anew
-            self._releases = None
+            self._releases, self._lookups = None, 0
             return 0
+        self._releases_read = (log_id, end)
         mine = [h for h in handles if h in self._handles]
         for handle in mine:
-            del self._handles[handle]
-            await self.engine.release_retention(handle)
-        self._releases_read = (log_id, end)
+            if self._handles[handle]:  # a request naming it still runs: released again when it ends
+                self._release_when_ended.add(handle)
+            else:
+                del self._handles[handle]
+            await self._release(handle)
         return len(mine)
 
     async def record_routing_stats(self) -> dict[str, Any]:
@@ -222,7 +256,10 @@ class EngineReplica:
         text_tokens = self.summary_text_tokens
         if running:
             try:
-                await self.release_logged()
+                try:
+                    await self.release_logged()
+                except Exception as e:  # (not the routing stats' business: they go out regardless)
+                    logger.warning("reading the release log: %s: %s", type(e).__name__, e)
                 if self._kv_events is None:
                     self._kv_events = await self.engine.kv_events_info()
                 digest, retained = await self.engine.routing_digest()
