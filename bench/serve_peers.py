@@ -142,7 +142,6 @@ def start_server(name: str, model_dir: Path, model_name: str, args: argparse.Nam
                  max_concurrency: int) -> Server:
     port = free_port()
     kv_gib = args.kv_cache_gib
-    # a chunk every this many tokens (--stream-interval of both prefixkv and vLLM; llama-server has none)
     check_stream_interval(args.stream_interval, [name])
     stream_interval = ["--stream-interval", str(args.stream_interval)] if args.stream_interval > 1 else []
     if name.startswith("prefixkv"):

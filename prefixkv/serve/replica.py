@@ -18,11 +18,11 @@ Every ``request_routing_stats_period_s`` Serve's controller calls ``record_routi
 replica first releases the retentions the ingress logged since (a deleted stored Response's:
 serve/releases.py), then answers with its cache digest (``KVCacheCoordinator.routing_digest``:
 block hash -> tier of every cached block), its engine statistics and a bounded summary of its radix
-tree, which reach the router in the ingress's process (serve/router.py), its ``/metrics`` and its ``/v1/cache/summary``; with
-them its load (running and waiting requests, prompt tokens still to compute, measured prefill rate
-and decode step time: serve/load.py), which the cost-model router weighs against the cache, and the
-cached blocks that retained prefixes cover (``retained``: kv/retention.py), which the router counts
-as held whatever its view of the cache says.
+tree, which reach the router in the ingress's process (serve/router.py), its ``/metrics`` and its
+``/v1/cache/summary``; with them its load (running and waiting requests, prompt tokens still to
+compute, measured prefill rate and decode step time: serve/load.py), which the cost-model router
+weighs against the cache, and the cached blocks that retained prefixes cover (``retained``:
+kv/retention.py), which the router counts as held whatever its view of the cache says.
 
 KV events (``kv_events_config``, kv_events.py): each replica publishes its own. Its engine binds
 the PUB and the replay sockets on free TCP ports of the replica's node (``replica_kv_events``), so
