@@ -26,9 +26,9 @@ from starlette.responses import FileResponse, Response, StreamingResponse
 from prefixkv.config import RuntimeInfo
 from prefixkv.errors import EngineDeadError, ReplicaDiedError, RequestAbortedError, RequestFailedError
 from prefixkv.sampling_params import SamplingParams
-from prefixkv.serve.replica import SUMMARY_NODES, ReplicaRequest
+from prefixkv.serve.replica import SUMMARY_NODES, ReplicaRequest, serve_context
 from prefixkv.serve.registry import routers_for
-from prefixkv.serve.releases import ReleaseLog, log_name, serve_context
+from prefixkv.serve.releases import ReleaseLog, log_name
 from prefixkv.server.cache_view import parse_max_nodes, summary_payload, trim_tree
 from prefixkv.server.metrics import ReplicaCollector
 from prefixkv.server.pages import PAGE_HEADERS, PAGES, STATIC_DIR, static_file
@@ -198,20 +198,22 @@ class RemoteEngine:
 
         if self.app_name == "local" or not ray.is_initialized():
             return False
-        for attempt in range(2):
-            if self._releases is None:
-                # owned by the ingress replica that created it; no CPU of its own (the replicas may
-                # hold every one)
-                self._releases = ray.remote(ReleaseLog).options(name=log_name(self.app_name), get_if_exists=True,
-                                                                num_cpus=0).remote()
-            try:
-                await self._releases.append.remote([handle])
-                return True
-            except RayActorError:  # its owner (another ingress replica) is gone: a new log, once
-                self._releases = None
-                if attempt:
-                    raise
-        return False
+        try:
+            await self._release_log().append.remote([handle])
+        except RayActorError:  # its owner (another ingress replica) is gone: a new log, once
+            self._releases = None
+            await self._release_log().append.remote([handle])
+        return True
+
+    def _release_log(self) -> Any:
+        """The application's ReleaseLog actor, created if there is none (owned by the ingress
+        replica that creates it; no CPU of its own: the replicas may hold every one)."""
+        if self._releases is None:
+            import ray
+
+            self._releases = ray.remote(ReleaseLog).options(name=log_name(self.app_name), get_if_exists=True,
+                                                            num_cpus=0).remote()
+        return self._releases
 
     async def start(self) -> None:
         """Nothing to open: the deployment handle is Serve's."""

@@ -46,19 +46,6 @@ class ReleaseLog:
         return self.log_id, self._next, list(itertools.islice(self._handles, max(0, start - first), None))
 
 
-def serve_context() -> tuple[str, str]:
-    """(this Serve replica's id, its application's name); ("local", "local") outside a deployment
-    (tests, a notebook)."""
-    from ray import serve
-    from ray.serve.exceptions import RayServeException
-
-    try:
-        ctx = serve.get_replica_context()
-    except RayServeException:
-        return "local", "local"
-    return ctx.replica_id.unique_id, ctx.app_name
-
-
 def log_name(app_name: str) -> str:
     """The named actor of ``app_name``'s release log."""
     return f"prefixkv-releases-{app_name}"

@@ -49,7 +49,7 @@ from prefixkv.errors import EngineDeadError, EngineFatalError, RequestAbortedErr
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.serve.digest import bounded_digest
 from prefixkv.serve.load import SpeedMeter
-from prefixkv.serve.releases import log_name, serve_context
+from prefixkv.serve.releases import log_name
 from prefixkv.server.cache_view import TEXT_TOKENS
 
 if TYPE_CHECKING:
@@ -116,6 +116,19 @@ def _node_address() -> str:
         return ray.util.get_node_ip_address()
     except Exception:  # outside Ray (tests, a notebook)
         return "127.0.0.1"
+
+
+def serve_context() -> tuple[str, str]:
+    """(this Serve replica's id, its application's name); ("local", "local") outside a deployment
+    (tests, a notebook)."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        ctx = serve.get_replica_context()
+    except RayServeException:
+        return "local", "local"
+    return ctx.replica_id.unique_id, ctx.app_name
 
 
 class EngineReplica:
