@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "off by default: the cache view then shows token counts only, never prompt text")
     serve.add_argument("--enable-reset-prefix-cache", action="store_true",
                        help="serve POST /reset_prefix_cache (vLLM's): every cached block dropped, in every tier, "
-                            "while no request runs; behind the API key, but any key may then empty every tenant's "
-                            "cache (off by default: 403)")
+                            "while no request runs (with --replicas: on every replica); behind the API key, but any "
+                            "key may then empty every tenant's cache (off by default: 403)")
     serve.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json", "none"), default="auto",
                        help="parse tool calls out of free replies, for tool_choice 'auto' (server/tools.py); auto "
                             "(the default): the parser for the chat template's tool format, if recognised (logged at "
@@ -167,9 +167,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "generate":
             return cmd_generate(args)
         if args.cmd == "serve" and uses_ray(args):
-            if args.enable_reset_prefix_cache:
-                raise ValueError("--enable-reset-prefix-cache: POST /reset_prefix_cache is not served with Ray "
-                                 "replicas (each has a cache of its own)")
             from prefixkv.serve.app import run_ray_server
 
             return run_ray_server(args, engine_config_from_args(args), server_config_from_args(args))

@@ -111,7 +111,7 @@ class EngineClient(Protocol):
 class RetentionControl(Protocol):
     """``release_retention(handle)``: ``LLMEngine.release_retention`` (a deleted stored Response's
     retention lets go before its TTL); False if ``handle`` holds none. The Ray ingress's engine
-    logs the handle for every replica to release within a routing-stats period (serve/releases.py)."""
+    logs the handle for every replica to release within a routing-stats period (serve/control_log.py)."""
 
     async def release_retention(self, handle: str) -> bool: ...
 
@@ -121,7 +121,8 @@ class CacheControl(RetentionControl, Protocol):
     """What a server may ask of one engine's prefix cache besides requests (each runs between two
     steps): ``release_retention`` and ``reset_prefix_cache()``: ``LLMEngine.reset_prefix_cache``
     (every tier; ``AllBlocksCleared`` with KV events on); False, nothing changed, while a request
-    runs or waits.
+    runs or waits. The Ray ingress's engine asks every replica through the control log and answers
+    for all of them (serve/control_log.py; False if one refused).
     """
 
     async def reset_prefix_cache(self) -> bool: ...

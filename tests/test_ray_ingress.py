@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +20,9 @@ from starlette.requests import Request  # noqa: E402
 from starlette.responses import FileResponse  # noqa: E402
 
 from prefixkv.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from prefixkv.errors import EngineDeadError  # noqa: E402
 from prefixkv.sampling_params import SamplingParams  # noqa: E402
+from prefixkv.serve.control_log import ControlLog  # noqa: E402
 from prefixkv.serve.ingress import OpenAIIngress, RemoteEngine  # noqa: E402
 from prefixkv.serve.replica import EngineReplica, ReplicaRequest  # noqa: E402
 from prefixkv.server.serving import ServerConfig  # noqa: E402
@@ -77,7 +80,8 @@ def ingress(replica, tiny_llama, **config) -> tuple[OpenAIIngress, FakeHandle]:
     return OpenAIIngress(handle, str(tiny_llama), ServerConfig("tiny", **config), "EngineReplica"), handle
 
 
-def request(method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> Request:
+def request(method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None,
+            query: str = "") -> Request:
     pending = [body]
 
     async def receive():
@@ -86,7 +90,7 @@ def request(method: str, path: str, body: bytes = b"", headers: dict[str, str] |
     hs = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     if body:
         hs.append((b"content-length", str(len(body)).encode()))
-    scope = {"type": "http", "method": method, "path": path, "headers": hs, "query_string": b"",
+    scope = {"type": "http", "method": method, "path": path, "headers": hs, "query_string": query.encode(),
              "server": ("test", 80), "scheme": "http", "root_path": ""}
     return Request(scope, receive)
 
@@ -205,7 +209,7 @@ def test_no_replica_answering_is_a_503_not_a_crash(replica, tiny_llama):
 
 
 class FakeReleaseLog:
-    """The ReleaseLog actor's handle (serve/releases.py): ``since.remote(...)`` awaited."""
+    """The ControlLog actor's handle (serve/control_log.py), its releases: ``since.remote(...)`` awaited."""
 
     def __init__(self, handles: list[str]) -> None:
         self.handles, self.asked = handles, []
@@ -219,7 +223,7 @@ class FakeReleaseLog:
 
 
 def test_a_replica_releases_the_logged_handles_its_requests_named(replica):
-    """What the ingress logged (serve/releases.py) is read from where the replica left off; of it,
+    """What the ingress logged (serve/control_log.py) is read from where the replica left off; of it,
     the replica releases in its engine only the handles its own requests named."""
     Log = FakeReleaseLog
 
@@ -229,7 +233,7 @@ def test_a_replica_releases_the_logged_handles_its_requests_named(replica):
                                     kv_retention_handle=handle)
             items = [item async for item in replica.generate(ReplicaRequest(handle, list(range(5, 30)), params))]
             assert items[0][0] == "accepted" and items[-1].finished
-        log = replica._releases = Log(["resp_other", "resp_mine"])
+        log = replica._log = Log(["resp_other", "resp_mine"])
         first = await replica.release_logged()
         again = await replica.release_logged()
         return first, again, log.asked, [await replica.engine.release_retention(h) for h in ("resp_mine", "resp_kept")]
@@ -237,7 +241,7 @@ def test_a_replica_releases_the_logged_handles_its_requests_named(replica):
     try:
         first, again, asked, still_held = asyncio.run(main())
     finally:
-        replica._releases, replica._releases_read = None, (None, 0)
+        replica._log, replica._releases_read = None, (None, 0)
     assert (first, again) == (1, 0) and asked == [(None, 0), ("log-1", 2)]
     assert still_held == [False, True]  # released by the log / not in it (released here by the check)
 
@@ -260,7 +264,7 @@ def test_a_handle_released_while_its_request_runs_is_released_again_when_it_ends
         gen = replica.generate(ReplicaRequest("live", list(range(5, 30)), params))
         assert (await gen.__anext__())[0] == "accepted"
         await gen.__anext__()  # its first tokens: it runs
-        replica._releases = FakeReleaseLog(["resp_live"])
+        replica._log = FakeReleaseLog(["resp_live"])
         released = await replica.release_logged()
         during = list(calls)
         rest = [out async for out in gen]
@@ -270,6 +274,145 @@ def test_a_handle_released_while_its_request_runs_is_released_again_when_it_ends
     try:
         released, during, finished, after = asyncio.run(main())
     finally:
-        replica._releases, replica._releases_read = None, (None, 0)
+        replica._log, replica._releases_read = None, (None, 0)
     assert (released, during, finished) == (1, ["resp_live"], True)
     assert after == ["resp_live", "resp_live"] and "resp_live" not in replica._handles
+
+
+class ActorOf:
+    """A Ray actor handle's shape over a local object: ``handle.method.remote(*args)`` awaited."""
+
+    def __init__(self, obj) -> None:
+        self.obj = obj
+
+    def __getattr__(self, name: str):
+        method = getattr(self.obj, name)
+
+        async def remote(*args):
+            return method(*args)
+        return SimpleNamespace(remote=remote)
+
+
+def test_a_replica_does_the_logged_resets_and_reports_each(replica):
+    """A reset asked in the control log (POST /reset_prefix_cache at the ingress) is done by the
+    replica at its next look and reported under its id: True and the cache empty when idle; False
+    and the cache kept while a request runs; a reset asked before the replica started is not its."""
+    log = ControlLog()
+
+    async def cached() -> int:
+        return len((await replica.engine.routing_digest())[0])
+
+    async def main():
+        replica._log = ActorOf(log)
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        items = [i async for i in replica.generate(ReplicaRequest("to-cache", list(range(40, 70)), params))]
+        assert items[-1].finished and await cached() > 0
+        idle = log.ask_reset()
+        assert await replica.reset_logged() == 1 and await replica.reset_logged() == 0  # read once
+        after_idle = await cached()
+        # a request runs: refused, nothing dropped
+        items = [i async for i in replica.generate(ReplicaRequest("again", list(range(40, 70)), params))]
+        gen = replica.generate(ReplicaRequest("long", list(range(80, 100)),
+                                              SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)))
+        assert (await gen.__anext__())[0] == "accepted"
+        await gen.__anext__()
+        busy = log.ask_reset()
+        assert await replica.reset_logged() == 1
+        kept = await cached()
+        rest = [out async for out in gen]
+        # asked before this replica started (its cache is newer): not done, not reported
+        before = log.ask_reset()
+        started, replica._started = replica._started, time.time() + 1.0
+        try:
+            skipped = await replica.reset_logged()
+        finally:
+            replica._started = started
+        return idle, after_idle, busy, kept, rest[-1].finished, before, skipped
+
+    try:
+        idle, after_idle, busy, kept, finished, before, skipped = asyncio.run(main())
+    finally:
+        replica._log, replica._resets_read = None, (None, 0)
+    rid = replica.replica_id
+    assert log.reset_reports(idle) == {rid: True} and after_idle == 0
+    assert log.reset_reports(busy) == {rid: False} and kept > 0 and finished
+    assert (skipped, log.reset_reports(before)) == (0, {})
+
+
+def remote_engine(replica, tiny_llama, monkeypatch, published: dict[str, dict]) -> tuple[RemoteEngine, ControlLog]:
+    """A RemoteEngine as in a Serve application (Ray reported up), its control log a local one and
+    the replicas its router knows ``published`` (replica id -> stats)."""
+    import ray
+
+    from prefixkv.tokenizer import Tokenizer
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    engine = RemoteEngine(FakeHandle(replica), replica.describe(), Tokenizer.from_pretrained(str(tiny_llama)),
+                          "EngineReplica", app_name="app")
+    log = ControlLog()
+    engine._log = ActorOf(log)
+    monkeypatch.setattr(engine, "replica_stats", lambda: published)
+    return engine, log
+
+
+def test_the_ingress_resets_when_every_replica_has_reported(replica, tiny_llama, monkeypatch):
+    """True once every replica the router knows reported a reset; False if one refused; a replica
+    that left meanwhile is not waited for; one that never answers is a TimeoutError naming it."""
+    import prefixkv.serve.ingress as ingress_mod
+
+    published = {"r1": {"running": True}, "r2": {"running": True}, "r3": {"running": False}}
+    engine, log = remote_engine(replica, tiny_llama, monkeypatch, published)
+    monkeypatch.setattr(ingress_mod, "RESET_POLL_S", 0.01)
+
+    async def answered(reports: dict[str, bool], leave: str | None = None):
+        task = asyncio.create_task(engine.reset_prefix_cache())
+        await asyncio.sleep(0.05)
+        number = log._next_reset - 1
+        for rid, done in reports.items():
+            log.report_reset(number, rid, done)
+        if leave:
+            del published[leave]
+        return await asyncio.wait_for(task, 5), dict(log.reset_reports(number))
+
+    assert asyncio.run(answered({"r1": True, "r2": True})) == (True, {"r1": True, "r2": True})
+    assert asyncio.run(answered({"r1": True, "r2": False}))[0] is False
+    monkeypatch.setattr(ingress_mod, "RESET_TIMEOUT_S", 0.2)
+    with pytest.raises(TimeoutError, match="r2"):
+        asyncio.run(answered({"r1": True}))
+    assert asyncio.run(answered({"r1": True}, leave="r2"))[0] is True  # (r3 does not run: never waited for)
+    published.clear()
+    with pytest.raises(EngineDeadError):
+        asyncio.run(engine.reset_prefix_cache())
+
+
+def test_reset_prefix_cache_at_the_ingress(replica, tiny_llama, monkeypatch):
+    """The route at the ingress: off (403) unless enabled, parameters checked as the single-process
+    server does, 409 when a replica refused, 503 naming the silent replica, 200 when all reset."""
+    import prefixkv.serve.ingress as ingress_mod
+
+    outcome: dict[str, object] = {}
+
+    async def reset(self) -> bool:
+        if isinstance(outcome["value"], BaseException):
+            raise outcome["value"]
+        return outcome["value"]
+
+    monkeypatch.setattr(ingress_mod.RemoteEngine, "reset_prefix_cache", reset)
+    off, _ = ingress(replica, tiny_llama)
+    on, _ = ingress(replica, tiny_llama, enable_reset_prefix_cache=True)
+
+    def post(app, query: str = "") -> tuple[int, dict]:
+        resp = asyncio.run(app(request("POST", "/reset_prefix_cache", query=query)))
+        return resp.status_code, json.loads(resp.body)
+
+    outcome["value"] = True
+    assert post(off)[0] == 403
+    assert post(on) == (200, {"success": True})
+    status, body = post(on, "frobnicate=1")
+    assert status == 400 and body["error"]["param"] == "frobnicate"
+    outcome["value"] = False
+    status, body = post(on)
+    assert status == 409 and body["error"]["code"] == "requests_running"
+    outcome["value"] = TimeoutError("replica(s) r2 did not report")
+    status, body = post(on)
+    assert status == 503 and body["error"]["code"] == "reset_not_confirmed" and "r2" in body["error"]["message"]

@@ -50,7 +50,8 @@ def cluster(one_ray_instance, tiny_llama):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     cfg = EngineConfig(model=str(tiny_llama), dtype="float64", cache=CacheConfig(block_size=BLOCK, num_kv_blocks=POOL),
                        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16))
-    serve.run(build_app(cfg, ServerConfig(MODEL), num_replicas=2, routing_stats_period_s=PERIOD,
+    serve.run(build_app(cfg, ServerConfig(MODEL, enable_reset_prefix_cache=True), num_replicas=2,
+                        routing_stats_period_s=PERIOD,
                         health_check_period_s=1.0), name="prefixkv", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     _wait(lambda: len(_health(url)["replicas"]) == 2, 60, "two replicas publishing digests")
@@ -375,3 +376,29 @@ def test_a_salt_is_routed_and_hit_only_by_its_own_requests(cluster):
     assert send("tenant-2", 5) == (0, 0)  # the router sees no match for another salt, nor the replica
     assert send(None, 6) == (0, 0)
     assert send("tenant-2", 7) == (40, 1)
+
+
+def test_reset_prefix_cache_empties_every_replica(cluster):
+    """``POST /reset_prefix_cache`` at the ingress: answered once every replica has reported, and then
+    no replica caches a block; while a request runs on one of them, a 409 (requests_running)."""
+    url = cluster
+    rng = random.Random(46)
+    for _ in range(6):
+        _complete(url, _tokens(rng, 24))
+    _fresh_digests(url)
+    assert sum(r["cached_blocks"] for r in _health(url)["replicas"].values()) > 0
+    assert _post(url + "/reset_prefix_cache", {}) == (200, {"success": True})
+    _fresh_digests(url)
+    assert {rid: r["cached_blocks"] for rid, r in _health(url)["replicas"].items()} == \
+        {rid: 0 for rid in _health(url)["replicas"]}
+    # a streamed request runs (~1 s for its 250 tokens) on one replica: that one refuses
+    body = json.dumps({"model": MODEL, "prompt": [7, 8, 9], "max_tokens": 250, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    resp = urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", body,
+                                                         {"Content-Type": "application/json"}), timeout=60)
+    try:
+        assert resp.readline().startswith(b"data: {")
+        status, out = _post(url + "/reset_prefix_cache", {})
+    finally:
+        resp.close()
+    assert status == 409 and out["error"]["code"] == "requests_running"

@@ -8,7 +8,9 @@ grammars, and hands each prompt's token ids to a replica chosen by the deploymen
 server's; ``/health`` and ``/metrics`` cover every replica (``replica`` labels); the browser pages
 are served too, ``/v1/cache/summary`` showing one replica's cache (``?replica=ID``) from the summary
 its digest carried. A client that goes away closes its stream, which cancels the replica call, which
-aborts the request there.
+aborts the request there. What the ingress asks of every replica (a deleted stored Response's
+retention to release, ``POST /reset_prefix_cache``) goes through the application's control log
+(serve/control_log.py).
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from starlette.responses import FileResponse, Response, StreamingResponse
 from prefixkv.config import RuntimeInfo
 from prefixkv.errors import EngineDeadError, ReplicaDiedError, RequestAbortedError, RequestFailedError
 from prefixkv.sampling_params import SamplingParams
-from prefixkv.serve.replica import SUMMARY_NODES, ReplicaRequest, serve_context
+from prefixkv.serve.control_log import ControlLog, log_name
 from prefixkv.serve.registry import routers_for
-from prefixkv.serve.releases import ReleaseLog, log_name
+from prefixkv.serve.replica import SUMMARY_NODES, ReplicaRequest, serve_context
 from prefixkv.server.cache_view import parse_max_nodes, summary_payload, trim_tree
 from prefixkv.server.metrics import ReplicaCollector
 from prefixkv.server.pages import PAGE_HEADERS, PAGES, STATIC_DIR, static_file
@@ -36,6 +38,12 @@ from prefixkv.server.protocol import ProtocolError
 from prefixkv.server.serving import ApiError, OpenAIServing, Reply, ServerConfig, bad_request, read_body
 
 logger = logging.getLogger(__name__)
+
+# POST /reset_prefix_cache with replicas: how long the ingress waits for every replica's report (a
+# routing-stats period once the replicas have found the control log; up to LOOKUP_EVERY periods
+# before: serve/replica.py), and how often it looks
+RESET_TIMEOUT_S = 30.0
+RESET_POLL_S = 0.1
 
 def _raise_item(item: tuple, replica_id: str | None) -> None:
     """A replica's ("error", kind, message) as the exception the single-process engine raises,
@@ -118,7 +126,7 @@ class RemoteEngine:
         self.deployment = deployment
         self.app_name = app_name
         self._grammars = GrammarCompiler(tokenizer, facts["vocab_size"])
-        self._releases: Any = None  # the application's ReleaseLog actor, created at the first release
+        self._log: Any = None  # the application's ControlLog actor (start, or its first use)
 
     def compile_grammar(self, structured_outputs: Any) -> None:
         """Validates here (a 400 before routing); the replica compiles it again into its own cache."""
@@ -190,33 +198,74 @@ class RemoteEngine:
         return self.replica_summary(None, max_nodes)[1]
 
     async def release_retention(self, handle: str) -> bool:
-        """Log ``handle`` for the replicas to release (serve/releases.py). True once logged (which
+        """Log ``handle`` for the replicas to release (serve/control_log.py). True once logged (which
         replica holds it is not known here); False outside a Serve application (an ingress driven
         in-process: no replica to tell)."""
         import ray
-        from ray.exceptions import RayActorError
 
         if self.app_name == "local" or not ray.is_initialized():
             return False
-        try:
-            await self._release_log().append.remote([handle])
-        except RayActorError:  # its owner (another ingress replica) is gone: a new log, once
-            self._releases = None
-            await self._release_log().append.remote([handle])
+        await self._logged("append", [handle])
         return True
 
-    def _release_log(self) -> Any:
-        """The application's ReleaseLog actor, created if there is none (owned by the ingress
+    async def reset_prefix_cache(self) -> bool:
+        """``POST /reset_prefix_cache``: the reset asked in the control log (serve/control_log.py);
+        every replica the router knows (those that published routing stats and run) resets its
+        engine's prefix cache in its next routing-stats period and reports. True when every one has
+        reset; False when one refused, a request running or waiting there (the others have reset).
+        A replica that leaves meanwhile is not waited for. Raises ``EngineDeadError`` before any
+        replica has published, ``TimeoutError`` when one did not report within
+        ``RESET_TIMEOUT_S``, ``NotImplementedError`` outside a Serve application."""
+        import ray
+
+        if self.app_name == "local" or not ray.is_initialized():
+            raise NotImplementedError("POST /reset_prefix_cache: no Serve application, no replica to reset")
+        replicas = {rid for rid, s in self.replica_stats().items() if s.get("running", True)}
+        if not replicas:
+            raise EngineDeadError("no engine replica has published its routing stats yet")
+        number = await self._logged("ask_reset")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RESET_TIMEOUT_S
+        while True:
+            reports = await self._logged("reset_reports", number)
+            replicas &= set(self.replica_stats())  # (a replica gone meanwhile: nothing to wait for)
+            missing = replicas - set(reports)
+            if not missing:
+                return all(reports[rid] for rid in replicas)
+            if loop.time() > deadline:
+                raise TimeoutError(f"replica(s) {', '.join(sorted(missing))} did not report the prefix cache's "
+                                   f"reset within {RESET_TIMEOUT_S:g} s (the others have answered)")
+            await asyncio.sleep(RESET_POLL_S)
+
+    async def _logged(self, method: str, *args: Any) -> Any:
+        """``method(*args)`` of the application's control log; once more on a new log if its owner
+        (another ingress replica) is gone."""
+        from ray.exceptions import RayActorError
+
+        try:
+            return await getattr(self._control_log(), method).remote(*args)
+        except RayActorError:
+            self._log = None
+            return await getattr(self._control_log(), method).remote(*args)
+
+    def _control_log(self) -> Any:
+        """The application's ControlLog actor, created if there is none (owned by the ingress
         replica that creates it; no CPU of its own: the replicas may hold every one)."""
-        if self._releases is None:
+        if self._log is None:
             import ray
 
-            self._releases = ray.remote(ReleaseLog).options(name=log_name(self.app_name), get_if_exists=True,
-                                                            num_cpus=0).remote()
-        return self._releases
+            self._log = ray.remote(ControlLog).options(name=log_name(self.app_name), get_if_exists=True,
+                                                       num_cpus=0).remote()
+        return self._log
 
     async def start(self) -> None:
-        """Nothing to open: the deployment handle is Serve's."""
+        """The application's control log, made now (in a Serve application), so that the replicas
+        find it in their first lookups and a reset is answered within a period or two; the
+        deployment handle is Serve's."""
+        import ray
+
+        if self.app_name != "local" and ray.is_initialized():
+            self._control_log()
 
     async def shutdown(self) -> None:
         """Nothing to stop here: Serve owns the replicas."""
@@ -256,6 +305,7 @@ _ROUTES: dict[tuple[str, str], str] = {
     ("GET", "/version"): "version",
     ("GET", "/metrics"): "metrics",
     ("GET", "/v1/cache/summary"): "cache_summary",
+    ("POST", "/reset_prefix_cache"): "reset_prefix_cache",
     **{("GET", page): "page" for page in PAGES},
 }
 _MODEL_ROUTE = re.compile(r"/v1/models/(?P<model>[^/]+)")
@@ -300,6 +350,7 @@ class OpenAIIngress:
                 if self.api is None:
                     facts = await self._replicas.describe.remote()
                     engine = RemoteEngine(self._replicas, facts, self._tokenizer, self._deployment, self._app_name)
+                    await engine.start()
                     api = OpenAIServing(engine, self.config)
                     api.metrics.register(ReplicaCollector(engine.replica_stats, engine.router_decisions))
                     self.api = api
@@ -366,6 +417,8 @@ class OpenAIIngress:
             return _response(api.metrics_reply())
         if name in ("models", "version"):
             return _response(getattr(api, name)())
+        if name == "reset_prefix_cache":
+            return _response(await api.reset_prefix_cache(request.query_params))
         body = await self._body(request, t0)
         if name in ("chat_completions", "completions"):
             return _response(await getattr(api, name)(body, t0))

@@ -15,14 +15,15 @@ Streams start with a verdict, so that the ingress can answer 400 / 503 before it
 Cancelling the stream (the client went away) aborts the request here, which frees its blocks.
 
 Every ``request_routing_stats_period_s`` Serve's controller calls ``record_routing_stats``: the
-replica first releases the retentions the ingress logged since (a deleted stored Response's:
-serve/releases.py), then answers with its cache digest (``KVCacheCoordinator.routing_digest``:
-block hash -> tier of every cached block), its engine statistics and a bounded summary of its radix
-tree, which reach the router in the ingress's process (serve/router.py), its ``/metrics`` and its
-``/v1/cache/summary``; with them its load (running and waiting requests, prompt tokens still to
-compute, measured prefill rate and decode step time: serve/load.py), which the cost-model router
-weighs against the cache, and the cached blocks that retained prefixes cover (``retained``:
-kv/retention.py), which the router counts as held whatever its view of the cache says.
+replica first does what the ingress logged since (serve/control_log.py: the retentions of deleted
+stored Responses to release, prefix-cache resets to do and report), then answers with its cache
+digest (``KVCacheCoordinator.routing_digest``: block hash -> tier of every cached block), its engine
+statistics and a bounded summary of its radix tree, which reach the router in the ingress's process
+(serve/router.py), its ``/metrics`` and its ``/v1/cache/summary``; with them its load (running and
+waiting requests, prompt tokens still to compute, measured prefill rate and decode step time:
+serve/load.py), which the cost-model router weighs against the cache, and the cached blocks that
+retained prefixes cover (``retained``: kv/retention.py), which the router counts as held whatever
+its view of the cache says.
 
 KV events (``kv_events_config``, kv_events.py): each replica publishes its own. Its engine binds
 the PUB and the replay sockets on free TCP ports of the replica's node (``replica_kv_events``), so
@@ -47,9 +48,9 @@ from prefixkv.async_engine import AsyncEngine
 from prefixkv.config import EngineConfig, KVEventsConfig
 from prefixkv.errors import EngineDeadError, EngineFatalError, RequestAbortedError, RequestFailedError
 from prefixkv.sampling_params import SamplingParams
+from prefixkv.serve.control_log import log_name
 from prefixkv.serve.digest import bounded_digest
 from prefixkv.serve.load import SpeedMeter
-from prefixkv.serve.releases import log_name
 from prefixkv.server.cache_view import TEXT_TOKENS
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 SUMMARY_NODES = 64  # radix nodes in the cache summary each digest carries (the /cache page's view)
 MAX_HANDLES = 1 << 16  # retention handles a replica remembers its requests named (release_logged)
-LOOKUP_EVERY = 10  # routing-stats periods between two lookups of a release log not created yet
+LOOKUP_EVERY = 10  # routing-stats periods between two lookups of a control log not created yet
 
 # exception class -> the kind a stream's error item names (checked in order: subclasses first)
 ERROR_KINDS = (
@@ -156,12 +157,14 @@ class EngineReplica:
         # (its own process) count too, which the engine's queues do not show yet
         self._active = 0
         self._kv_events: dict[str, Any] | None = None  # where its engine publishes KV events
-        # the application's release log (serve/releases.py), how far this replica has read it, and
-        # the retention handles its requests named -> how many of those requests run (the most recent
-        # MAX_HANDLES; one the engine still holds beyond them lapses with its TTL): the log's other
-        # handles are no business of its engine
-        self._releases: Any = None
+        # the application's control log (serve/control_log.py), how far this replica has read its
+        # releases and its resets, and the retention handles its requests named -> how many of those
+        # requests run (the most recent MAX_HANDLES; one the engine still holds beyond them lapses
+        # with its TTL): the log's other handles are no business of its engine
+        self._log: Any = None
         self._releases_read: tuple[str | None, int] = (None, 0)
+        self._resets_read: tuple[str | None, int] = (None, 0)
+        self._started = time.time()  # resets asked before are not this replica's (its cache is newer)
         self._lookups = 0
         self._handles: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._release_when_ended: set[str] = set()  # released while a request naming it ran
@@ -226,28 +229,39 @@ class EngineReplica:
         except Exception as e:  # the retention then lapses with its TTL
             logger.warning("releasing retention %s: %s: %s", handle, type(e).__name__, e)
 
-    async def release_logged(self) -> int:
-        """Release in the engine the retentions the ingress logged since the last look (a deleted
-        stored Response's: serve/releases.py) that this replica's requests named; how many it
-        released. Nothing before the first release (no log yet: looked up every LOOKUP_EVERY-th
-        call) or outside a Serve application."""
-        import ray
-        from ray.exceptions import RayError
+    async def _control_log(self) -> Any:
+        """The application's control log (serve/control_log.py), or None: none yet (looked up every
+        LOOKUP_EVERY-th call until the ingress has created it) or outside a Serve application."""
+        if self._log is None:
+            import ray
 
-        if self._releases is None:
             if self.app_name == "local" or not ray.is_initialized():
-                return 0
+                return None
             self._lookups += 1
             if self._lookups % LOOKUP_EVERY != 1:
-                return 0
+                return None
             try:  # a call to Ray's control store: off the event loop, which streams tokens
-                self._releases = await asyncio.to_thread(ray.get_actor, log_name(self.app_name))
-            except ValueError:  # nothing released yet
-                return 0
+                self._log = await asyncio.to_thread(ray.get_actor, log_name(self.app_name))
+            except ValueError:  # not created yet (the ingress makes it at its start)
+                return None
+        return self._log
+
+    def _log_lost(self) -> None:
+        """The log's owner, the ingress, died: the next one logs anew (looked up again)."""
+        self._log, self._lookups = None, 0
+
+    async def release_logged(self) -> int:
+        """Release in the engine the retentions the ingress logged since the last look (a deleted
+        stored Response's) that this replica's requests named; how many it released."""
+        from ray.exceptions import RayError
+
+        log = await self._control_log()
+        if log is None:
+            return 0
         try:
-            log_id, end, handles = await self._releases.since.remote(*self._releases_read)
-        except RayError:  # its owner, the ingress, died: the next one logs anew
-            self._releases, self._lookups = None, 0
+            log_id, end, handles = await log.since.remote(*self._releases_read)
+        except RayError:
+            self._log_lost()
             return 0
         self._releases_read = (log_id, end)
         mine = [h for h in handles if h in self._handles]
@@ -259,9 +273,32 @@ class EngineReplica:
             await self._release(handle)
         return len(mine)
 
+    async def reset_logged(self) -> int:
+        """Do the prefix-cache resets the ingress asked since the last look (``POST
+        /reset_prefix_cache``), each reported to the log under this replica's id: True reset,
+        False refused (a request runs or waits here); how many it did."""
+        from ray.exceptions import RayError
+
+        log = await self._control_log()
+        if log is None:
+            return 0
+        try:
+            log_id, end, numbers = await log.resets_since.remote(*self._resets_read, self._started)
+            self._resets_read = (log_id, end)
+            for number in numbers:
+                done = await self.engine.reset_prefix_cache()
+                await log.report_reset.remote(number, self.replica_id, done)
+        except RayError:
+            self._log_lost()
+            return 0
+        if numbers:
+            logger.info("prefix cache reset %s (POST /reset_prefix_cache at the ingress): %s", numbers,
+                        "done" if done else "refused, requests running")
+        return len(numbers)
+
     async def record_routing_stats(self) -> dict[str, Any]:
-        """The digest of the prefix cache and the engine's statistics, for the router; first the
-        retentions released at the ingress since the last period (``release_logged``)."""
+        """The digest of the prefix cache and the engine's statistics, for the router; first what
+        the ingress logged since the last period (``release_logged``, ``reset_logged``)."""
         running = self.engine.is_running
         digest: dict[int, int] = {}
         retained: list[int] = []
@@ -271,8 +308,11 @@ class EngineReplica:
             try:
                 try:
                     await self.release_logged()
+                    await self.reset_logged()
+                except EngineDeadError:
+                    raise
                 except Exception as e:  # (not the routing stats' business: they go out regardless)
-                    logger.warning("reading the release log: %s: %s", type(e).__name__, e)
+                    logger.warning("reading the control log: %s: %s", type(e).__name__, e)
                 if self._kv_events is None:
                     self._kv_events = await self.engine.kv_events_info()
                 digest, retained = await self.engine.routing_digest()

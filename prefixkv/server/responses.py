@@ -22,7 +22,7 @@ which a continuation refreshes; kv/retention.py), held under the response's id. 
 forgets (``DELETE``, dropped beyond its bounds, or never stored: too large, or the request failed)
 releases that retention through the engine (``RetentionControl.release_retention``), before the
 ``DELETE`` is answered (through the Ray ingress, every replica releases it within a routing-stats
-period: serve/releases.py); what a continuation retained under its own id stays, so deleting the
+period: serve/control_log.py); what a continuation retained under its own id stays, so deleting the
 first turn of a chain keeps the prefix the later turns cover. The store lives in the serving
 process (each Ray ingress replica has its own).
 

@@ -764,12 +764,17 @@ class OpenAIServing:
                 raise ApiError(400, f"{name}: must be {' or '.join(allowed)} (the cache is reset while no request "
                                     f"runs, in every tier), got {value!r:.40}", param=name)
         if not isinstance(self.engine, CacheControl):
-            raise ApiError(501, "POST /reset_prefix_cache: this engine (several replicas) cannot reset its caches "
-                                "from here", type="server_error", code="not_implemented")
+            raise ApiError(501, "POST /reset_prefix_cache: this engine cannot reset its caches from here",
+                           type="server_error", code="not_implemented")
         try:
             done = await self.engine.reset_prefix_cache()
         except EngineDeadError as e:
             raise _engine_error(e) from None
+        except NotImplementedError as e:
+            raise ApiError(501, str(e), type="server_error", code="not_implemented") from None
+        except TimeoutError as e:  # (several replicas: one did not answer)
+            raise ApiError(503, f"the prefix cache's reset is not confirmed: {e}", type="server_error",
+                           code="reset_not_confirmed", headers={"Retry-After": "1"}) from None
         if not done:
             raise ApiError(409, "the prefix cache can be reset only while no request runs or waits: retry when "
                                 "the server is idle", code="requests_running")
