@@ -23,10 +23,11 @@ step failed for this request alone), ``RequestAbortedError``, ``EngineDeadError`
 subclass ``EngineFatalError`` (the engine died: ``fatal_error`` is set, ``is_running`` False, and a
 server exits non-zero), or ``ReplicaDiedError``.
 
-An engine whose one prefix cache is in reach also offers ``CacheControl`` (``AsyncEngine`` and
-``EngineCoreClient`` do); ``RemoteEngine`` spreads requests over replicas, each with its own cache,
-and offers only its ``RetentionControl`` part (a release every replica applies). The API layers
-test for them (``isinstance``) and do without where they are missing.
+An engine whose prefix cache can be controlled offers ``CacheControl`` (``AsyncEngine``,
+``EngineCoreClient``, and ``RemoteEngine``, which spreads requests over replicas with a cache each
+and asks every replica to release or to reset: serve/control_log.py); ``RetentionControl`` is its
+part that the Responses store needs. The API layers test for them (``isinstance``) and do without
+where they are missing.
 
 No torch, no server library here: the Protocols are structural (``typing.Protocol``), so the
 engines need not import this module to satisfy it.

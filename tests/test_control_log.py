@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from prefixkv.serve.control_log import ControlLog, log_name
 
 
@@ -30,33 +28,31 @@ def test_a_new_log_or_a_trimmed_one_is_read_from_what_it_keeps():
     assert log_name("prefixkv") == "prefixkv-control-prefixkv"
 
 
-def test_resets_are_numbered_read_once_and_reported_per_replica():
+def test_resets_are_numbered_read_once_by_the_replicas_named_and_reported_per_replica():
     log = ControlLog()
-    started = time.time()
-    assert log.resets_since(None, 0, started) == (log.log_id, 0, [])
-    assert (log.ask_reset(), log.ask_reset()) == (0, 1)
-    lid, end, numbers = log.resets_since(None, 0, started)
+    assert log.resets_since(None, 0, "replica-a") == (log.log_id, 0, [])
+    assert log.ask_reset(["replica-a", "replica-b"]) == (log.log_id, 0)
+    assert log.ask_reset(["replica-b"]) == (log.log_id, 1)
+    lid, end, numbers = log.resets_since(None, 0, "replica-b")
     assert (lid, end, numbers) == (log.log_id, 2, [0, 1])
-    assert log.resets_since(lid, 2, started) == (lid, 2, [])
-    assert log.resets_since(lid, 1, started) == (lid, 2, [1])
-    assert log.reset_reports(1) == {}
-    log.report_reset(1, "replica-a", True)
-    log.report_reset(1, "replica-b", False)
-    assert log.reset_reports(1) == {"replica-a": True, "replica-b": False} and log.reset_reports(0) == {}
-    log.report_reset(7, "replica-a", True)  # never asked: nothing kept
-    assert log.reset_reports(7) == {}
-
-
-def test_a_replica_started_after_a_reset_does_not_do_it_and_old_resets_are_trimmed():
-    log = ControlLog(keep_resets=2)
-    log.ask_reset()
-    later = time.time() + 1e-3
-    while time.time() < later:
-        pass
-    assert log.resets_since(None, 0, later)[1:] == (1, [])  # its cache is newer than the reset
-    for _ in range(3):
-        log.ask_reset()
-    assert log.resets_since(None, 0, 0.0)[1:] == (4, [2, 3])  # the two kept
+    assert log.resets_since(None, 0, "replica-a") == (lid, 2, [0])  # (1 does not name it)
+    assert log.resets_since(None, 0, "replica-c") == (lid, 2, [])  # started since: not asked
+    assert log.resets_since(lid, 2, "replica-b") == (lid, 2, [])
+    assert log.resets_since(lid, 1, "replica-b") == (lid, 2, [1])
+    assert log.reset_reports(lid, 0) == {}
     log.report_reset(0, "replica-a", True)
-    assert log.reset_reports(0) == {}
-    assert log.resets_since(ControlLog().log_id, 4, 0.0)[1:] == (4, [2, 3])  # another log's position: from the start
+    log.report_reset(0, "replica-b", False)
+    assert log.reset_reports(lid, 0) == {"replica-a": True, "replica-b": False} and log.reset_reports(lid, 1) == {}
+    assert log.reset_reports(ControlLog().log_id, 0) is None  # asked of a log that is gone
+    log.report_reset(7, "replica-a", True)  # never asked: nothing kept
+    assert log.reset_reports(lid, 7) is None
+
+
+def test_old_resets_are_trimmed_and_another_logs_position_reads_from_the_start():
+    log = ControlLog(keep_resets=2)
+    for _ in range(4):
+        log.ask_reset(["replica-a"])
+    assert log.resets_since(None, 0, "replica-a")[1:] == (4, [2, 3])  # the two kept
+    log.report_reset(0, "replica-a", True)
+    assert log.reset_reports(log.log_id, 0) is None
+    assert log.resets_since(ControlLog().log_id, 4, "replica-a")[1:] == (4, [2, 3])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -208,7 +207,7 @@ def test_no_replica_answering_is_a_503_not_a_crash(replica, tiny_llama):
     assert status == 503 and json.loads(body)["error"]["code"] == "not_ready"
 
 
-class FakeReleaseLog:
+class FakeControlLog:
     """The ControlLog actor's handle (serve/control_log.py), its releases: ``since.remote(...)`` awaited."""
 
     def __init__(self, handles: list[str]) -> None:
@@ -225,7 +224,7 @@ class FakeReleaseLog:
 def test_a_replica_releases_the_logged_handles_its_requests_named(replica):
     """What the ingress logged (serve/control_log.py) is read from where the replica left off; of it,
     the replica releases in its engine only the handles its own requests named."""
-    Log = FakeReleaseLog
+    Log = FakeControlLog
 
     async def main():
         for handle in ("resp_mine", "resp_kept"):
@@ -264,7 +263,7 @@ def test_a_handle_released_while_its_request_runs_is_released_again_when_it_ends
         gen = replica.generate(ReplicaRequest("live", list(range(5, 30)), params))
         assert (await gen.__anext__())[0] == "accepted"
         await gen.__anext__()  # its first tokens: it runs
-        replica._log = FakeReleaseLog(["resp_live"])
+        replica._log = FakeControlLog(["resp_live"])
         released = await replica.release_logged()
         during = list(calls)
         rest = [out async for out in gen]
@@ -294,10 +293,12 @@ class ActorOf:
 
 
 def test_a_replica_does_the_logged_resets_and_reports_each(replica):
-    """A reset asked in the control log (POST /reset_prefix_cache at the ingress) is done by the
-    replica at its next look and reported under its id: True and the cache empty when idle; False
-    and the cache kept while a request runs; a reset asked before the replica started is not its."""
+    """Resets asked of the replica in the control log (POST /reset_prefix_cache at the ingress) are
+    answered at its next look by one reset of its engine, reported under its id: True and the
+    cache empty when idle; False and the cache kept while a request runs; a reset that does not
+    name it is not its business."""
     log = ControlLog()
+    rid = replica.replica_id
 
     async def cached() -> int:
         return len((await replica.engine.routing_digest())[0])
@@ -307,8 +308,8 @@ def test_a_replica_does_the_logged_resets_and_reports_each(replica):
         params = SamplingParams(max_tokens=2, temperature=0.0)
         items = [i async for i in replica.generate(ReplicaRequest("to-cache", list(range(40, 70)), params))]
         assert items[-1].finished and await cached() > 0
-        idle = log.ask_reset()
-        assert await replica.reset_logged() == 1 and await replica.reset_logged() == 0  # read once
+        idle = [log.ask_reset([rid])[1], log.ask_reset([rid, "other"])[1]]
+        assert await replica.reset_logged() == 2 and await replica.reset_logged() == 0  # read once
         after_idle = await cached()
         # a request runs: refused, nothing dropped
         items = [i async for i in replica.generate(ReplicaRequest("again", list(range(40, 70)), params))]
@@ -316,27 +317,52 @@ def test_a_replica_does_the_logged_resets_and_reports_each(replica):
                                               SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)))
         assert (await gen.__anext__())[0] == "accepted"
         await gen.__anext__()
-        busy = log.ask_reset()
+        busy = log.ask_reset([rid])[1]
         assert await replica.reset_logged() == 1
         kept = await cached()
         rest = [out async for out in gen]
-        # asked before this replica started (its cache is newer): not done, not reported
-        before = log.ask_reset()
-        started, replica._started = replica._started, time.time() + 1.0
-        try:
-            skipped = await replica.reset_logged()
-        finally:
-            replica._started = started
-        return idle, after_idle, busy, kept, rest[-1].finished, before, skipped
+        not_mine = log.ask_reset(["other"])[1]
+        return idle, after_idle, busy, kept, rest[-1].finished, not_mine, await replica.reset_logged()
 
     try:
-        idle, after_idle, busy, kept, finished, before, skipped = asyncio.run(main())
+        idle, after_idle, busy, kept, finished, not_mine, skipped = asyncio.run(main())
     finally:
         replica._log, replica._resets_read = None, (None, 0)
+    lid = log.log_id
+    assert [log.reset_reports(lid, n) for n in idle] == [{rid: True}, {rid: True}] and after_idle == 0
+    assert log.reset_reports(lid, busy) == {rid: False} and kept > 0 and finished
+    assert (skipped, log.reset_reports(lid, not_mine)) == (0, {})
+
+
+def test_a_reset_whose_engine_call_fails_is_read_again_next_period(replica, monkeypatch):
+    """The engine's reset raising (not a refusal) reports nothing and leaves the resets unread: the
+    next period answers them."""
+    log = ControlLog()
     rid = replica.replica_id
-    assert log.reset_reports(idle) == {rid: True} and after_idle == 0
-    assert log.reset_reports(busy) == {rid: False} and kept > 0 and finished
-    assert (skipped, log.reset_reports(before)) == (0, {})
+    real = replica.engine.reset_prefix_cache
+    calls = []
+
+    async def flaky():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the core's utility call failed")
+        return await real()
+
+    monkeypatch.setattr(replica.engine, "reset_prefix_cache", flaky)
+
+    async def main():
+        replica._log = ActorOf(log)
+        number = log.ask_reset([rid])[1]
+        with pytest.raises(RuntimeError):
+            await replica.reset_logged()
+        first = log.reset_reports(log.log_id, number)
+        return number, first, await replica.reset_logged()
+
+    try:
+        number, first, answered = asyncio.run(main())
+    finally:
+        replica._log, replica._resets_read = None, (None, 0)
+    assert (first, answered, log.reset_reports(log.log_id, number)) == ({}, 1, {rid: True})
 
 
 def remote_engine(replica, tiny_llama, monkeypatch, published: dict[str, dict]) -> tuple[RemoteEngine, ControlLog]:
@@ -347,49 +373,55 @@ def remote_engine(replica, tiny_llama, monkeypatch, published: dict[str, dict]) 
     from prefixkv.tokenizer import Tokenizer
 
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
-    engine = RemoteEngine(FakeHandle(replica), replica.describe(), Tokenizer.from_pretrained(str(tiny_llama)),
-                          "EngineReplica", app_name="app")
     log = ControlLog()
-    engine._log = ActorOf(log)
+    engine = RemoteEngine(FakeHandle(replica), replica.describe(), Tokenizer.from_pretrained(str(tiny_llama)),
+                          "EngineReplica", app_name="app", log=ActorOf(log), reset_timeout_s=5.0)
     monkeypatch.setattr(engine, "replica_stats", lambda: published)
     return engine, log
 
 
 def test_the_ingress_resets_when_every_replica_has_reported(replica, tiny_llama, monkeypatch):
-    """True once every replica the router knows reported a reset; False if one refused; a replica
-    that left meanwhile is not waited for; one that never answers is a TimeoutError naming it."""
+    """True once every running replica the router knows reported a reset; False if one refused; a
+    replica that left or stopped running meanwhile is not waited for; one that never answers is a
+    TimeoutError naming it, and so is no replica at all or a log made anew meanwhile."""
     import prefixkv.serve.ingress as ingress_mod
 
     published = {"r1": {"running": True}, "r2": {"running": True}, "r3": {"running": False}}
     engine, log = remote_engine(replica, tiny_llama, monkeypatch, published)
     monkeypatch.setattr(ingress_mod, "RESET_POLL_S", 0.01)
 
-    async def answered(reports: dict[str, bool], leave: str | None = None):
+    async def answered(reports: dict[str, bool], then=None):
+        number = log._next_reset
         task = asyncio.create_task(engine.reset_prefix_cache())
-        await asyncio.sleep(0.05)
-        number = log._next_reset - 1
+        while log._next_reset == number:  # (asked)
+            await asyncio.sleep(0.01)
+        asked = sorted(log._resets[number][0])
         for rid, done in reports.items():
             log.report_reset(number, rid, done)
-        if leave:
-            del published[leave]
-        return await asyncio.wait_for(task, 5), dict(log.reset_reports(number))
+        if then:
+            then()
+        return await asyncio.wait_for(task, 10), asked
 
-    assert asyncio.run(answered({"r1": True, "r2": True})) == (True, {"r1": True, "r2": True})
+    assert asyncio.run(answered({"r1": True, "r2": True})) == (True, ["r1", "r2"])  # (r3 does not run)
     assert asyncio.run(answered({"r1": True, "r2": False}))[0] is False
-    monkeypatch.setattr(ingress_mod, "RESET_TIMEOUT_S", 0.2)
+    assert asyncio.run(answered({"r1": True}, then=lambda: published.pop("r2")))[0] is True
+    published["r2"] = {"running": True}
+    assert asyncio.run(answered({"r1": True}, then=lambda: published["r2"].update(running=False)))[0] is True
+    published["r2"] = {"running": True}
+    engine.reset_timeout_s = 0.3
     with pytest.raises(TimeoutError, match="r2"):
         asyncio.run(answered({"r1": True}))
-    assert asyncio.run(answered({"r1": True}, leave="r2"))[0] is True  # (r3 does not run: never waited for)
+    with pytest.raises(TimeoutError, match="made anew"):
+        asyncio.run(answered({}, then=lambda: setattr(log, "log_id", "another")))
     published.clear()
-    with pytest.raises(EngineDeadError):
+    with pytest.raises(TimeoutError, match="no engine replica"):
         asyncio.run(engine.reset_prefix_cache())
 
 
 def test_reset_prefix_cache_at_the_ingress(replica, tiny_llama, monkeypatch):
     """The route at the ingress: off (403) unless enabled, parameters checked as the single-process
-    server does, 409 when a replica refused, 503 naming the silent replica, 200 when all reset."""
-    import prefixkv.serve.ingress as ingress_mod
-
+    server does, 409 when a replica refused, 503 naming the silent replica, 501 outside a Serve
+    application, 200 when all reset."""
     outcome: dict[str, object] = {}
 
     async def reset(self) -> bool:
@@ -397,7 +429,6 @@ def test_reset_prefix_cache_at_the_ingress(replica, tiny_llama, monkeypatch):
             raise outcome["value"]
         return outcome["value"]
 
-    monkeypatch.setattr(ingress_mod.RemoteEngine, "reset_prefix_cache", reset)
     off, _ = ingress(replica, tiny_llama)
     on, _ = ingress(replica, tiny_llama, enable_reset_prefix_cache=True)
 
@@ -405,6 +436,9 @@ def test_reset_prefix_cache_at_the_ingress(replica, tiny_llama, monkeypatch):
         resp = asyncio.run(app(request("POST", "/reset_prefix_cache", query=query)))
         return resp.status_code, json.loads(resp.body)
 
+    status, body = post(on)  # the real RemoteEngine, driven in-process: no Serve application
+    assert status == 501 and body["error"]["code"] == "not_implemented"
+    monkeypatch.setattr(RemoteEngine, "reset_prefix_cache", reset)
     outcome["value"] = True
     assert post(off)[0] == 403
     assert post(on) == (200, {"success": True})

@@ -108,7 +108,7 @@ def build_app(engine_config: EngineConfig | None = None, server_config: ServerCo
     ingress = serve.deployment(OpenAIIngress, name=INGRESS_DEPLOYMENT).options(
         num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
     return ingress.bind(replica.bind(engine_config, server_config.cache_view_text, engine_process=engine_process),
-                        str(model_path), server_config, REPLICA_DEPLOYMENT)
+                        str(model_path), server_config, REPLICA_DEPLOYMENT, routing_stats_period_s)
 
 
 def autoscaling_from_args(args: argparse.Namespace) -> dict[str, Any] | None:

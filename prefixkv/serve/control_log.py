@@ -14,11 +14,11 @@ running when its handle comes is released again when it ends). The log keeps the
 handles: a replica that started after a handle was logged reads what the log keeps (none of it
 named by its requests).
 
-Resets (``POST /reset_prefix_cache``). The ingress asks one, numbered; each replica resets its
-engine's cache (refused while a request runs or waits there, as the engine refuses) and reports
-the outcome under its replica id; the ingress waits for a report from every replica its router
-knows. A replica that started after a reset was asked does not do it (its cache started empty
-since). The reports of the last ``keep_resets`` resets are kept.
+Resets (``POST /reset_prefix_cache``). The ingress asks one, numbered, of the replicas its router
+knows; each of them resets its engine's cache (refused while a request runs or waits there, as the
+engine refuses) and reports the outcome under its replica id, and the ingress waits for their
+reports. A replica the reset does not name (one started since) leaves it. The last
+``keep_resets`` resets and their reports are kept.
 
 A log created again (its owner gone) has another ``log_id``, and the replicas start over on it.
 """
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import time
 import uuid
 
 
@@ -39,7 +38,8 @@ class ControlLog:
         self._handles: collections.deque[str] = collections.deque(maxlen=keep)
         self._next = 0  # the position the next handle gets
         self._keep_resets = keep_resets
-        self._resets: collections.OrderedDict[int, tuple[float, dict[str, bool]]] = collections.OrderedDict()
+        # reset number -> (the replicas asked, their reports: replica id -> reset or refused)
+        self._resets: collections.OrderedDict[int, tuple[frozenset[str], dict[str, bool]]] = collections.OrderedDict()
         self._next_reset = 0  # the number the next reset gets
 
     # ------------------------------------------------------------------ releases
@@ -58,32 +58,35 @@ class ControlLog:
         return self.log_id, self._next, list(itertools.islice(self._handles, max(0, start - first), None))
 
     # ------------------------------------------------------------------ resets
-    def ask_reset(self) -> int:
-        """Ask every replica to reset its prefix cache; returns the reset's number."""
+    def ask_reset(self, replica_ids: list[str]) -> tuple[str, int]:
+        """Ask replicas ``replica_ids`` to reset their prefix caches; returns (this log's id, the
+        reset's number)."""
         number = self._next_reset
         self._next_reset += 1
-        self._resets[number] = (time.time(), {})
+        self._resets[number] = (frozenset(replica_ids), {})
         while len(self._resets) > self._keep_resets:
             self._resets.popitem(last=False)
-        return number
+        return self.log_id, number
 
-    def resets_since(self, log_id: str | None, number: int, started: float) -> tuple[str, int, list[int]]:
+    def resets_since(self, log_id: str | None, number: int, replica_id: str) -> tuple[str, int, list[int]]:
         """(this log's id, the number the next reset gets, the kept resets numbered from ``number``
-        on that were asked at ``started`` or later) for a replica that started at ``started`` (its
-        ``time.time()``) and has read up to ``number`` of the log ``log_id`` (another, or None)."""
+        on that name ``replica_id``) for that replica, which has read up to ``number`` of the log
+        ``log_id`` (another log, or None: from the start)."""
         start = number if log_id == self.log_id else 0
         return self.log_id, self._next_reset, [n for n, (asked, _) in self._resets.items()
-                                               if n >= start and asked >= started]
+                                               if n >= start and replica_id in asked]
 
     def report_reset(self, number: int, replica_id: str, done: bool) -> None:
         """Replica ``replica_id``'s outcome of reset ``number``: True reset, False refused."""
         if number in self._resets:
             self._resets[number][1][replica_id] = done
 
-    def reset_reports(self, number: int) -> dict[str, bool]:
-        """replica id -> its outcome, for the replicas that have reported reset ``number``."""
-        entry = self._resets.get(number)
-        return dict(entry[1]) if entry is not None else {}
+    def reset_reports(self, log_id: str, number: int) -> dict[str, bool] | None:
+        """replica id -> its outcome, for the replicas that have reported reset ``number`` of the
+        log ``log_id``; None if this is another log (the one asked is gone) or the reset is no
+        longer kept."""
+        entry = self._resets.get(number) if log_id == self.log_id else None
+        return dict(entry[1]) if entry is not None else None
 
 
 def log_name(app_name: str) -> str:

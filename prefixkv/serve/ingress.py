@@ -30,7 +30,7 @@ from prefixkv.errors import EngineDeadError, ReplicaDiedError, RequestAbortedErr
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.serve.control_log import ControlLog, log_name
 from prefixkv.serve.registry import routers_for
-from prefixkv.serve.replica import SUMMARY_NODES, ReplicaRequest, serve_context
+from prefixkv.serve.replica import LOOKUP_EVERY, SUMMARY_NODES, ReplicaRequest, serve_context
 from prefixkv.server.cache_view import parse_max_nodes, summary_payload, trim_tree
 from prefixkv.server.metrics import ReplicaCollector
 from prefixkv.server.pages import PAGE_HEADERS, PAGES, STATIC_DIR, static_file
@@ -39,11 +39,12 @@ from prefixkv.server.serving import ApiError, OpenAIServing, Reply, ServerConfig
 
 logger = logging.getLogger(__name__)
 
-# POST /reset_prefix_cache with replicas: how long the ingress waits for every replica's report (a
-# routing-stats period once the replicas have found the control log; up to LOOKUP_EVERY periods
-# before: serve/replica.py), and how often it looks
+# POST /reset_prefix_cache with replicas: how long the ingress waits for every replica's report, at
+# least (a routing-stats period once the replicas have found the control log; up to LOOKUP_EVERY
+# periods before: OpenAIIngress waits that long and more), and how often it looks
 RESET_TIMEOUT_S = 30.0
 RESET_POLL_S = 0.1
+
 
 def _raise_item(item: tuple, replica_id: str | None) -> None:
     """A replica's ("error", kind, message) as the exception the single-process engine raises,
@@ -114,7 +115,7 @@ class RemoteEngine:
     fatal_error: BaseException | None = None
 
     def __init__(self, handle: Any, facts: dict[str, Any], tokenizer: Any, deployment: str,
-                 app_name: str = "local") -> None:
+                 app_name: str = "local", log: Any = None, reset_timeout_s: float = RESET_TIMEOUT_S) -> None:
         from prefixkv.structured_outputs import GrammarCompiler
 
         self.handle = handle.options(stream=True)
@@ -126,7 +127,8 @@ class RemoteEngine:
         self.deployment = deployment
         self.app_name = app_name
         self._grammars = GrammarCompiler(tokenizer, facts["vocab_size"])
-        self._log: Any = None  # the application's ControlLog actor (start, or its first use)
+        self._log = log  # the application's ControlLog actor (or made at its first use)
+        self.reset_timeout_s = reset_timeout_s
 
     def compile_grammar(self, structured_outputs: Any) -> None:
         """Validates here (a 400 before routing); the replica compiles it again into its own cache."""
@@ -209,63 +211,59 @@ class RemoteEngine:
         return True
 
     async def reset_prefix_cache(self) -> bool:
-        """``POST /reset_prefix_cache``: the reset asked in the control log (serve/control_log.py);
-        every replica the router knows (those that published routing stats and run) resets its
+        """``POST /reset_prefix_cache``: a reset asked in the control log (serve/control_log.py) of
+        the replicas the router knows (those that published routing stats and run); each resets its
         engine's prefix cache in its next routing-stats period and reports. True when every one has
         reset; False when one refused, a request running or waiting there (the others have reset).
-        A replica that leaves meanwhile is not waited for. Raises ``EngineDeadError`` before any
-        replica has published, ``TimeoutError`` when one did not report within
-        ``RESET_TIMEOUT_S``, ``NotImplementedError`` outside a Serve application."""
+        A replica that leaves or stops running meanwhile is not waited for. ``TimeoutError`` when
+        no replica has published yet, when one did not report within ``reset_timeout_s``, or when
+        the control log failed; ``NotImplementedError`` outside a Serve application."""
         import ray
+        from ray.exceptions import RayError
 
         if self.app_name == "local" or not ray.is_initialized():
             raise NotImplementedError("POST /reset_prefix_cache: no Serve application, no replica to reset")
-        replicas = {rid for rid, s in self.replica_stats().items() if s.get("running", True)}
+        replicas = self._running_replicas()
         if not replicas:
-            raise EngineDeadError("no engine replica has published its routing stats yet")
-        number = await self._logged("ask_reset")
+            raise TimeoutError("no engine replica has published its routing stats yet")
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + RESET_TIMEOUT_S
-        while True:
-            reports = await self._logged("reset_reports", number)
-            replicas &= set(self.replica_stats())  # (a replica gone meanwhile: nothing to wait for)
-            missing = replicas - set(reports)
-            if not missing:
-                return all(reports[rid] for rid in replicas)
-            if loop.time() > deadline:
-                raise TimeoutError(f"replica(s) {', '.join(sorted(missing))} did not report the prefix cache's "
-                                   f"reset within {RESET_TIMEOUT_S:g} s (the others have answered)")
-            await asyncio.sleep(RESET_POLL_S)
+        deadline = loop.time() + self.reset_timeout_s
+        try:
+            log_id, number = await self._logged("ask_reset", sorted(replicas))
+            while True:
+                reports = await self._logged("reset_reports", log_id, number)
+                if reports is None:
+                    raise TimeoutError("the control log was made anew while the replicas answered (its owner "
+                                       "was gone): ask again")
+                replicas &= self._running_replicas()  # (one gone or dead meanwhile: not waited for)
+                missing = replicas - set(reports)
+                if not missing:
+                    return all(reports[rid] for rid in replicas)
+                if loop.time() > deadline:
+                    raise TimeoutError(f"replica(s) {', '.join(sorted(missing))} did not report the prefix "
+                                       f"cache's reset within {self.reset_timeout_s:g} s (the others have answered)")
+                await asyncio.sleep(RESET_POLL_S)
+        except RayError as e:
+            raise TimeoutError(f"the control log failed: {type(e).__name__}: {e}") from None
+
+    def _running_replicas(self) -> set[str]:
+        return {rid for rid, s in self.replica_stats().items() if s.get("running", True)}
 
     async def _logged(self, method: str, *args: Any) -> Any:
         """``method(*args)`` of the application's control log; once more on a new log if its owner
         (another ingress replica) is gone."""
         from ray.exceptions import RayActorError
 
+        if self._log is None:  # (a lookup in Ray's control store: off the event loop)
+            self._log = await asyncio.to_thread(control_log, self.app_name)
         try:
-            return await getattr(self._control_log(), method).remote(*args)
+            return await getattr(self._log, method).remote(*args)
         except RayActorError:
-            self._log = None
-            return await getattr(self._control_log(), method).remote(*args)
-
-    def _control_log(self) -> Any:
-        """The application's ControlLog actor, created if there is none (owned by the ingress
-        replica that creates it; no CPU of its own: the replicas may hold every one)."""
-        if self._log is None:
-            import ray
-
-            self._log = ray.remote(ControlLog).options(name=log_name(self.app_name), get_if_exists=True,
-                                                       num_cpus=0).remote()
-        return self._log
+            self._log = await asyncio.to_thread(control_log, self.app_name)
+            return await getattr(self._log, method).remote(*args)
 
     async def start(self) -> None:
-        """The application's control log, made now (in a Serve application), so that the replicas
-        find it in their first lookups and a reset is answered within a period or two; the
-        deployment handle is Serve's."""
-        import ray
-
-        if self.app_name != "local" and ray.is_initialized():
-            self._control_log()
+        """Nothing to open: the deployment handle is Serve's."""
 
     async def shutdown(self) -> None:
         """Nothing to stop here: Serve owns the replicas."""
@@ -312,6 +310,14 @@ _MODEL_ROUTE = re.compile(r"/v1/models/(?P<model>[^/]+)")
 _RESPONSE_ROUTE = re.compile(r"/v1/responses/(?P<id>[^/]+)")
 
 
+def control_log(app_name: str) -> Any:
+    """Application ``app_name``'s ControlLog actor, created if there is none (owned by the ingress
+    replica that creates it; no CPU of its own: the replicas may hold every one)."""
+    import ray
+
+    return ray.remote(ControlLog).options(name=log_name(app_name), get_if_exists=True, num_cpus=0).remote()
+
+
 def _response(reply: Reply) -> Response:
     headers = dict(reply.headers or {})
     if reply.stream is None:
@@ -332,7 +338,8 @@ def _response(reply: Reply) -> Response:
 class OpenAIIngress:
     """The ingress deployment class (``serve.deployment(OpenAIIngress)`` in serve/app.py)."""
 
-    def __init__(self, replicas: Any, model_path: str, config: ServerConfig, replica_deployment: str) -> None:
+    def __init__(self, replicas: Any, model_path: str, config: ServerConfig, replica_deployment: str,
+                 routing_stats_period_s: float = 1.0) -> None:
         from prefixkv.tokenizer import Tokenizer
 
         self._replicas = replicas
@@ -340,6 +347,13 @@ class OpenAIIngress:
         self.config = config
         self._deployment = replica_deployment
         self._app_name = serve_context()[1]
+        self._reset_timeout_s = max(RESET_TIMEOUT_S, (LOOKUP_EVERY + 3) * routing_stats_period_s)
+        self._log: Any = None  # the control log, made now: the replicas look for it from their start
+        if self._app_name != "local":
+            try:
+                self._log = control_log(self._app_name)
+            except Exception as e:  # (made again at its first use)
+                logger.warning("the control log (serve/control_log.py): %s: %s", type(e).__name__, e)
         self.api: OpenAIServing | None = None
         self._starting: asyncio.Lock | None = None
 
@@ -349,8 +363,8 @@ class OpenAIIngress:
             async with self._starting:
                 if self.api is None:
                     facts = await self._replicas.describe.remote()
-                    engine = RemoteEngine(self._replicas, facts, self._tokenizer, self._deployment, self._app_name)
-                    await engine.start()
+                    engine = RemoteEngine(self._replicas, facts, self._tokenizer, self._deployment, self._app_name,
+                                          self._log, self._reset_timeout_s)
                     api = OpenAIServing(engine, self.config)
                     api.metrics.register(ReplicaCollector(engine.replica_stats, engine.router_decisions))
                     self.api = api

@@ -164,7 +164,6 @@ class EngineReplica:
         self._log: Any = None
         self._releases_read: tuple[str | None, int] = (None, 0)
         self._resets_read: tuple[str | None, int] = (None, 0)
-        self._started = time.time()  # resets asked before are not this replica's (its cache is newer)
         self._lookups = 0
         self._handles: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._release_when_ended: set[str] = set()  # released while a request naming it ran
@@ -231,7 +230,8 @@ class EngineReplica:
 
     async def _control_log(self) -> Any:
         """The application's control log (serve/control_log.py), or None: none yet (looked up every
-        LOOKUP_EVERY-th call until the ingress has created it) or outside a Serve application."""
+        LOOKUP_EVERY-th call, one a routing-stats period, until the ingress has created it) or
+        outside a Serve application."""
         if self._log is None:
             import ray
 
@@ -242,7 +242,7 @@ class EngineReplica:
                 return None
             try:  # a call to Ray's control store: off the event loop, which streams tokens
                 self._log = await asyncio.to_thread(ray.get_actor, log_name(self.app_name))
-            except ValueError:  # not created yet (the ingress makes it at its start)
+            except ValueError:  # not created yet
                 return None
         return self._log
 
@@ -252,10 +252,11 @@ class EngineReplica:
 
     async def release_logged(self) -> int:
         """Release in the engine the retentions the ingress logged since the last look (a deleted
-        stored Response's) that this replica's requests named; how many it released."""
+        stored Response's) that this replica's requests named; how many it released. Nothing while
+        the control log is not found (``_control_log``)."""
         from ray.exceptions import RayError
 
-        log = await self._control_log()
+        log = self._log
         if log is None:
             return 0
         try:
@@ -274,26 +275,28 @@ class EngineReplica:
         return len(mine)
 
     async def reset_logged(self) -> int:
-        """Do the prefix-cache resets the ingress asked since the last look (``POST
-        /reset_prefix_cache``), each reported to the log under this replica's id: True reset,
-        False refused (a request runs or waits here); how many it did."""
+        """The prefix-cache resets the ingress asked of this replica since the last look (``POST
+        /reset_prefix_cache``): one reset of the engine's cache answers them all, reported to the
+        log under this replica's id (True reset, False refused: a request runs or waits here); how
+        many resets it answered. They stay unread if the engine's reset raises (tried again next
+        period; a dead engine stops this replica's running, and the ingress then waits no more)."""
         from ray.exceptions import RayError
 
-        log = await self._control_log()
+        log = self._log
         if log is None:
             return 0
         try:
-            log_id, end, numbers = await log.resets_since.remote(*self._resets_read, self._started)
-            self._resets_read = (log_id, end)
-            for number in numbers:
+            log_id, end, numbers = await log.resets_since.remote(*self._resets_read, self.replica_id)
+            if numbers:
                 done = await self.engine.reset_prefix_cache()
-                await log.report_reset.remote(number, self.replica_id, done)
+                for number in numbers:
+                    await log.report_reset.remote(number, self.replica_id, done)
+                logger.info("prefix cache reset (POST /reset_prefix_cache at the ingress, %s): %s", numbers,
+                            "done" if done else "refused, requests running")
         except RayError:
             self._log_lost()
             return 0
-        if numbers:
-            logger.info("prefix cache reset %s (POST /reset_prefix_cache at the ingress): %s", numbers,
-                        "done" if done else "refused, requests running")
+        self._resets_read = (log_id, end)
         return len(numbers)
 
     async def record_routing_stats(self) -> dict[str, Any]:
@@ -306,13 +309,14 @@ class EngineReplica:
         text_tokens = self.summary_text_tokens
         if running:
             try:
-                try:
-                    await self.release_logged()
-                    await self.reset_logged()
-                except EngineDeadError:
-                    raise
-                except Exception as e:  # (not the routing stats' business: they go out regardless)
-                    logger.warning("reading the control log: %s: %s", type(e).__name__, e)
+                # the control log looked up (once a period, until found), then what it asks
+                for what in (self._control_log, self.release_logged, self.reset_logged):
+                    try:
+                        await what()
+                    except EngineDeadError:
+                        raise
+                    except Exception as e:  # (not the routing stats' business: they go out regardless)
+                        logger.warning("%s: %s: %s", what.__name__, type(e).__name__, e)
                 if self._kv_events is None:
                     self._kv_events = await self.engine.kv_events_info()
                 digest, retained = await self.engine.routing_digest()

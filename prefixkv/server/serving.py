@@ -750,7 +750,9 @@ class OpenAIServing:
         every tenant's, so with ``--cache-isolation api-key`` any key could otherwise empty the
         others'. Refused (409) while a request runs or waits, as the engine does. ``query``:
         vLLM's ``reset_running_requests`` (only false) and ``reset_external`` (either: every
-        tier is reset); any other parameter is a 400 naming it."""
+        tier is reset); any other parameter is a 400 naming it. With Ray replicas every replica
+        resets (serve/ingress.py: a 409 if one refused) and a replica that does not confirm it is
+        a 503 (``reset_not_confirmed``); 501 where the engine has no way to reset."""
         if not self.config.enable_reset_prefix_cache:
             raise ApiError(403, "POST /reset_prefix_cache is off: the server must be started with "
                                 "--enable-reset-prefix-cache (it empties every tenant's prefix cache)",
