@@ -2,7 +2,7 @@
 
 The ingress cannot tell which replica served a request, nor call a chosen replica through Serve's
 router. So it writes what it asks into one log, a named Ray actor of the application that the
-ingress creates at its first use (owned by that ingress replica; no CPU of its own); every replica
+ingress creates when it starts (owned by that ingress replica; no CPU of its own); every replica
 reads what is new in it each routing-stats period (``EngineReplica.release_logged`` and
 ``reset_logged``). The first look also waits for the log to start and be found (looked up every
 few periods).
