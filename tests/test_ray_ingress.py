@@ -19,7 +19,6 @@ from starlette.requests import Request  # noqa: E402
 from starlette.responses import FileResponse  # noqa: E402
 
 from prefixkv.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from prefixkv.errors import EngineDeadError  # noqa: E402
 from prefixkv.sampling_params import SamplingParams  # noqa: E402
 from prefixkv.serve.control_log import ControlLog  # noqa: E402
 from prefixkv.serve.ingress import OpenAIIngress, RemoteEngine  # noqa: E402
