@@ -25,9 +25,8 @@ server exits non-zero), or ``ReplicaDiedError``.
 
 An engine whose prefix cache can be controlled offers ``CacheControl`` (``AsyncEngine``,
 ``EngineCoreClient``, and ``RemoteEngine``, which spreads requests over replicas with a cache each
-and asks every replica to release or to reset: serve/control_log.py); ``RetentionControl`` is its
-part that the Responses store needs. The API layers test for them (``isinstance``) and do without
-where they are missing.
+and asks every replica to release or to reset: serve/control_log.py). The API layers test for it
+(``isinstance``) and do without where it is missing.
 
 No torch, no server library here: the Protocols are structural (``typing.Protocol``), so the
 engines need not import this module to satisfy it.
@@ -109,21 +108,19 @@ class EngineClient(Protocol):
 
 
 @runtime_checkable
-class RetentionControl(Protocol):
-    """``release_retention(handle)``: ``LLMEngine.release_retention`` (a deleted stored Response's
-    retention lets go before its TTL); False if ``handle`` holds none. The Ray ingress's engine
-    logs the handle for every replica to release within a routing-stats period (serve/control_log.py)."""
+class CacheControl(Protocol):
+    """What a server may ask of the engine's prefix cache besides requests (each runs between two
+    steps; the Ray ingress's engine asks every replica through the control log,
+    serve/control_log.py):
+
+    - ``release_retention(handle)``: ``LLMEngine.release_retention`` (a deleted stored Response's
+      retention lets go before its TTL); False if ``handle`` holds none. Through the Ray ingress:
+      logged for every replica to release within a routing-stats period; True once logged.
+    - ``reset_prefix_cache()``: ``LLMEngine.reset_prefix_cache`` (every tier; ``AllBlocksCleared``
+      with KV events on); False, nothing changed, while a request runs or waits (through the Ray
+      ingress: False if one replica refused).
+    """
 
     async def release_retention(self, handle: str) -> bool: ...
-
-
-@runtime_checkable
-class CacheControl(RetentionControl, Protocol):
-    """What a server may ask of one engine's prefix cache besides requests (each runs between two
-    steps): ``release_retention`` and ``reset_prefix_cache()``: ``LLMEngine.reset_prefix_cache``
-    (every tier; ``AllBlocksCleared`` with KV events on); False, nothing changed, while a request
-    runs or waits. The Ray ingress's engine asks every replica through the control log and answers
-    for all of them (serve/control_log.py; False if one refused).
-    """
 
     async def reset_prefix_cache(self) -> bool: ...

@@ -20,7 +20,7 @@ begins with the stored turn's prompt and reply, whose KV blocks the prefix cache
 retained (``Retention``: the whole prompt, for ``serving.STORED_RETENTION_TTL_S`` since its last use,
 which a continuation refreshes; kv/retention.py), held under the response's id. A response the store
 forgets (``DELETE``, dropped beyond its bounds, or never stored: too large, or the request failed)
-releases that retention through the engine (``RetentionControl.release_retention``), before the
+releases that retention through the engine (``CacheControl.release_retention``), before the
 ``DELETE`` is answered (through the Ray ingress, every replica releases it within a routing-stats
 period: serve/control_log.py); what a continuation retained under its own id stays, so deleting the
 first turn of a chain keeps the prefix the later turns cover. The store lives in the serving
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from msgspec import Struct
 
-from prefixkv.engine_client import RetentionControl
+from prefixkv.engine_client import CacheControl
 from prefixkv.outputs import RequestOutput
 from prefixkv.server.protocol import ApiRequest, ProtocolError, convert, decode_request, encode
 from prefixkv.server.reasoning import ReplyParser, thinking_enabled
@@ -435,7 +435,7 @@ class ResponsesServing:
         self.api = api
         # ids whose retentions the engine is yet to release (``release_retentions``)
         self._to_release: list[str] = []
-        self._cache = api.engine if isinstance(api.engine, RetentionControl) else None
+        self._cache = api.engine if isinstance(api.engine, CacheControl) else None
         self.store = ResponseStore(api.config.max_stored_responses, api.config.max_stored_response_bytes,
                                    self._to_release.append if self._cache is not None else None)
 
