@@ -616,32 +616,53 @@ static inline __attribute__((always_inline)) void decode_block(
 #endif
 
 #if defined(VW) && !defined(__AVX512F__)
-/* The AVX2 build's decode attention of one sequence, D = VW * ND, block size <= 16: the blocks in order (the
- * next one prefetched), each through decode_block; the query heads' q and accumulators stay in L1
- * while the block's K and V rows stream through. */
+/* The AVX2 build's decode attention of a group of NT query tokens that share a block table (the
+ * consecutive tokens of a prefill as decode rows, see decode_rows_f32; NT = 1 is a decode row),
+ * token i at qb + i * ldq with context length lens[i], D = VW * ND, block size <= 16: the blocks in
+ * order (the next one prefetched), each through decode_block for every token that sees it, so a
+ * block's K and V rows come from memory or L2 once for the group and from L1 for its other tokens.
+ * A token's arithmetic is its decode alone (its own blocks, each a softmax step, in order): only
+ * the order in which the tokens' operations interleave changes, so the bits are those of the
+ * kernel that took one token at a time. Two 512-token prompts' rows through 30 layers on a 2-core
+ * Zen 3 VM: 1.2-1.35x against one token at a time; 2 or 4 tokens a group slower than 8, 16 the
+ * same (bench/RESULTS.md, 2026-12-06, the prompt attention in groups). */
+#define DECODE_TG 8
 static inline __attribute__((always_inline)) void decode_seq(
-        const float *qb, const float *kv_layer, const int32_t *table, int len, float *ob, int H, int KVH,
-        int BS, int64_t half, float scale, int window, float softcap, const int ND) {
+        const float *qb, int64_t ldq, const float *kv_layer, const int32_t *table, const int32_t *lens,
+        const int NT, float *ob, int H, int KVH, int BS, int64_t half, float scale, int window, float softcap,
+        const int ND) {
     const int D = VW * ND;
     const int64_t blk_elems = (int64_t)KVH * BS * D;
-    float m[MAXH], l[MAXH];
-    float acc[MAXH * MAXD] __attribute__((aligned(64)));
-    for (int h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0; }
-    memset(acc, 0, sizeof(float) * H * D);
-    const int nblocks = (len + BS - 1) / BS;
-    const int lo = window > 0 && len > window ? len - window : 0;  /* the first key the query sees */
-    for (int j = lo / BS; j < nblocks; j++) {
+    float m[DECODE_TG * MAXH], l[DECODE_TG * MAXH];
+    float acc[MAXH * MAXD] __attribute__((aligned(64)));  /* NT * H * D fit (decode_rows_f32) */
+    int lo[DECODE_TG], lo_min = 1 << 30, len_max = 0;
+    for (int i = 0; i < NT; i++) {
+        lo[i] = window > 0 && lens[i] > window ? lens[i] - window : 0;  /* the first key token i sees */
+        lo_min = lo[i] < lo_min ? lo[i] : lo_min;
+        len_max = lens[i] > len_max ? lens[i] : len_max;
+    }
+    for (int h = 0; h < NT * H; h++) { m[h] = -INFINITY; l[h] = 0; }
+    memset(acc, 0, sizeof(float) * NT * H * D);
+    const int nblocks = (len_max + BS - 1) / BS;
+    for (int j = lo_min / BS; j < nblocks; j++) {
         const float *kb = kv_layer + (int64_t)table[j] * blk_elems;
         const float *vb = kb + half;
         const float *next = j + 1 < nblocks ? kv_layer + (int64_t)table[j + 1] * blk_elems : 0;
-        const int n = len - j * BS < BS ? len - j * BS : BS;
-        const int skip = lo > j * BS ? lo - j * BS : 0;  /* keys of the block before the window */
-        decode_block(qb, kb, vb, n, skip, H, KVH, BS, scale, softcap, m, l, acc, ND, next, half);
+        for (int i = 0; i < NT; i++) {
+            if (j * BS >= lens[i] || (j + 1) * BS <= lo[i]) continue;  /* past its context, or before its window */
+            const int n = lens[i] - j * BS < BS ? lens[i] - j * BS : BS;
+            const int skip = lo[i] > j * BS ? lo[i] - j * BS : 0;  /* keys of the block before the window */
+            decode_block(qb + (int64_t)i * ldq, kb, vb, n, skip, H, KVH, BS, scale, softcap, m + i * H, l + i * H,
+                         acc + (int64_t)i * H * D, ND, next, half);
+            next = 0;  /* prefetched by the group's first token */
+        }
     }
-    for (int h = 0; h < H; h++) {
-        const vf inv = v_set1(1.0f / l[h]);
-        for (int c = 0; c < ND; c++) v_storeu(ob + (int64_t)h * D + VW * c, v_mul(v_load(acc + (int64_t)h * D + VW * c), inv));
-    }
+    for (int i = 0; i < NT; i++)
+        for (int h = 0; h < H; h++) {
+            const vf inv = v_set1(1.0f / l[i * H + h]);
+            const float *ah = acc + ((int64_t)i * H + h) * D;
+            for (int c = 0; c < ND; c++) v_storeu(ob + ((int64_t)i * H + h) * D + VW * c, v_mul(v_load(ah + VW * c), inv));
+        }
 }
 #endif
 
@@ -803,7 +824,19 @@ int paged_prefill_attention_f32(const float *q, int64_t ldq, const float *kv_lay
 
 #if defined(VW)
 #if !defined(__AVX512F__)
-#define DECODE_TG 1  /* the AVX2 kernel takes one token at a time */
+/* decode_seq for one row (a decode) and for a group, each a function of its own: the two inlined
+ * into decode_rows_f32 made a decode row 2-5 % slower (16 rows, attention alone). */
+static void decode_row(const float *qb, int64_t ldq, const float *kv_layer, const int32_t *table, const int32_t *lens,
+                       float *ob, int H, int KVH, int D, int BS, int64_t half, float scale, int window, float softcap) {
+    if (D == 64) decode_seq(qb, ldq, kv_layer, table, lens, 1, ob, H, KVH, BS, half, scale, window, softcap, 64 / VW);
+    else decode_seq(qb, ldq, kv_layer, table, lens, 1, ob, H, KVH, BS, half, scale, window, softcap, 128 / VW);
+}
+static void decode_rows_of_group(const float *qb, int64_t ldq, const float *kv_layer, const int32_t *table,
+                                 const int32_t *lens, int n, float *ob, int H, int KVH, int D, int BS, int64_t half,
+                                 float scale, int window, float softcap) {
+    if (D == 64) decode_seq(qb, ldq, kv_layer, table, lens, n, ob, H, KVH, BS, half, scale, window, softcap, 64 / VW);
+    else decode_seq(qb, ldq, kv_layer, table, lens, n, ob, H, KVH, BS, half, scale, window, softcap, 128 / VW);
+}
 #endif
 /* Row a + 1 takes the position after row a's under a block table that agrees with row a's on every
  * block row a reads: the two can share a group (decode_group; the group reads the last row's table). */
@@ -889,10 +922,8 @@ static void decode_rows_f32(const float *q, int64_t ldq, const float *kv_layer, 
         prev = table;
         prev_len = seq_lens[b + n - 1];
 #else
-        if (D == 64)
-            decode_seq(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 64 / VW);
-        else
-            decode_seq(qb, kv_layer, table, seq_lens[b], ob, H, KVH, BS, half, scale, window, softcap, 128 / VW);
+        if (n == 1) decode_row(qb, ldq, kv_layer, table, seq_lens + b, ob, H, KVH, D, BS, half, scale, window, softcap);
+        else decode_rows_of_group(qb, ldq, kv_layer, table, seq_lens + b, n, ob, H, KVH, D, BS, half, scale, window, softcap);
 #endif
         b = early ? b2 : decode_rows_claim(next, block_tables, max_blocks, seq_lens, B, BS, tg);
     }
