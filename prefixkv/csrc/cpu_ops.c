@@ -624,8 +624,8 @@ static inline __attribute__((always_inline)) void decode_block(
  * A token's arithmetic is its decode alone (its own blocks, each a softmax step, in order): only
  * the order in which the tokens' operations interleave changes, so the bits are those of the
  * kernel that took one token at a time. Two 512-token prompts' rows through 30 layers on a 2-core
- * Zen 3 VM: 1.2-1.35x against one token at a time; 2 or 4 tokens a group slower than 8, 16 the
- * same (bench/RESULTS.md, 2026-12-06, the prompt attention in groups). */
+ * Zen 3 VM: 1.22-1.28x against one token at a time; 2 or 4 tokens a group slower than 8, 16 the
+ * same (bench/RESULTS.md, 2026-12-06, a prompt's rows in groups in the AVX2 attention). */
 #define DECODE_TG 8
 static inline __attribute__((always_inline)) void decode_seq(
         const float *qb, int64_t ldq, const float *kv_layer, const int32_t *table, const int32_t *lens,
