@@ -69,7 +69,7 @@ def _token_rows(block_tables, specs):
     return torch.stack(tables).contiguous(), torch.tensor(lens, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 2)])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 2), (128, 16)])  # 32 heads: smaller groups
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (130, None), (None, 2.0), (17, 30.0)])
 def test_decode_rows_of_one_sequence_are_the_bits_of_each_row_alone(head_dim, group, window, softcap):
     """Prefill tokens as decode rows (the batch-invariant mode's ``token_rows``): the kernel takes

@@ -885,7 +885,12 @@ static void decode_rows_f32(const float *q, int64_t ldq, const float *kv_layer, 
                             const int32_t *seq_lens, float *out, int B, int H, int KVH, int D, int BS,
                             int max_blocks, int64_t nb1, float scale, int window, float softcap, int *next) {
     const int64_t half = nb1 * (int64_t)KVH * BS * D;
-    const int fit = 16384 / (H * (D + 128)), tg = fit < 1 ? 1 : fit < DECODE_TG ? fit : DECODE_TG;  /* (128: DECODE_CHUNK) */
+#if defined(__AVX512F__)
+    const int fit = 16384 / (H * (D + DECODE_CHUNK));  /* a row's accumulators and a chunk's p */
+#else
+    const int fit = 16384 / (H * D);  /* a row's accumulators */
+#endif
+    const int tg = fit < 1 ? 1 : fit < DECODE_TG ? fit : DECODE_TG;
     int b = decode_rows_claim(next, block_tables, max_blocks, seq_lens, B, BS, tg);
 #if defined(__AVX512F__)
     const int32_t *prev = 0;  /* the table of the group this thread computed before, and its length */
