@@ -75,9 +75,9 @@ def test_decode_rows_of_one_sequence_are_the_bits_of_each_row_alone(head_dim, gr
     """Prefill tokens as decode rows (the batch-invariant mode's ``token_rows``): the kernel takes
     consecutive rows of one block table in groups that share their K/V reads (the AVX-512 kernel a
     chunk of keys at a time, the AVX2 kernel a block at a time); every row is still bitwise the row
-    decoded alone (and close to the float64 reference). Contexts cross the
-    128-key chunks and the windows' starts, groups start mid-run, and the second sequence continues
-    the first in its blocks (as a prefix-cache hit does), so one group holds rows of both."""
+    decoded alone (and close to the float64 reference). Contexts cross the 128-key chunks and the
+    windows' starts, groups start mid-run, and the second sequence continues the first in its
+    blocks (as a prefix-cache hit does), so one group holds rows of both."""
     b = make_batch(torch.float32, head_dim, 16, 2, group, GROUP_SPECS, seed=11)
     b["block_tables"][1, :9] = b["block_tables"][0, :9]  # positions 0 .. 143 (the first's 0 .. 139)
     b["block_tables"] = b["block_tables"].contiguous()
