@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# The KV cache on CPU where neither num_kv_blocks nor kv_cache_memory_bytes sets it (CacheConfig).
+CPU_KV_CACHE_BYTES = 1 << 30
+
 
 @dataclass
 class ModelOutput:
@@ -122,7 +125,7 @@ class ModelRunner:
         if cfg.cache.kv_cache_memory_bytes is not None:
             budget = cfg.cache.kv_cache_memory_bytes
         elif cfg.device != "cuda":
-            budget = 1 << 30
+            budget = CPU_KV_CACHE_BYTES
         else:
             budget = cuda_kv_cache_bytes(self.model, self.backend.name, cfg.gpu_memory_utilization,
                                          cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs,
