@@ -60,6 +60,8 @@ def _engine(model_dir, block_size, num_blocks, chunk, prefix, spec=0):
 # always run: 4 blocks of 16 tokens for four requests without prefix sharing must preempt
 @example(block_size=16, kv_tokens=64, chunk=64, prefix=False, spec=0,
          events=[(0, 0, 1, False), (3, 0, 1, False), (6, 0, 1, False), (9, 0, 2, False)])
+# always run: speculative drafts (the oracle's: some right, some wrong) for two requests kept to the end
+@example(block_size=4, kv_tokens=300, chunk=64, prefix=True, spec=3, events=[(1, 0, 1, False), (2, 1, 2, False)])
 def test_random_traffic(tiny_llama, corpus, block_size, kv_tokens, chunk, prefix, spec, events):
     prompts, refs = corpus
     engine = _engine(tiny_llama, block_size, max(kv_tokens // block_size, 60 // block_size + 1), chunk, prefix, spec)
