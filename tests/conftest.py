@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(config, items):
 
 # An engine built here without a KV budget of its own gets 256 MiB, not the CPU default of 1 GiB:
 # enough for every such test's requests (a tiny model's token is a few KB, SmolLM2's 46 KB), and the
-# cache is zeroed (its pages first touched) at start-up, on some VMs at ~10-20 ms a 2 MB huge page
+# cache is zeroed (its pages first touched) at start-up, on some VMs at 15-25 ms of CPU a 2 MB huge page
 # (memory the host backs only when the guest first touches it): 1 GiB took 5-10 s an engine there.
 import prefixkv.runner.model_runner as _model_runner  # noqa: E402
 
