@@ -888,7 +888,7 @@ static void decode_rows_f32(const float *q, int64_t ldq, const float *kv_layer, 
 #if defined(__AVX512F__)
     const int fit = 16384 / (H * (D + DECODE_CHUNK));  /* a row's accumulators and a chunk's p */
 #else
-    const int fit = 16384 / (H * D);  /* a row's accumulators */
+    const int fit = MAXH * MAXD / (H * D);  /* rows whose accumulators fill decode_seq's acc */
 #endif
     const int tg = fit < 1 ? 1 : fit < DECODE_TG ? fit : DECODE_TG;
     int b = decode_rows_claim(next, block_tables, max_blocks, seq_lens, B, BS, tg);
