@@ -353,5 +353,15 @@ if __name__ == "__main__":
     import sys
 
     for f in sys.argv[1:]:
+        doc = json.loads(Path(f).read_text())
         print(f"### {Path(f).stem}\n")
-        print(markdown(json.loads(Path(f).read_text())))
+        if str(doc.get("command", "")).startswith("python -m bench http-ceiling"):
+            from bench import serve_ceiling
+
+            serve_ceiling.print_summary(doc)
+        elif str(doc.get("command", "")).startswith("python -m bench http"):
+            from bench import serve_peers
+
+            serve_peers.print_summary(doc)
+        else:
+            print(markdown(doc))

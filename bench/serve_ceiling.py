@@ -140,10 +140,6 @@ def cmd_ceiling(args: argparse.Namespace, command: str) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     doc["loadavg_end"] = _loadavg()
-    print(f"\n{command}\nload average {doc['loadavg_start']} -> {doc['loadavg_end']}")
-    # each round's served / that round's offline (the offline runs move with the machine too)
-    print("| streams | system | served tok/s | offline tok/s | served / offline (median of the rounds') | "
-          "CPU s: front / engine / load generator |\n|---|---|---|---|---|---|")
     doc["summary"] = []
     med = statistics.median
     for n in streams:
@@ -157,9 +153,21 @@ def cmd_ceiling(args: argparse.Namespace, command: str) -> int:
             cpu["load_generator"] = med(g.get("load_generator_cpu_s") or float("nan") for g in got)
             doc["summary"].append({"streams": n, "system": name, "served": served, "offline": offline,
                                    "ratio": ratio, "cpu_s": cpu})
-            print(f"| {n} | {name} | {served:.0f} | {offline:.0f} | {ratio:.2f} | {cpu['front']:.2f} / "
-                  f"{cpu['engine']:.2f} / {cpu['load_generator']:.2f} |")
+    print_summary(doc)
     path = out / f"{args.stem or 'http-ceiling-' + time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(doc, indent=1))
     print(f"wrote {path}")
     return 0
+
+
+def print_summary(doc: dict) -> None:
+    """The run's table from its JSON: each round's served over that round's offline (the offline
+    runs move with the machine too), the median of those."""
+    print(f"\n{doc['command']}\nload average {doc['loadavg_start']} -> {doc.get('loadavg_end')}")
+    print("| streams | system | served tok/s | offline tok/s | served / offline (median of the rounds') | "
+          "CPU s: front / engine / load generator |\n|---|---|---|---|---|---|")
+    for row in doc["summary"]:
+        cpu = {"front": float("nan"), "engine": float("nan"), "load_generator": float("nan"),
+               **(row.get("cpu_s") or {})}  # the runs before `a5a7bd7` recorded none
+        print(f"| {row['streams']} | {row['system']} | {row['served']:.0f} | {row['offline']:.0f} | {row['ratio']:.2f} | "
+              f"{cpu['front']:.2f} / {cpu['engine']:.2f} / {cpu['load_generator']:.2f} |")

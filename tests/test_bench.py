@@ -5,6 +5,7 @@ hf-static's on the shared-prefix workload."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -174,6 +175,27 @@ def test_report_makes_the_summary_plots_from_the_recorded_json(tmp_path):
     # the summary's headline row is the recorded run's ratio
     latest = {r["stem"]: r for r in peer_runs(RESULTS_DIR) if r["commit"] == "0c1184f"}
     assert round(latest["shared-prefix-16x196-o32"]["over_vllm"], 2) == 1.39
+
+
+def test_report_prints_a_recorded_http_run_and_ceiling():
+    """``python -m bench.report FILE.json`` prints the table an HTTP run and a ceiling run printed
+    when they were taken (their own JSON layouts, not the offline runs')."""
+    import subprocess
+
+    from bench.report import RESULTS_DIR
+
+    http = RESULTS_DIR / "http-2026-12-06-xeon-f476b9d" / "http-cold-r3.json"
+    ceiling = RESULTS_DIR / "http-ceiling-2026-12-06-xeon-f476b9d" / "ceiling-si4.json"
+    old_ceiling = RESULTS_DIR / "http-ceiling-2026-12-05-zen3-1ccc4dd" / "ceiling.json"  # no CPU times recorded
+    proc = subprocess.run([sys.executable, "-m", "bench.report", str(http), str(ceiling), str(old_ceiling)],
+                          cwd=RESULTS_DIR.parents[1], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "| cold | 16 | llama | 0.95 | 61 | 2209 / 9405 | 219.2 / 251.2 | 150.2 | 3.03x | 88% |" in out
+    assert "| cold | 64 | llama | 1.05 | 67 | 5237 / 35418 | 823.3 / 944.7 | 527.2 | 3.15x | 94% |" in out
+    assert "| 64 | prefixkv | 10695 | 14335 | 0.77 | 0.18 / 0.96 / 0.79 |" in out
+    assert "| 64 | vllm | 4940 | 14335 | 0.35 | 0.32 / 3.07 / 0.82 |" in out
+    assert out.count("### ") == 3 and "nan / nan / nan |" in out
 
 
 def test_retention_bench_at_tiny_sizes(tiny_llama, tmp_path):
