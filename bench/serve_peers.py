@@ -411,8 +411,17 @@ def cmd_http(args: argparse.Namespace, command: str) -> int:
                            "seed": seed, "order": order, "systems": {}, "loadavg": _loadavg()}
                     for name in order:
                         tag = f"{workload}-c{c}-r{r}"
+                        if servers[name].proc.poll() is not None:  # e.g. the OOM killer's: left out from here on
+                            run["systems"][name] = {"exited": servers[name].proc.returncode}
+                            print(f"{PROG}: {name} exited ({servers[name].proc.returncode}) before {tag}: left out "
+                                  f"(log {servers[name].log})", flush=True)
+                            continue
                         res = summarize(run_load(servers[name], prompts, args, c, model_dir, model_name, workdir,
                                                  tag))
+                        if servers[name].proc.poll() is not None:  # died during the run: its figures are not its speed
+                            res["exited"] = servers[name].proc.returncode
+                            print(f"{PROG}: {name} exited ({res['exited']}) during {tag}: left out "
+                                  f"(log {servers[name].log})", flush=True)
                         run["systems"][name] = res
                         print(f"round {r} {workload} c{c} {name}: {res['request_throughput']:.2f} req/s, "
                               f"TTFT p50 {res['median_ttft_ms']:.0f} ms, TPOT p50 {res['median_tpot_ms']:.1f} ms",
@@ -427,7 +436,8 @@ def cmd_http(args: argparse.Namespace, command: str) -> int:
                         print(f"round {r} {workload} c{c} offline: {run['offline']}", flush=True)
                     ref = run["systems"].get("prefixkv", {}).get("generated_texts")
                     run["identical_to_prefixkv"] = {n: identical_fraction(ref, s.get("generated_texts"))
-                                                    for n, s in run["systems"].items() if n != "prefixkv"}
+                                                    for n, s in run["systems"].items()
+                                                    if n != "prefixkv" and "exited" not in s}
                     for res in run["systems"].values():  # the texts were compared; the JSON keeps the figures
                         res.pop("generated_texts", None)
                     doc["runs"].append(run)
@@ -456,7 +466,12 @@ def summary(doc: dict) -> list[dict]:
                 continue
             med = {}
             for name in doc["systems"]:
-                vals = [r["systems"][name] for r in runs if name in r["systems"]]
+                gone = [r["systems"][name]["exited"] for r in runs if "exited" in r["systems"].get(name, {})]
+                vals = [r["systems"][name] for r in runs if name in r["systems"] and "exited" not in r["systems"][name]]
+                if not vals:
+                    if gone:
+                        med[name] = {"exited": gone[0]}
+                    continue
                 med[name] = {k: statistics.median(v[k] for v in vals) for k in
                              ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
                               "median_tpot_ms", "p99_tpot_ms", "median_itl_ms") if all(v.get(k) is not None for v in vals)}
@@ -486,6 +501,9 @@ def print_summary(doc: dict) -> None:
     print("|---" * 10 + "|")
     for row in doc["summary"]:
         for name, m in row["median"].items():
+            if "exited" in m:
+                print(f"| {row['workload']} | {row['concurrency']} | {name} | exited ({m['exited']}) | | | | | | |")
+                continue
             ratio = "" if name == "prefixkv" else f"{row['ratio'].get(name, float('nan')):.2f}x"
             same = "" if name == "prefixkv" else f"{row['identical_to_prefixkv'].get(name, float('nan')):.0%}"
             print(f"| {row['workload']} | {row['concurrency']} | {name} | {m.get('request_throughput', 0):.2f} | "

@@ -204,3 +204,31 @@ def test_the_servers_are_started_with_the_stream_interval(tiny_llama):
         assert counts[-1] == 7 and set(counts) <= {1, 4, 7}, counts
     finally:
         srv.stop()
+
+
+def test_a_server_that_exited_is_left_out_of_the_medians_and_said_so(capsys):
+    """A peer killed midway (llama-server by the OOM killer, 2026-12-06) is reported as exited, not
+    as 0 req/s against which a ratio is taken; its rounds before it died still count."""
+    from bench.serve_peers import print_summary, summary
+
+    def res(rps):
+        return {"request_throughput": rps, "output_throughput": 64 * rps, "median_ttft_ms": 100.0,
+                "p99_ttft_ms": 200.0, "median_tpot_ms": 10.0, "p99_tpot_ms": 20.0, "median_itl_ms": 9.0, "failed": 0}
+
+    doc = {"command": "python -m bench http ...", "rounds": 2, "loadavg_start": [0, 0, 0],
+           "systems": ["prefixkv", "llama"], "workloads": ["cold", "multi-turn"], "concurrency": [64],
+           "runs": [{"workload": "cold", "concurrency": 64, "systems": {"prefixkv": res(3.0), "llama": res(1.0)},
+                     "identical_to_prefixkv": {"llama": 0.9}},
+                    {"workload": "cold", "concurrency": 64,
+                     "systems": {"prefixkv": res(3.2), "llama": {**res(0.0), "failed": 128, "exited": -9}},
+                     "identical_to_prefixkv": {}},
+                    {"workload": "multi-turn", "concurrency": 64,
+                     "systems": {"prefixkv": res(2.0), "llama": {"exited": -9}}, "identical_to_prefixkv": {}}]}
+    doc["summary"] = rows = summary(doc)
+    assert rows[0]["median"]["llama"]["request_throughput"] == 1.0  # the round before it died only
+    assert rows[0]["ratio"] == {"llama": pytest.approx(3.1)}
+    assert rows[1]["median"]["llama"] == {"exited": -9} and rows[1]["ratio"] == {}
+    print_summary(doc)
+    out = capsys.readouterr().out
+    assert "| multi-turn | 64 | llama | exited (-9) | | | | | | |" in out
+    assert "| cold | 64 | llama | 1.00 | 64 | 100 / 200 | 10.0 / 20.0 | 9.0 | 3.10x | 90% |" in out
