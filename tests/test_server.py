@@ -399,6 +399,11 @@ def test_metrics_after_traffic(server, client):
     assert m["prefixkv_kv_blocks_total"] == 1024
     assert m["prefixkv_prefix_cache_queried_tokens_total"] >= m["prefixkv_prefix_cache_hit_tokens_total"] > 0
     assert "prefixkv_preemptions_total" in m and "prefixkv_num_requests_waiting" in m
+    # the engine's steps: the prompt's uncached tokens in prefill steps, 2 of the 3 tokens in decode steps
+    assert 0 < m["prefixkv_engine_prefill_tokens_total"] <= (m["prefixkv_prefix_cache_queried_tokens_total"]
+                                                            - m["prefixkv_prefix_cache_hit_tokens_total"])
+    assert m["prefixkv_engine_decode_steps_total"] >= 2
+    assert m["prefixkv_engine_prefill_step_seconds_total"] > 0 and m["prefixkv_engine_decode_step_seconds_total"] > 0
     assert not any('status="500"' in k for k in m)
     # the names vLLM's dashboards read, beside ours
     lab = '{model_name="%s"}' % MODEL

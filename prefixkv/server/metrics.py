@@ -85,6 +85,14 @@ _ENGINE_METRICS = (
     ("spec_draft_tokens", "prefixkv_spec_draft_tokens", "Speculative draft tokens proposed.", "counter"),
     ("spec_accepted_tokens", "prefixkv_spec_accepted_tokens",
      "Speculative draft tokens accepted (equal to greedy decoding's).", "counter"),
+    ("num_prefill_tokens", "prefixkv_engine_prefill_tokens",
+     "Prompt tokens the engine's steps computed (prefix-cache hits are not computed).", "counter"),
+    ("prefill_s", "prefixkv_engine_prefill_step_seconds",
+     "Seconds of the engine steps that computed prompt tokens (with the decode tokens batched beside them).",
+     "counter"),
+    ("num_decode_steps", "prefixkv_engine_decode_steps", "Engine steps that computed decode tokens only.",
+     "counter"),
+    ("decode_s", "prefixkv_engine_decode_step_seconds", "Seconds of the decode-only engine steps.", "counter"),
 )
 
 
