@@ -79,6 +79,8 @@ class LLMEngine:
         self.prefill_s = 0.0
         self.num_decode_steps = 0
         self.decode_s = 0.0
+        self.num_prefill_step_decodes = 0  # sequences decoding beside the prompt tokens of a prefill step
+        self.num_decode_step_seqs = 0  # sequences of the decode-only steps
         self.num_aborted = 0  # requests aborted before they finished (client gone, timeout, shutdown)
         self.dead: BaseException | None = None  # set by a fatal step error (EngineFatalError)
 
@@ -316,9 +318,11 @@ class LLMEngine:
         if num_prefill:
             self.num_prefill_tokens += num_prefill
             self.prefill_s += seconds
+            self.num_prefill_step_decodes += out.num_decodes
         else:
             self.num_decode_steps += 1
             self.decode_s += seconds
+            self.num_decode_step_seqs += len(out.scheduled)
 
     def _failed_forward(self, out, error: Exception) -> list[RequestOutput]:
         """The forward pass (or sampling, or a copy) raised. The step's scheduled requests (and those
@@ -391,6 +395,8 @@ class LLMEngine:
             "prefill_s": round(self.prefill_s, 6),
             "num_decode_steps": self.num_decode_steps,
             "decode_s": round(self.decode_s, 6),
+            "num_prefill_step_decodes": self.num_prefill_step_decodes,
+            "num_decode_step_seqs": self.num_decode_step_seqs,
         }
 
     def cache_summary(self, max_nodes: int = 64, text_tokens: int = 0) -> dict[str, Any]:

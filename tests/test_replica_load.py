@@ -34,6 +34,15 @@ def test_the_engine_counts_prefill_tokens_and_decode_steps(tiny_llama):
         engine.step()
     st = engine.stats()
     assert (st["num_prefill_tokens"], st["num_decode_steps"]) == (22, 6)
+    assert (st["num_decode_step_seqs"], st["num_prefill_step_decodes"]) == (6, 0)  # one sequence at a time
+    engine.add_request("c", list(range(40, 44)), params)
+    engine.step()  # c's prompt and first token
+    engine.add_request("d", list(range(50, 58)), params)
+    while engine.has_unfinished():  # d's prompt beside c's 2nd token, then both, then d's last
+        engine.step()
+    st = engine.stats()
+    assert (st["num_prefill_tokens"], st["num_decode_steps"]) == (34, 9)
+    assert (st["num_decode_step_seqs"], st["num_prefill_step_decodes"]) == (6 + 2 + 2 + 1, 1)
 
 
 def test_the_speed_meter_decays_old_reports():

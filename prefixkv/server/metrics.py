@@ -93,6 +93,10 @@ _ENGINE_METRICS = (
     ("num_decode_steps", "prefixkv_engine_decode_steps", "Engine steps that computed decode tokens only.",
      "counter"),
     ("decode_s", "prefixkv_engine_decode_step_seconds", "Seconds of the decode-only engine steps.", "counter"),
+    ("num_decode_step_seqs", "prefixkv_engine_decode_step_sequences",
+     "Sequences of the decode-only engine steps (over prefixkv_engine_decode_steps: their mean batch).", "counter"),
+    ("num_prefill_step_decodes", "prefixkv_engine_prefill_step_decode_sequences",
+     "Sequences decoding in the engine steps that also computed prompt tokens.", "counter"),
 )
 
 
