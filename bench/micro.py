@@ -599,6 +599,7 @@ def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: in
     eng.output = OutputProcessor(_FakeTokenizer(), [], 1 << 30)
     eng.check_integrity_each_step = False
     eng.num_steps = eng.num_prefill_tokens = eng.num_decode_steps = 0
+    eng.num_prefill_step_decodes = eng.num_decode_step_seqs = 0
     eng.prefill_s = eng.decode_s = 0.0
     eng.kv_events = None  # (no KV events: the step publishes none)
     eng.dead = None
