@@ -541,7 +541,7 @@ def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: in
     import torch
 
     from prefixkv.config import CacheConfig, SchedulerConfig
-    from prefixkv.engine import LLMEngine
+    from prefixkv.engine import LLMEngine, StepCounters
     from prefixkv.output_processor import OutputProcessor, RequestState
     from prefixkv.request import Request, RequestStatus
     from prefixkv.runner.block_table import BlockTables
@@ -598,9 +598,8 @@ def scale_step_cost(num_running: int, num_cached_blocks: int, context_tokens: in
                                                             seqs={0: r}) for r in sched.waiting}}
     eng.output = OutputProcessor(_FakeTokenizer(), [], 1 << 30)
     eng.check_integrity_each_step = False
-    eng.num_steps = eng.num_prefill_tokens = eng.num_decode_steps = 0
-    eng.num_prefill_step_decodes = eng.num_decode_step_seqs = 0
-    eng.prefill_s = eng.decode_s = 0.0
+    eng.num_steps = 0
+    eng.step_counters = StepCounters()
     eng.kv_events = None  # (no KV events: the step publishes none)
     eng.dead = None
     for parent in eng._parents.values():  # detokenize=False requests: no text work

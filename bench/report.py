@@ -355,13 +355,11 @@ if __name__ == "__main__":
     for f in sys.argv[1:]:
         doc = json.loads(Path(f).read_text())
         print(f"### {Path(f).stem}\n")
-        if str(doc.get("command", "")).startswith("python -m bench http-ceiling"):
-            from bench import serve_ceiling
+        words = str(doc.get("command", "")).split()  # "python -m bench SUBCOMMAND ..."
+        subcommand = words[3] if words[:3] == ["python", "-m", "bench"] and len(words) > 3 else None
+        if subcommand in ("http", "http-ceiling"):  # their own JSON layouts
+            from bench import serve_ceiling, serve_peers
 
-            serve_ceiling.print_summary(doc)
-        elif str(doc.get("command", "")).startswith("python -m bench http"):
-            from bench import serve_peers
-
-            serve_peers.print_summary(doc)
+            (serve_peers if subcommand == "http" else serve_ceiling).print_summary(doc)
         else:
             print(markdown(doc))

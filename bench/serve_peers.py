@@ -411,21 +411,18 @@ def cmd_http(args: argparse.Namespace, command: str) -> int:
                            "seed": seed, "order": order, "systems": {}, "loadavg": _loadavg()}
                     for name in order:
                         tag = f"{workload}-c{c}-r{r}"
-                        if servers[name].proc.poll() is not None:  # e.g. the OOM killer's: left out from here on
-                            run["systems"][name] = {"exited": servers[name].proc.returncode}
-                            print(f"{PROG}: {name} exited ({servers[name].proc.returncode}) before {tag}: left out "
-                                  f"(log {servers[name].log})", flush=True)
-                            continue
-                        res = summarize(run_load(servers[name], prompts, args, c, model_dir, model_name, workdir,
-                                                 tag))
-                        if servers[name].proc.poll() is not None:  # died during the run: its figures are not its speed
-                            res["exited"] = servers[name].proc.returncode
-                            print(f"{PROG}: {name} exited ({res['exited']}) during {tag}: left out "
-                                  f"(log {servers[name].log})", flush=True)
+                        srv = servers[name]
+                        res = {}
+                        if srv.proc.poll() is None:
+                            res = summarize(run_load(srv, prompts, args, c, model_dir, model_name, workdir, tag))
+                            print(f"round {r} {workload} c{c} {name}: {res['request_throughput']:.2f} req/s, "
+                                  f"TTFT p50 {res['median_ttft_ms']:.0f} ms, TPOT p50 {res['median_tpot_ms']:.1f} ms",
+                                  flush=True)
                         run["systems"][name] = res
-                        print(f"round {r} {workload} c{c} {name}: {res['request_throughput']:.2f} req/s, "
-                              f"TTFT p50 {res['median_ttft_ms']:.0f} ms, TPOT p50 {res['median_tpot_ms']:.1f} ms",
-                              flush=True)
+                        if srv.proc.poll() is not None:  # before or during the run (e.g. the OOM killer): not its speed
+                            res["exited"] = srv.proc.returncode
+                            print(f"{PROG}: {name} exited ({res['exited']}) by the end of {tag}: left out "
+                                  f"(log {srv.log})", flush=True)
                     if args.offline:
                         ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
                         run["offline"] = {"prefixkv": offline_prefixkv(model_dir, ids, args.output_tokens, c,
@@ -466,11 +463,11 @@ def summary(doc: dict) -> list[dict]:
                 continue
             med = {}
             for name in doc["systems"]:
-                gone = [r["systems"][name]["exited"] for r in runs if "exited" in r["systems"].get(name, {})]
-                vals = [r["systems"][name] for r in runs if name in r["systems"] and "exited" not in r["systems"][name]]
+                got = [r["systems"][name] for r in runs if name in r["systems"]]
+                vals = [v for v in got if "exited" not in v]
                 if not vals:
-                    if gone:
-                        med[name] = {"exited": gone[0]}
+                    if got:  # it exited before or during each of them
+                        med[name] = {"exited": got[0]["exited"]}
                     continue
                 med[name] = {k: statistics.median(v[k] for v in vals) for k in
                              ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",

@@ -8,6 +8,7 @@ import os
 import random
 import time
 from array import array
+from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 from prefixkv.config import EngineConfig, RuntimeInfo
@@ -35,6 +36,34 @@ def is_fatal(e: BaseException) -> bool:
         return True
     msg = str(e)
     return "CUDA error" in msg or "device-side assert" in msg or "CUBLAS_STATUS" in msg
+
+
+@dataclass
+class StepCounters:
+    """What the steps took (``LLMEngine.stats()``; the replicas' routing reads the first four,
+    serve/load.py): prompt tokens computed and the seconds of the steps that computed some, steps of
+    decodes only and their seconds; the sequences decoding in each kind of step."""
+
+    num_prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    num_decode_steps: int = 0
+    decode_s: float = 0.0
+    num_prefill_step_decodes: int = 0  # sequences decoding beside the prompt tokens of a prefill step
+    num_decode_step_seqs: int = 0  # sequences of the decode-only steps
+
+    def count(self, out, seconds: float) -> None:
+        num_prefill = sum(s.num_scheduled_tokens for s in out.scheduled[out.num_decodes:])
+        if num_prefill:
+            self.num_prefill_tokens += num_prefill
+            self.prefill_s += seconds
+            self.num_prefill_step_decodes += out.num_decodes
+        else:
+            self.num_decode_steps += 1
+            self.decode_s += seconds
+            self.num_decode_step_seqs += len(out.scheduled)
+
+    def stats(self) -> dict[str, Any]:
+        return {**asdict(self), "prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6)}
 
 
 class LLMEngine:
@@ -73,14 +102,7 @@ class LLMEngine:
         self._parents: dict[str, RequestState] = {}  # request id -> the request and its n sequences
         self.check_integrity_each_step = False
         self.num_steps = 0
-        # what the steps took, for the replicas' routing (serve/load.py): prompt tokens computed and
-        # the seconds of the steps that computed some; steps of decodes only and their seconds
-        self.num_prefill_tokens = 0
-        self.prefill_s = 0.0
-        self.num_decode_steps = 0
-        self.decode_s = 0.0
-        self.num_prefill_step_decodes = 0  # sequences decoding beside the prompt tokens of a prefill step
-        self.num_decode_step_seqs = 0  # sequences of the decode-only steps
+        self.step_counters = StepCounters()
         self.num_aborted = 0  # requests aborted before they finished (client gone, timeout, shutdown)
         self.dead: BaseException | None = None  # set by a fatal step error (EngineFatalError)
 
@@ -269,8 +291,6 @@ class LLMEngine:
         t0 = time.perf_counter()
         try:
             model_out = self.runner.execute(out)
-            if out.scheduled:  # (not a step of copies only)
-                self._count_step(out, time.perf_counter() - t0)
         except Exception as e:
             return self._failed_forward(out, e) + self._emit(touched)
         except BaseException:  # KeyboardInterrupt and the like: nothing of this step can be trusted
@@ -278,6 +298,8 @@ class LLMEngine:
                 self.abort(rid)
             self.scheduler.reset_cache()
             raise
+        if out.scheduled:  # (not a step of copies only)
+            self.step_counters.count(out, time.perf_counter() - t0)
         failed: dict[str, tuple[RequestState, BaseException]] = {}
         update_errors: list[tuple[Request, BaseException]] = []
         changed = self.scheduler.update(out, model_out.sampled, update_errors)
@@ -312,17 +334,6 @@ class LLMEngine:
         if self.check_integrity_each_step:
             self.scheduler.check_integrity()
         return errors + self._emit(touched)
-
-    def _count_step(self, out, seconds: float) -> None:
-        num_prefill = sum(s.num_scheduled_tokens for s in out.scheduled[out.num_decodes:])
-        if num_prefill:
-            self.num_prefill_tokens += num_prefill
-            self.prefill_s += seconds
-            self.num_prefill_step_decodes += out.num_decodes
-        else:
-            self.num_decode_steps += 1
-            self.decode_s += seconds
-            self.num_decode_step_seqs += len(out.scheduled)
 
     def _failed_forward(self, out, error: Exception) -> list[RequestOutput]:
         """The forward pass (or sampling, or a copy) raised. The step's scheduled requests (and those
@@ -391,12 +402,7 @@ class LLMEngine:
             "num_requests_aborted": self.num_aborted,
             "spec_draft_tokens": self.scheduler.num_draft_tokens,
             "spec_accepted_tokens": self.scheduler.num_accepted_tokens,
-            "num_prefill_tokens": self.num_prefill_tokens,
-            "prefill_s": round(self.prefill_s, 6),
-            "num_decode_steps": self.num_decode_steps,
-            "decode_s": round(self.decode_s, 6),
-            "num_prefill_step_decodes": self.num_prefill_step_decodes,
-            "num_decode_step_seqs": self.num_decode_step_seqs,
+            **self.step_counters.stats(),
         }
 
     def cache_summary(self, max_nodes: int = 64, text_tokens: int = 0) -> dict[str, Any]:
