@@ -92,6 +92,8 @@ def attention(args: argparse.Namespace, libs: dict) -> dict:
     def one_pass(name: str):
         fn = libs[name].paged_decode_attention_f32
         out = outs[name]
+        # the rows in turn (a null order) where the kernel takes one; a source before it takes none
+        order = (None,) if hasattr(libs[name], "paged_decode_takes_order") else ()
 
         def run() -> float:  # the kernel calls' time, not the reads between them
             spent = 0.0
@@ -99,8 +101,9 @@ def attention(args: argparse.Namespace, libs: dict) -> dict:
                 if args.flush_mb:
                     flush.sum()
                 t0 = time.perf_counter()
-                fn(q.data_ptr(), q.stride(0), kv.data_ptr(), table.data_ptr(), lens.data_ptr(), out.data_ptr(),
-                   n, h, kvh, d, bs, table.shape[1], num_blocks, ctypes.c_float(d ** -0.5), 0, ctypes.c_float(0.0))
+                fn(q.data_ptr(), q.stride(0), kv.data_ptr(), table.data_ptr(), lens.data_ptr(), *order,
+                   out.data_ptr(), n, h, kvh, d, bs, table.shape[1], num_blocks, ctypes.c_float(d ** -0.5), 0,
+                   ctypes.c_float(0.0))
                 spent += time.perf_counter() - t0
             return spent
         return run

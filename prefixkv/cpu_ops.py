@@ -104,9 +104,10 @@ def load_source(source: Path) -> ctypes.CDLL:
 def _open(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    order = [p] if hasattr(lib, "paged_decode_takes_order") else []  # (none in a source before it: kernel-ab)
     for suffix, scalar in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
         fn = getattr(lib, f"paged_decode_attention_{suffix}")
-        fn.argtypes = [p, i64, p, p, p, p, i32, i32, i32, i32, i32, i32, i64, scalar, i32, scalar]
+        fn.argtypes = [p, i64, p, p, p, *order, p, i32, i32, i32, i32, i32, i32, i64, scalar, i32, scalar]
         fn.restype = None
     lib.paged_prefill_attention_f32.argtypes = [p, i64, p, p, p, p, p, i32, i32, i32, i32, i32, i32, i64,
                                                 ctypes.c_float, i32, ctypes.c_float]
@@ -154,7 +155,8 @@ class DecoderStepF32(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_int) for name in ("T", "hidden", "H", "KVH", "D", "BS", "inter", "max_blocks")]
                 + [("nb1", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
                 + [(name, ctypes.c_void_p) for name in ("h", "residual", "normed", "qkv", "attn", "o_out", "gate_up",
-                                                        "act", "cos", "sin", "slots", "block_tables", "seq_lens")])
+                                                        "act", "cos", "sin", "slots", "block_tables", "seq_lens",
+                                                        "row_order")])
 
 
 # ---------------------------------------------------------------------------------------------- GEMM
@@ -258,10 +260,13 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block
 
 def paged_decode_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                           window: int | None = None, softcap: float | None = None,
+                           order: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D] (one query per sequence, at its last position; rows may be strided, heads
     contiguous) -> out [B, H, D] (contiguous; allocated when not given). ``window``: the query sees
     its last ``window`` keys only (earlier blocks are not read); ``softcap``: scores capped.
+    ``order``: int32 [B], the order the threads take the rows in (``attention.base.prefix_order``;
+    the results are the same bits in any order), None: in turn.
 
     kv_cache_layer [2, num_blocks + 1, KVH, BS, D]; block_tables [B, max_blocks] int32;
     seq_lens [B] int32 (context length including the query token). Call ``supports_decode`` first."""
@@ -275,9 +280,12 @@ def paged_decode_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_
     if out is None:
         out = torch.empty((b, h, d), dtype=q.dtype)
     assert out.shape == (b, h, d) and out.is_contiguous() and out.dtype == q.dtype
+    if order is not None:
+        assert order.dtype == torch.int32 and order.shape == (b,) and order.is_contiguous(), order
     fn = getattr(load(), f"paged_decode_attention_{_SUFFIX[q.dtype]}")
     fn(q.data_ptr(), q.stride(0), kv_cache_layer.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-       out.data_ptr(), b, h, kvh, d, bs, block_tables.shape[1], nb1, scale, window or 0, softcap or 0.0)
+       None if order is None else order.data_ptr(), out.data_ptr(), b, h, kvh, d, bs, block_tables.shape[1], nb1,
+       scale, window or 0, softcap or 0.0)
     return out
 
 

@@ -125,6 +125,65 @@ def test_decode_rows_each_computed_once_by_any_number_of_threads(threads):
         torch.set_num_threads(before)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_decode_rows_in_any_order_are_the_same_bits(dtype, threads):
+    """``order`` (the order the threads claim rows in, ``prefix_order``) moves no bit: the rows in
+    turn, reversed (every prefill group split into single rows), a sequence at a time in another
+    order (groups kept) and shuffled give each row the same result, each row written once."""
+    b = make_batch(dtype, 64, 16, 3, 3, GROUP_SPECS, seed=17)
+    tables, lens = _token_rows(b["block_tables"], GROUP_SPECS)
+    n = len(lens)
+    starts = [0]
+    for _, qlen in GROUP_SPECS:
+        starts.append(starts[-1] + qlen)
+    by_sequence = [t for s in (4, 1, 6, 0, 3, 5, 2) for t in range(starts[s], starts[s + 1])]
+    orders = [torch.arange(n - 1, -1, -1), torch.tensor(by_sequence),
+              torch.randperm(n, generator=torch.Generator().manual_seed(2))]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        ref = cpu_ops.paged_decode_attention(b["q"], b["cache"], tables, lens, 0.125)
+        assert not ref.isnan().any()
+        for order in orders:
+            out = torch.full_like(ref, float("nan"))
+            cpu_ops.paged_decode_attention(b["q"], b["cache"], tables, lens, 0.125, out=out,
+                                           order=order.to(torch.int32))
+            assert torch.equal(out, ref), order[:8]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_prefix_order_puts_rows_of_a_shared_prefix_together():
+    """Sequences sorted by block table (lexicographically; equal tables in turn); a prefill's tokens
+    (batch-invariant rows) together and in order; from a first sequence on, indices from its first
+    row."""
+    from prefixkv.attention.base import AttentionMetadata, prefix_order
+
+    tables = torch.tensor([[7, 8, 9, 0], [3, 4, 0, 0], [7, 8, 10, 0], [3, 5, 0, 0], [7, 11, 0, 0], [3, 4, 0, 0]],
+                          dtype=torch.int32)
+
+    def meta(qlens):
+        qsl = [0]
+        for q in qlens:
+            qsl.append(qsl[-1] + q)
+        return AttentionMetadata(slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64),
+                                 query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                                 seq_lens=torch.tensor([40] * len(qlens), dtype=torch.int32), block_tables=tables,
+                                 num_decode_seqs=sum(q == 1 for q in qlens), max_seq_len=40, max_query_len=max(qlens),
+                                 seq_lens_cpu=[40] * len(qlens), query_start_loc_cpu=qsl)
+
+    decodes = meta([1] * 6)
+    assert prefix_order(decodes).tolist() == [1, 5, 3, 0, 2, 4]
+    assert prefix_order(decodes).dtype == torch.int32
+    assert prefix_order(decodes, 0, 3).tolist() == [1, 0, 2]
+    # rows: s0 0 | s1 1-3 | s2 4-5 | s3 6 | s4 7-8 | s5 9
+    mixed = meta([1, 3, 2, 1, 2, 1])
+    assert prefix_order(mixed).tolist() == [1, 2, 3, 9, 6, 0, 4, 5, 7, 8]
+    assert prefix_order(mixed, 1).tolist() == [0, 1, 2, 8, 5, 3, 4, 6, 7]
+
+
 def test_softmax_exp_within_2_ulp_of_torch_exp():
     f = lib.softmax_expf_scalar
     f.restype, f.argtypes = ctypes.c_float, [ctypes.c_float]

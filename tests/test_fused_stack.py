@@ -41,10 +41,10 @@ def _run(monkeypatch, model_dir, vocab, fused: bool, **kw):
     monkeypatch.setenv("PREFIXKV_FUSED_STACK", "1" if fused else "0")
     calls = {"n": 0, "multi": 0}
 
-    def counted(self, h, cos, sin, meta, tables, lens):
+    def counted(self, h, cos, sin, meta, tables, lens, order):
         calls["n"] += 1
         calls["multi"] += int(meta.num_decode_seqs < meta.num_seqs)
-        return _CALL(self, h, cos, sin, meta, tables, lens)
+        return _CALL(self, h, cos, sin, meta, tables, lens, order)
 
     monkeypatch.setattr(fused_stack.FusedStack, "__call__", counted)
     kw.setdefault("num_kv_blocks", 256)

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -77,6 +78,33 @@ def token_rows(meta: AttentionMetadata, first_seq: int = 0) -> tuple[torch.Tenso
         ctx = meta.seq_lens[first_seq:].to(torch.int64) - qlens - (qsl[first_seq:-1] - qsl[first_seq])
         lens = torch.repeat_interleave(ctx, qlens, output_size=num_tokens) + torch.arange(num_tokens, device=dev) + 1
         meta.scratch[key] = (meta.block_tables.index_select(0, seq).contiguous(), lens.to(torch.int32).contiguous())
+    return meta.scratch[key]
+
+
+def prefix_order(meta: AttentionMetadata, first_seq: int = 0, last_seq: int | None = None) -> torch.Tensor:
+    """The order in which the CPU decode kernel takes the rows of sequences ``first_seq .. last_seq - 1``
+    (a decode sequence's one row; in batch-invariant mode each of a prefill's tokens, as
+    ``token_rows`` lays them out): int32 [rows], a permutation of their indices from 0. The
+    sequences sorted by their block tables (lexicographically, stable), so that rows reading the
+    same cached prefix are taken one after another and a thread finds that prefix's blocks in its
+    L2 instead of memory or L3; a sequence's tokens stay together and in order. Each row's result
+    is the same bits in any order (cpu_ops.c, ``DECODE_ROW``). Built once per step (cached in
+    ``meta.scratch``); the block tables are on the CPU."""
+    last_seq = meta.num_seqs if last_seq is None else last_seq
+    key = ("prefix_order", first_seq, last_seq)
+    if key not in meta.scratch:
+        tables = meta.block_tables[first_seq:last_seq].numpy()
+        qsl = np.asarray(meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None
+                         else meta.query_start_loc.tolist(), dtype=np.int64)[first_seq:last_seq + 1]
+        # a row's block ids as one big-endian byte string: byte order is the ids' lexicographic order
+        rows = np.ascontiguousarray(tables.astype(">u4")).view(np.dtype((np.void, 4 * tables.shape[1]))).ravel()
+        order = np.argsort(rows, kind="stable")
+        qlens = np.diff(qsl)
+        if (qlens != 1).any():  # each sequence's tokens, in order, where the sorted sequences put them
+            n = qlens[order]
+            ends = np.cumsum(n)
+            order = np.repeat(qsl[order] - qsl[0] - (ends - n), n) + np.arange(int(ends[-1]) if len(n) else 0)
+        meta.scratch[key] = torch.from_numpy(order.astype(np.int32))
     return meta.scratch[key]
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from prefixkv import cpu_ops
-from prefixkv.attention.base import AttentionMetadata, token_rows
+from prefixkv.attention.base import AttentionMetadata, prefix_order, token_rows
 from prefixkv.attention.torch_ref import TorchAttentionBackend
 
 
@@ -57,7 +57,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return super()._decode_rows(q, kv_cache_layer, meta, scale, out, window, softcap)
         nd = meta.num_decode_seqs
         cpu_ops.paged_decode_attention(q, kv_cache_layer, meta.block_tables[:nd], meta.seq_lens[:nd], scale, out,
-                                       window, softcap)
+                                       window, softcap, prefix_order(meta, 0, nd))
 
     def _prefill_rows(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out,
                       window: int | None = None, softcap: float | None = None) -> None:
@@ -85,4 +85,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
         nd = meta.num_decode_seqs
         tables, lens = token_rows(meta, nd)
         a = meta.query_start_loc_cpu[nd]
-        cpu_ops.paged_decode_attention(q[a:], kv_cache_layer, tables, lens, scale, out[a:], window, softcap)
+        cpu_ops.paged_decode_attention(q[a:], kv_cache_layer, tables, lens, scale, out[a:], window, softcap,
+                                       prefix_order(meta, nd))

@@ -56,18 +56,24 @@ float softmax_expf_scalar(float x) { return softmax_expf(x); }  /* for the tests
 #define MAXH 64
 #define MAXBS 64
 #define MAXD 256
+/* The decode kernels take their rows in an order (a permutation of 0 .. B - 1, or none: in turn);
+ * each row's result is the same bits in any order. The caller puts the rows that share a cached
+ * prefix next to one another, so that a thread's next row finds that prefix's blocks in its L2. */
+#define DECODE_ROW(order, i) ((order) ? (order)[i] : (i))
 /* window > 0: the query (at position len - 1) sees keys len - window .. len - 1 only, and blocks
  * before the window are never read; softcap > 0: scores -> softcap * tanh(score / softcap). */
 #define DEFINE_DECODE(T, SUFFIX, EXP, EXPV, TANH)                                                      \
 void paged_decode_attention_##SUFFIX(const T *q, int64_t ldq, const T *kv_layer,               \
-                                     const int32_t *block_tables, const int32_t *seq_lens, T *out,\
+                                     const int32_t *block_tables, const int32_t *seq_lens,       \
+                                     const int32_t *order, T *out,                               \
                                      int B, int H, int KVH, int D, int BS, int max_blocks,       \
                                      int64_t nb1, T scale, int window, T softcap) {              \
     const int G = H / KVH;                                                                       \
     const int64_t half = nb1 * (int64_t)KVH * BS * D; /* elements in the K (or V) half */        \
     const int64_t blk_elems = (int64_t)KVH * BS * D;                                             \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                             \
-    for (int b = 0; b < B; b++) {                                                                \
+    for (int i = 0; i < B; i++) {                                                                \
+        const int b = DECODE_ROW(order, i);                                                      \
         T m[MAXH], l[MAXH], s[MAXH * MAXBS];                                                     \
         T acc[MAXH * MAXD];                                                                      \
         const T *qb = q + (int64_t)b * ldq;                                                      \
@@ -848,28 +854,33 @@ static inline int decode_rows_continue(const int32_t *block_tables, int max_bloc
                   (size_t)nb * sizeof(int32_t)) == 0;
 }
 
-/* Row r is in the group of the row before it (groups start where (length - 1) % tg == 0). */
-static inline int decode_rows_joins(const int32_t *block_tables, int max_blocks, const int32_t *seq_lens, int r,
-                                    int BS, int tg) {
-    return r > 0 && (seq_lens[r] - 1) % tg && decode_rows_continue(block_tables, max_blocks, seq_lens, r - 1, BS);
+/* The row at position i of the order (DECODE_ROW) is in the group of the row at position i - 1, which
+ * must then be the row before it in the batch (groups start where (length - 1) % tg == 0). */
+static inline int decode_rows_joins(const int32_t *block_tables, int max_blocks, const int32_t *seq_lens,
+                                    const int32_t *order, int i, int BS, int tg) {
+    if (i == 0) return 0;
+    const int r = DECODE_ROW(order, i);
+    return r > 0 && DECODE_ROW(order, i - 1) == r - 1 && (seq_lens[r] - 1) % tg
+           && decode_rows_continue(block_tables, max_blocks, seq_lens, r - 1, BS);
 }
 
-/* The rows of the group that starts at row b. */
-static inline int decode_rows_group(const int32_t *block_tables, int max_blocks, const int32_t *seq_lens, int b, int B,
-                                    int BS, int tg) {
+/* The rows of the group that starts at position i of the order (rows DECODE_ROW(order, i) on). */
+static inline int decode_rows_group(const int32_t *block_tables, int max_blocks, const int32_t *seq_lens,
+                                    const int32_t *order, int i, int B, int BS, int tg) {
     int n = 1;
-    while (n < tg && b + n < B && decode_rows_joins(block_tables, max_blocks, seq_lens, b + n, BS, tg)) n++;
+    while (n < tg && i + n < B && decode_rows_joins(block_tables, max_blocks, seq_lens, order, i + n, BS, tg)) n++;
     return n;
 }
 
-/* The next row that starts a group, claimed from the counter the threads share (B: none left).
- * A row in the group of a row before it is passed over: that row's thread computes it. */
+/* The next position of the order whose row starts a group, claimed from the counter the threads
+ * share (B: none left). A row in the group of the row before it is passed over: that row's thread
+ * computes it. */
 static inline int decode_rows_claim(int *next, const int32_t *block_tables, int max_blocks, const int32_t *seq_lens,
-                                    int B, int BS, int tg) {
+                                    const int32_t *order, int B, int BS, int tg) {
     for (;;) {
-        const int b = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
-        if (b >= B) return B;
-        if (!decode_rows_joins(block_tables, max_blocks, seq_lens, b, BS, tg)) return b;
+        const int i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (i >= B) return B;
+        if (!decode_rows_joins(block_tables, max_blocks, seq_lens, order, i, BS, tg)) return i;
     }
 }
 
@@ -880,10 +891,11 @@ static inline int decode_rows_claim(int *next, const int32_t *block_tables, int 
  * make the group's scratch exceed 64 KB); a row's result is the same bits in any group, alone, or
  * computed by any thread. Each thread claims its next group from the counter *next (0 at the start)
  * while it computes one (while more groups are left than threads): the AVX-512 kernel reads that
- * group's blocks ahead under this one's arithmetic. A barrier at the end. */
+ * group's blocks ahead under this one's arithmetic. The rows are claimed in the order `order` gives
+ * (DECODE_ROW). A barrier at the end. */
 static void decode_rows_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
-                            const int32_t *seq_lens, float *out, int B, int H, int KVH, int D, int BS,
-                            int max_blocks, int64_t nb1, float scale, int window, float softcap, int *next) {
+                            const int32_t *seq_lens, const int32_t *order, float *out, int B, int H, int KVH, int D,
+                            int BS, int max_blocks, int64_t nb1, float scale, int window, float softcap, int *next) {
     const int64_t half = nb1 * (int64_t)KVH * BS * D;
 #if defined(__AVX512F__)
     const int fit = 16384 / (H * (D + DECODE_CHUNK));  /* a row's accumulators and a chunk's p */
@@ -891,26 +903,28 @@ static void decode_rows_f32(const float *q, int64_t ldq, const float *kv_layer, 
     const int fit = MAXH * MAXD / (H * D);  /* rows whose accumulators fill decode_seq's acc */
 #endif
     const int tg = fit < 1 ? 1 : fit < DECODE_TG ? fit : DECODE_TG;
-    int b = decode_rows_claim(next, block_tables, max_blocks, seq_lens, B, BS, tg);
+    int i = decode_rows_claim(next, block_tables, max_blocks, seq_lens, order, B, BS, tg);
 #if defined(__AVX512F__)
     const int32_t *prev = 0;  /* the table of the group this thread computed before, and its length */
     int prev_len = 0;
 #endif
-    while (b < B) {
-        const int n = decode_rows_group(block_tables, max_blocks, seq_lens, b, B, BS, tg);
+    while (i < B) {
+        const int n = decode_rows_group(block_tables, max_blocks, seq_lens, order, i, B, BS, tg);
+        const int b = DECODE_ROW(order, i);  /* the group's rows: b .. b + n - 1 */
         /* the next group claimed now only while more are left than there are threads: with fewer, a
          * thread that claimed early would leave another idle (at batch 2 on 2 threads, one thread
          * took both rows); then it is claimed after this one, with nothing read ahead for it */
         const int early = B - __atomic_load_n(next, __ATOMIC_RELAXED) > omp_get_num_threads();
-        const int b2 = early ? decode_rows_claim(next, block_tables, max_blocks, seq_lens, B, BS, tg) : B;
+        const int i2 = early ? decode_rows_claim(next, block_tables, max_blocks, seq_lens, order, B, BS, tg) : B;
         const float *qb = q + (int64_t)b * ldq;
         const int32_t *table = block_tables + (int64_t)(b + n - 1) * max_blocks;
         float *ob = out + (int64_t)b * H * D;
 #if defined(__AVX512F__)
         const int32_t *ahead = 0;  /* the next group's table (its last row's), window start and length */
         int ahead_lo = 0, ahead_len = 0;
-        if (b2 < B) {
-            const int last = b2 + decode_rows_group(block_tables, max_blocks, seq_lens, b2, B, BS, tg) - 1;
+        if (i2 < B) {
+            const int b2 = DECODE_ROW(order, i2);
+            const int last = b2 + decode_rows_group(block_tables, max_blocks, seq_lens, order, i2, B, BS, tg) - 1;
             ahead = block_tables + (int64_t)last * max_blocks;
             ahead_lo = window > 0 && seq_lens[b2] > window ? seq_lens[b2] - window : 0;
             ahead_len = seq_lens[last];
@@ -930,25 +944,25 @@ static void decode_rows_f32(const float *q, int64_t ldq, const float *kv_layer, 
         if (n == 1) decode_row(qb, ldq, kv_layer, table, seq_lens + b, ob, H, KVH, D, BS, half, scale, window, softcap);
         else decode_rows_of_group(qb, ldq, kv_layer, table, seq_lens + b, n, ob, H, KVH, D, BS, half, scale, window, softcap);
 #endif
-        b = early ? b2 : decode_rows_claim(next, block_tables, max_blocks, seq_lens, B, BS, tg);
+        i = early ? i2 : decode_rows_claim(next, block_tables, max_blocks, seq_lens, order, B, BS, tg);
     }
     #pragma omp barrier
 }
 #endif
 
 void paged_decode_attention_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
-                                const int32_t *seq_lens, float *out, int B, int H, int KVH, int D, int BS,
-                                int max_blocks, int64_t nb1, float scale, int window, float softcap) {
+                                const int32_t *seq_lens, const int32_t *order, float *out, int B, int H, int KVH,
+                                int D, int BS, int max_blocks, int64_t nb1, float scale, int window, float softcap) {
 #if defined(VW)
     if (BS <= 16 && (D == 64 || D == 128)) {
         int next = 0;
         #pragma omp parallel
-        decode_rows_f32(q, ldq, kv_layer, block_tables, seq_lens, out, B, H, KVH, D, BS, max_blocks, nb1, scale,
-                        window, softcap, &next);
+        decode_rows_f32(q, ldq, kv_layer, block_tables, seq_lens, order, out, B, H, KVH, D, BS, max_blocks, nb1,
+                        scale, window, softcap, &next);
         return;
     }
 #endif
-    paged_decode_attention_generic_f32(q, ldq, kv_layer, block_tables, seq_lens, out, B, H, KVH, D, BS,
+    paged_decode_attention_generic_f32(q, ldq, kv_layer, block_tables, seq_lens, order, out, B, H, KVH, D, BS,
                                        max_blocks, nb1, scale, window, softcap);
 }
 
@@ -956,6 +970,8 @@ void paged_decode_attention_f32(const float *q, int64_t ldq, const float *kv_lay
 int paged_decode_max_heads(void) { return MAXH; }
 int paged_decode_max_block(void) { return MAXBS; }
 int paged_decode_max_head_dim(void) { return MAXD; }
+/* The decode kernels take a row order (DECODE_ROW): bench/kernel_ab.py calls an older source without one. */
+int paged_decode_takes_order(void) { return 1; }
 
 /* ----------------------------------------------------------------------------------------------
  * Elementwise pieces of a decoder layer, fused (each replaces 2 to 14 torch ops per call).
@@ -1456,6 +1472,7 @@ typedef struct {
     const int64_t *slots;            /* [T] */
     const int32_t *block_tables;     /* [T, max_blocks]: each row's (token's) table */
     const int32_t *seq_lens;         /* [T]: each row's context length, itself included */
+    const int32_t *row_order;        /* [T]: the order the attention takes the rows in (DECODE_ROW), or 0 */
 } decoder_step_f32;
 
 /* Returns 1, or 0 (nothing done) where this build or these shapes have no kernel for it. */
@@ -1479,8 +1496,8 @@ int decoder_layers_f32(const decoder_layer_f32 *layers, int num_layers, const de
             rope_rows_f32(s->qkv, nqkv, s->cos, s->sin, T, H + KVH, D);  /* q and k: adjacent heads of a row */
             kv_write_rows_f32(s->qkv + (int64_t)H * D, nqkv, s->qkv + (int64_t)(H + KVH) * D, nqkv, w->kv_layer,
                               half, s->slots, T, KVH, s->BS, D, s->nb1 * s->BS);
-            decode_rows_f32(s->qkv, nqkv, w->kv_layer, s->block_tables, s->seq_lens, s->attn, T, H, KVH, D, s->BS,
-                            s->max_blocks, s->nb1, s->scale, 0, 0.0f, next_row + i);
+            decode_rows_f32(s->qkv, nqkv, w->kv_layer, s->block_tables, s->seq_lens, s->row_order, s->attn, T, H,
+                            KVH, D, s->BS, s->max_blocks, s->nb1, s->scale, 0, 0.0f, next_row + i);
             gemm_share(s->attn, (int64_t)H * D, w->o, w->o_bias, s->o_out, hid, T, hid, H * D);
             #pragma omp barrier
             add_rmsnorm_rows(s->o_out, hid, s->residual, hid, s->residual, hid, w->post_attention_norm, s->normed,

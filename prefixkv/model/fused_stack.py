@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from prefixkv import cpu_ops
-from prefixkv.attention.base import AttentionMetadata, token_rows
+from prefixkv.attention.base import AttentionMetadata, prefix_order, token_rows
 
 if TYPE_CHECKING:
     from prefixkv.model.llama import LlamaModel
@@ -92,23 +92,25 @@ class FusedStack:
         self._work: tuple[torch.Tensor, ...] | None = None
 
     @staticmethod
-    def rows(meta: AttentionMetadata, batch_invariant: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Each token's block-table row and context length, or None where the step has prefill
-        tokens that the decode kernel does not compute outside batch-invariant mode."""
+    def rows(meta: AttentionMetadata, batch_invariant: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Each token's block-table row and context length, and the order the attention takes the
+        rows in (``prefix_order``), or None where the step has prefill tokens that the decode
+        kernel does not compute outside batch-invariant mode."""
         if meta.num_decode_seqs == meta.num_seqs:
-            return meta.block_tables.contiguous(), meta.seq_lens.contiguous()
+            return meta.block_tables.contiguous(), meta.seq_lens.contiguous(), prefix_order(meta)
         if not batch_invariant:
             return None
-        return token_rows(meta, 0)
+        return (*token_rows(meta, 0), prefix_order(meta))
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                 tables: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 tables: torch.Tensor, lens: torch.Tensor, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, hidden] (the embeddings; overwritten) -> (the last layer's MLP output, the
         residual stream before it), as LlamaModel.forward's loop returns them."""
         s = self.shape
         t = h.shape[0]
         assert h.is_contiguous() and h.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
         assert tables.dtype == torch.int32 and lens.dtype == torch.int32 and tables.shape[0] == t == lens.shape[0]
+        assert order.dtype == torch.int32 and order.shape == (t,) and order.is_contiguous()
         slots = meta.slot_mapping.contiguous()
         assert slots.dtype == torch.int64 and slots.shape == (t,)
         d, hid, inter = s.head_dim, s.hidden_size, s.intermediate_size
@@ -124,7 +126,7 @@ class FusedStack:
             h=h.data_ptr(), residual=residual.data_ptr(), normed=normed.data_ptr(), qkv=qkv.data_ptr(),
             attn=attn.data_ptr(), o_out=o_out.data_ptr(), gate_up=gate_up.data_ptr(), act=act.data_ptr(),
             cos=cos.data_ptr(), sin=sin.data_ptr(), slots=slots.data_ptr(), block_tables=tables.data_ptr(),
-            seq_lens=lens.data_ptr())
+            seq_lens=lens.data_ptr(), row_order=order.data_ptr())
         if not self.fn(self.layers, s.num_layers, ctypes.byref(st)):
             raise RuntimeError("decoder_layers_f32 refused shapes that blocker() accepted")
         return h, residual
