@@ -13,7 +13,8 @@ part, which then stays in cache). The outputs of the two builds are compared bit
 ``--part layers``: the engine's fused layer stack (model/fused_stack.py) in decode steps at
 ``--batch`` (each sequence ``--system-tokens`` shared + ``--question-tokens`` own tokens, after
 ``--warm`` steps), the call made with the current and the baseline library on alternate steps.
-The baseline must define the same ``decoder_layer_f32`` / ``decoder_step_f32`` structs.
+The baseline must define the same ``decoder_layer_f32`` / ``decoder_step_f32`` structs (an older one
+may lack ``decoder_step_f32``'s last field, ``row_order``: it then takes the rows in turn).
 
 Medians of the timed passes; one JSON into ``--out``."""
 
@@ -65,7 +66,7 @@ def _alternate(passes: int, run: dict) -> dict[str, float]:
 def attention(args: argparse.Namespace, libs: dict) -> dict:
     import torch
 
-    from prefixkv import hugepages
+    from prefixkv import cpu_ops, hugepages
 
     layers, rows, q_rows = args.num_layers, args.rows, args.prefill_rows
     h, kvh, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
@@ -92,8 +93,7 @@ def attention(args: argparse.Namespace, libs: dict) -> dict:
     def one_pass(name: str):
         fn = libs[name].paged_decode_attention_f32
         out = outs[name]
-        # the rows in turn (a null order) where the kernel takes one; a source before it takes none
-        order = (None,) if hasattr(libs[name], "paged_decode_takes_order") else ()
+        order = (None,) if cpu_ops.takes_order(libs[name]) else ()  # the rows in turn (a null order)
 
         def run() -> float:  # the kernel calls' time, not the reads between them
             spent = 0.0

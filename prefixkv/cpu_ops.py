@@ -101,10 +101,16 @@ def load_source(source: Path) -> ctypes.CDLL:
     return _open(_build(cc, Path(source)))
 
 
+def takes_order(lib: ctypes.CDLL) -> bool:
+    """Whether ``lib``'s decode kernels take a row order (``paged_decode_attention``'s ``order``): an
+    older cpu_ops.c that ``bench kernel-ab`` builds as its baseline takes none."""
+    return hasattr(lib, "paged_decode_takes_order")
+
+
 def _open(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    order = [p] if hasattr(lib, "paged_decode_takes_order") else []  # (none in a source before it: kernel-ab)
+    order = [p] if takes_order(lib) else []
     for suffix, scalar in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
         fn = getattr(lib, f"paged_decode_attention_{suffix}")
         fn.argtypes = [p, i64, p, p, p, *order, p, i32, i32, i32, i32, i32, i32, i64, scalar, i32, scalar]
@@ -265,8 +271,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache_layer: torch.Tensor, block_
     """q [B, H, D] (one query per sequence, at its last position; rows may be strided, heads
     contiguous) -> out [B, H, D] (contiguous; allocated when not given). ``window``: the query sees
     its last ``window`` keys only (earlier blocks are not read); ``softcap``: scores capped.
-    ``order``: int32 [B], the order the threads take the rows in (``attention.base.prefix_order``;
-    the results are the same bits in any order), None: in turn.
+    ``order``: int32 [B], a permutation of 0 .. B - 1, the order the threads take the rows in
+    (``attention.base.prefix_order``; the results are the same bits in any order), None: in turn.
 
     kv_cache_layer [2, num_blocks + 1, KVH, BS, D]; block_tables [B, max_blocks] int32;
     seq_lens [B] int32 (context length including the query token). Call ``supports_decode`` first."""

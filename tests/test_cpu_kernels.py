@@ -125,13 +125,12 @@ def test_decode_rows_each_computed_once_by_any_number_of_threads(threads):
         torch.set_num_threads(before)
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_decode_rows_in_any_order_are_the_same_bits(dtype, threads):
     """``order`` (the order the threads claim rows in, ``prefix_order``) moves no bit: the rows in
     turn, reversed (every prefill group split into single rows), a sequence at a time in another
-    order (groups kept) and shuffled give each row the same result, each row written once."""
+    order (groups kept) and shuffled give each row the same result, and every row is written."""
     b = make_batch(dtype, 64, 16, 3, 3, GROUP_SPECS, seed=17)
     tables, lens = _token_rows(b["block_tables"], GROUP_SPECS)
     n = len(lens)
@@ -182,6 +181,13 @@ def test_prefix_order_puts_rows_of_a_shared_prefix_together():
     mixed = meta([1, 3, 2, 1, 2, 1])
     assert prefix_order(mixed).tolist() == [1, 2, 3, 9, 6, 0, 4, 5, 7, 8]
     assert prefix_order(mixed, 1).tolist() == [0, 1, 2, 8, 5, 3, 4, 6, 7]
+    # ids compared as numbers, not by their low bytes (256 > 1; 257 > 2)
+    big = meta([1, 1, 1])
+    big.block_tables = torch.tensor([[256, 2], [1, 0], [257, 1]], dtype=torch.int32)
+    assert prefix_order(big).tolist() == [1, 0, 2]
+    no_blocks = meta([1, 1])
+    no_blocks.block_tables = torch.zeros((2, 0), dtype=torch.int32)
+    assert prefix_order(no_blocks).tolist() == [0, 1]
 
 
 def test_softmax_exp_within_2_ulp_of_torch_exp():

@@ -96,14 +96,16 @@ def prefix_order(meta: AttentionMetadata, first_seq: int = 0, last_seq: int | No
         tables = meta.block_tables[first_seq:last_seq].numpy()
         qsl = np.asarray(meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None
                          else meta.query_start_loc.tolist(), dtype=np.int64)[first_seq:last_seq + 1]
-        # a row's block ids as one big-endian byte string: byte order is the ids' lexicographic order
-        rows = np.ascontiguousarray(tables.astype(">u4")).view(np.dtype((np.void, 4 * tables.shape[1]))).ravel()
-        order = np.argsort(rows, kind="stable")
+        if tables.shape[1] == 0:  # (no blocks: nothing to group)
+            order = np.arange(tables.shape[0])
+        else:  # a row's block ids as one big-endian byte string: byte order is the ids' lexicographic order
+            rows = np.ascontiguousarray(tables.astype(">u4")).view(np.dtype((np.void, 4 * tables.shape[1]))).ravel()
+            order = np.argsort(rows, kind="stable")
         qlens = np.diff(qsl)
         if (qlens != 1).any():  # each sequence's tokens, in order, where the sorted sequences put them
             n = qlens[order]
             ends = np.cumsum(n)
-            order = np.repeat(qsl[order] - qsl[0] - (ends - n), n) + np.arange(int(ends[-1]) if len(n) else 0)
+            order = np.repeat(qsl[order] - qsl[0] - (ends - n), n) + np.arange(int(qsl[-1] - qsl[0]))
         meta.scratch[key] = torch.from_numpy(order.astype(np.int32))
     return meta.scratch[key]
 
