@@ -888,11 +888,11 @@ static inline int decode_rows_claim(int *next, const int32_t *block_tables, int 
  * enclosing parallel region (one thread outside any). Consecutive rows that continue one another
  * (the tokens of a prefill in the batch-invariant mode) go in groups of up to DECODE_TG, a group
  * starting at every token position (in its sequence) that is a multiple of DECODE_TG (fewer where
- * the model's heads would make the group's scratch exceed 64 KB); a row's result is the same bits in any group, alone, or
- * computed by any thread. Each thread claims its next group from the counter *next (0 at the start)
- * while it computes one (while more groups are left than threads): the AVX-512 kernel reads that
- * group's blocks ahead under this one's arithmetic. The rows are claimed in the order `order` gives
- * (DECODE_ROW). A barrier at the end. */
+ * the model's heads would make the group's scratch exceed 64 KB); a row's result is the same bits
+ * in any group, alone, or computed by any thread. Each thread claims its next group from the
+ * counter *next (0 at the start) while it computes one (while more groups are left than threads):
+ * the AVX-512 kernel reads that group's blocks ahead under this one's arithmetic. The rows are
+ * claimed in the order `order` gives (DECODE_ROW). A barrier at the end. */
 static void decode_rows_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
                             const int32_t *seq_lens, const int32_t *order, float *out, int B, int H, int KVH, int D,
                             int BS, int max_blocks, int64_t nb1, float scale, int window, float softcap, int *next) {
