@@ -2,7 +2,9 @@
 engine-core process gets (``engine_core.process.engine_environment``: how its OpenMP threads wait),
 so that offline and served runs of the same engine compare like with like::
 
-    python -m bench.offline_run < spec.json     -> {"elapsed_s": ..., "num_output_tokens": ...}
+    python -m bench.offline_run < spec.json     -> {"elapsed_s": ..., "num_output_tokens": ..., "engine_steps": ...}
+
+``engine_steps``: what the engine's steps took during the run (``prefixkv.engine.StepCounters``).
 
 spec: {"model", "prompts": [[ids]], "output_tokens", "max_num_seqs", "kv_cache_bytes", "threads"}.
 """
@@ -42,10 +44,13 @@ def main() -> int:
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm
     llm.engine.scheduler.kv.reset_cache()
     sp = SamplingParams(max_tokens=spec["output_tokens"], temperature=0.0, ignore_eos=True)
+    before = llm.engine.step_counters.stats()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp)
     elapsed = time.perf_counter() - t0
-    print(json.dumps({"elapsed_s": elapsed, "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}))
+    after = llm.engine.step_counters.stats()
+    print(json.dumps({"elapsed_s": elapsed, "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                      "engine_steps": {k: after[k] - before[k] for k in after}}))
     return 0
 
 

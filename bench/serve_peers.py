@@ -27,7 +27,10 @@ that rotates from round to round; medians over rounds.
 Reported per run: request and output-token throughput, TTFT / TPOT / ITL / latency percentiles (vLLM's
 own metrics), and the greedy outputs compared with prefixkv's. ``--offline`` also runs the same
 requests through ``LLM.generate`` (prefixkv, this process) and vLLM's ``LLM.generate`` (its worker),
-``max_num_seqs`` = the concurrency, token-id prompts: served / offline throughput.
+``max_num_seqs`` = the concurrency, token-id prompts: served / offline throughput, and prefixkv's
+engine steps served and offline (``prefixkv.engine.StepCounters``: /metrics before and after a served
+run, the engine's own counters around the offline one): decode-only steps, their ms and sequences
+each, prompt tokens computed.
 """
 
 from __future__ import annotations
@@ -307,6 +310,34 @@ def run_load(server: Server, prompts: list[str], args: argparse.Namespace, concu
     return doc
 
 
+def engine_steps(server: Server) -> dict[str, float] | None:
+    """What a prefixkv server's engine steps have taken so far (``prefixkv.engine.StepCounters``, from
+    its /metrics), or None for another server."""
+    if not server.name.startswith("prefixkv"):
+        return None
+    import dataclasses
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from prefixkv.engine import StepCounters
+    from prefixkv.server.metrics import ENGINE_METRIC_NAMES
+
+    keys = {ENGINE_METRIC_NAMES[f.name]: f.name for f in dataclasses.fields(StepCounters)}
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {keys[f.name]: sum(x.value for x in f.samples if x.name.endswith("_total"))
+            for f in text_string_to_metric_families(text) if f.name in keys}
+
+
+def decode_step_figures(runs: list[dict]) -> dict[str, float]:
+    """Medians over runs of ``engine_steps``: decode-only steps, ms and sequences each, prompt tokens computed."""
+    return {"steps": statistics.median(r["num_decode_steps"] for r in runs),
+            "ms": statistics.median(1e3 * r["decode_s"] / max(1, r["num_decode_steps"]) for r in runs),
+            "sequences": statistics.median(r["num_decode_step_seqs"] / max(1, r["num_decode_steps"]) for r in runs),
+            "prompt_tokens": statistics.median(r["num_prefill_tokens"] for r in runs)}
+
+
 SUMMARY_KEYS = ("completed", "failed", "output_len_mismatches", "duration", "request_throughput", "output_throughput", "mean_ttft_ms",
                 "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms",
                 "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms")
@@ -328,13 +359,14 @@ def identical_fraction(a: list[str] | None, b: list[str] | None) -> float | None
 
 # ---------------------------------------------------------------------- offline references
 def offline_prefixkv(model_dir: Path, token_prompts: list[list[int]], output_tokens: int, max_num_seqs: int,
-                     kv_gib: float, threads: int) -> float:
-    """Requests/s of the same token-id prompts through ``LLM.generate`` (bench/offline_run.py)."""
+                     kv_gib: float, threads: int) -> tuple[float, dict]:
+    """Requests/s of the same token-id prompts through ``LLM.generate`` (bench/offline_run.py), and
+    what its engine's steps took (``engine_steps``)."""
     from bench.offline_run import run
 
     res = run({"model": str(model_dir), "prompts": token_prompts, "output_tokens": output_tokens,
                "max_num_seqs": max_num_seqs, "kv_cache_bytes": int(kv_gib * (1 << 30)), "threads": threads})
-    return len(token_prompts) / res["elapsed_s"]
+    return len(token_prompts) / res["elapsed_s"], res["engine_steps"]
 
 
 def offline_vllm(model_dir: Path, token_prompts: list[list[int]], output_tokens: int, max_num_seqs: int,
@@ -414,7 +446,11 @@ def cmd_http(args: argparse.Namespace, command: str) -> int:
                         srv = servers[name]
                         res = {}
                         if srv.proc.poll() is None:
+                            before = engine_steps(srv)
                             res = summarize(run_load(srv, prompts, args, c, model_dir, model_name, workdir, tag))
+                            after = engine_steps(srv) if before is not None else None
+                            if after is not None:  # (the load generator's first test request included)
+                                res["engine_steps"] = {k: after[k] - before[k] for k in after}
                             print(f"round {r} {workload} c{c} {name}: {res['request_throughput']:.2f} req/s, "
                                   f"TTFT p50 {res['median_ttft_ms']:.0f} ms, TPOT p50 {res['median_tpot_ms']:.1f} ms",
                                   flush=True)
@@ -425,8 +461,10 @@ def cmd_http(args: argparse.Namespace, command: str) -> int:
                                   f"(log {srv.log})", flush=True)
                     if args.offline:
                         ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-                        run["offline"] = {"prefixkv": offline_prefixkv(model_dir, ids, args.output_tokens, c,
-                                                                       args.kv_cache_gib, args.threads)}
+                        rps, steps = offline_prefixkv(model_dir, ids, args.output_tokens, c, args.kv_cache_gib,
+                                                      args.threads)
+                        run["offline"] = {"prefixkv": rps}
+                        run["offline_engine_steps"] = {"prefixkv": steps}
                         if "vllm" in systems:
                             run["offline"]["vllm"] = offline_vllm(model_dir, ids, args.output_tokens, c,
                                                                   args.kv_cache_gib, cache)
@@ -486,6 +524,12 @@ def summary(doc: dict) -> list[dict]:
                 row["offline"] = {n: statistics.median(o[n] for o in offline) for n in offline[0]}
                 row["served_over_offline"] = {n: med[n]["request_throughput"] / row["offline"][n]
                                               for n in row["offline"] if n in med}
+            served_steps = [r["systems"]["prefixkv"]["engine_steps"] for r in runs
+                            if "engine_steps" in r["systems"].get("prefixkv", {})]
+            offline_steps = [r["offline_engine_steps"]["prefixkv"] for r in runs if r.get("offline_engine_steps")]
+            if served_steps and offline_steps:
+                row["decode_steps"] = {"served": decode_step_figures(served_steps),
+                                       "offline": decode_step_figures(offline_steps)}
             rows.append(row)
     return rows
 
@@ -510,3 +554,8 @@ def print_summary(doc: dict) -> None:
         if row.get("offline"):
             print(f"|   offline req/s: {row['offline']}; served / offline: "
                   f"{ {n: round(v, 3) for n, v in row['served_over_offline'].items()} }")
+        if row.get("decode_steps"):
+            s, o = row["decode_steps"]["served"], row["decode_steps"]["offline"]
+            print(f"|   prefixkv's decode-only steps, served / offline: {s['steps']:.0f} / {o['steps']:.0f}, "
+                  f"{s['ms']:.1f} / {o['ms']:.1f} ms, {s['sequences']:.1f} / {o['sequences']:.1f} sequences each; "
+                  f"prompt tokens computed {s['prompt_tokens']:.0f} / {o['prompt_tokens']:.0f}")

@@ -232,3 +232,55 @@ def test_a_server_that_exited_is_left_out_of_the_medians_and_said_so(capsys):
     out = capsys.readouterr().out
     assert "| multi-turn | 64 | llama | exited (-9) | | | | | | |" in out
     assert "| cold | 64 | llama | 1.00 | 64 | 100 / 200 | 10.0 / 20.0 | 9.0 | 3.10x | 90% |" in out
+
+
+def test_engine_steps_served_and_offline(tiny_llama, capsys):
+    """``bench http --offline`` reads prefixkv's engine steps around a served run (/metrics) and an
+    offline one (bench/offline_run.py): a lone request of 7 tokens takes 6 decode-only steps of one
+    sequence either way, and its prompt's tokens are computed; the summary prints both."""
+    import argparse
+    import types
+    import urllib.request
+
+    from bench.offline_run import run
+    from bench.serve_peers import engine_steps, print_summary, start_server, summary
+    from prefixkv.tokenizer import Tokenizer
+
+    prompt = "a b c d e f"
+    ids = Tokenizer.from_pretrained(str(tiny_llama)).encode(prompt, add_special_tokens=False)
+    assert engine_steps(types.SimpleNamespace(name="vllm")) is None
+    srv = start_server("prefixkv", tiny_llama, "m", argparse.Namespace(max_num_seqs=4, kv_cache_gib=0.05,
+                                                                       stream_interval=1), 4)
+    try:
+        srv.wait_ready(120)
+        before = engine_steps(srv)
+        body = {"model": "m", "prompt": ids, "max_tokens": 7, "temperature": 0, "ignore_eos": True}
+        req = urllib.request.Request(srv.url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 7
+        after = engine_steps(srv)
+    finally:
+        srv.stop()
+    served = {k: after[k] - before[k] for k in after}
+    assert (served["num_decode_steps"], served["num_decode_step_seqs"], served["num_prefill_step_decodes"]) == (6, 6, 0)
+    assert 0 < served["num_prefill_tokens"] <= len(ids) and served["decode_s"] > 0 and served["prefill_s"] > 0
+    offline = run({"model": str(tiny_llama), "prompts": [ids], "output_tokens": 7, "max_num_seqs": 4,
+                   "kv_cache_bytes": 1 << 26, "threads": 1})["engine_steps"]
+    assert {k: offline[k] for k in ("num_decode_steps", "num_decode_step_seqs", "num_prefill_step_decodes",
+                                    "num_prefill_tokens")} == {"num_decode_steps": 6, "num_decode_step_seqs": 6,
+                                                               "num_prefill_step_decodes": 0,
+                                                               "num_prefill_tokens": len(ids)}
+    doc = {"command": "python -m bench http ...", "rounds": 1, "loadavg_start": [0, 0, 0], "workloads": ["cold"],
+           "concurrency": [1], "systems": ["prefixkv"],
+           "runs": [{"workload": "cold", "concurrency": 1, "identical_to_prefixkv": {}, "offline": {"prefixkv": 2.0},
+                     "offline_engine_steps": {"prefixkv": offline},
+                     "systems": {"prefixkv": {"request_throughput": 1.5, "engine_steps": served}}}]}
+    doc["summary"] = summary(doc)
+    steps = doc["summary"][0]["decode_steps"]
+    assert steps["served"]["steps"] == steps["offline"]["steps"] == 6 and steps["served"]["sequences"] == 1
+    assert steps["offline"]["ms"] == pytest.approx(1e3 * offline["decode_s"] / 6)
+    print_summary(doc)
+    assert (f"|   prefixkv's decode-only steps, served / offline: 6 / 6, {steps['served']['ms']:.1f} / "
+            f"{steps['offline']['ms']:.1f} ms, 1.0 / 1.0 sequences each; prompt tokens computed "
+            f"{served['num_prefill_tokens']:.0f} / {len(ids)}") in capsys.readouterr().out

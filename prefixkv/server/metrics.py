@@ -99,6 +99,8 @@ _ENGINE_METRICS = (
      "Sequences decoding in the engine steps that also computed prompt tokens.", "counter"),
 )
 
+# a stats key's metric name (a counter's samples end in _total)
+ENGINE_METRIC_NAMES = {key: name for key, name, _, _ in _ENGINE_METRICS}
 
 # vLLM's names for the same engine statistics: (stats key, name, help, kind)
 _VLLM_ENGINE_METRICS = (
