@@ -312,7 +312,7 @@ def run_load(server: Server, prompts: list[str], args: argparse.Namespace, concu
 
 def engine_steps(server: Server) -> dict[str, float] | None:
     """What a prefixkv server's engine steps have taken so far (``prefixkv.engine.StepCounters``, from
-    its /metrics), or None for another server."""
+    its /metrics), or None for another server or one that does not answer (it exited)."""
     if not server.name.startswith("prefixkv"):
         return None
     import dataclasses
@@ -324,8 +324,11 @@ def engine_steps(server: Server) -> dict[str, float] | None:
     from prefixkv.server.metrics import ENGINE_METRIC_NAMES
 
     keys = {ENGINE_METRIC_NAMES[f.name]: f.name for f in dataclasses.fields(StepCounters)}
-    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
+    try:
+        with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
     return {keys[f.name]: sum(x.value for x in f.samples if x.name.endswith("_total"))
             for f in text_string_to_metric_families(text) if f.name in keys}
 

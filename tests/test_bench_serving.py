@@ -262,6 +262,7 @@ def test_engine_steps_served_and_offline(tiny_llama, capsys):
         after = engine_steps(srv)
     finally:
         srv.stop()
+    assert engine_steps(srv) is None  # (stopped: no counters, no error)
     served = {k: after[k] - before[k] for k in after}
     assert (served["num_decode_steps"], served["num_decode_step_seqs"], served["num_prefill_step_decodes"]) == (6, 6, 0)
     assert 0 < served["num_prefill_tokens"] <= len(ids) and served["decode_s"] > 0 and served["prefill_s"] > 0
