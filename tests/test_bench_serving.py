@@ -49,7 +49,9 @@ def test_serving_chat(tiny_llama, tmp_path):
             assert _ordered(r[key]), (key, r[key])
         for q in r["requests"]:
             assert q["status"] == 200 and q["error"] is None and q["output_tokens"] == 6
-            assert 0 < q["ttft_s"] < q["latency_s"] and q["tpot_s"] > 0 and q["prompt_tokens"] > 40
+            assert 0 < q["ttft_s"] < q["latency_s"] and q["prompt_tokens"] > 40
+            # (a client that reads late gets the tokens merged: all in one chunk, no time between them)
+            assert q["tpot_s"] > 0 or q["num_chunks"] == 1, q
         # the server's counters agree with the usage the clients got
         assert r["server_prefix_hit_tokens"] == r["cached_tokens"]
     # Poisson arrivals at 2/s: sent in order, spread over time; inf: all sent at once
