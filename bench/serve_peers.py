@@ -312,25 +312,28 @@ def run_load(server: Server, prompts: list[str], args: argparse.Namespace, concu
 
 def engine_steps(server: Server) -> dict[str, float] | None:
     """What a prefixkv server's engine steps have taken so far (``prefixkv.engine.StepCounters``, from
-    its /metrics), or None for another server or one that does not answer (it exited)."""
+    its /metrics: ``bench.server_client.scrape``), or None for another server or one that does not
+    answer (it exited)."""
     if not server.name.startswith("prefixkv"):
         return None
+    import asyncio
     import dataclasses
-    import urllib.request
 
-    from prometheus_client.parser import text_string_to_metric_families
+    import aiohttp
 
+    from bench.server_client import scrape
     from prefixkv.engine import StepCounters
     from prefixkv.server.metrics import ENGINE_METRIC_NAMES
 
-    keys = {ENGINE_METRIC_NAMES[f.name]: f.name for f in dataclasses.fields(StepCounters)}
-    try:
-        with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
-            text = r.read().decode()
-    except OSError:
+    async def read() -> dict[str, float]:
+        async with aiohttp.ClientSession() as session:
+            return await scrape(session, server.url)
+
+    metrics = asyncio.run(read())
+    names = {f.name: ENGINE_METRIC_NAMES[f.name] + "_total" for f in dataclasses.fields(StepCounters)}
+    if not all(n in metrics for n in names.values()):
         return None
-    return {keys[f.name]: sum(x.value for x in f.samples if x.name.endswith("_total"))
-            for f in text_string_to_metric_families(text) if f.name in keys}
+    return {key: metrics[n] for key, n in names.items()}
 
 
 def decode_step_figures(runs: list[dict]) -> dict[str, float]:
