@@ -30,7 +30,7 @@ requests through ``LLM.generate`` (prefixkv, this process) and vLLM's ``LLM.gene
 ``max_num_seqs`` = the concurrency, token-id prompts: served / offline throughput, and prefixkv's
 engine steps served and offline (``prefixkv.engine.StepCounters``: /metrics before and after a served
 run, the engine's own counters around the offline one): decode-only steps, their ms and sequences
-each, prompt tokens computed.
+each, a sequence's context in them, prompt tokens computed.
 """
 
 from __future__ import annotations
@@ -337,10 +337,13 @@ def engine_steps(server: Server) -> dict[str, float] | None:
 
 
 def decode_step_figures(runs: list[dict]) -> dict[str, float]:
-    """Medians over runs of ``engine_steps``: decode-only steps, ms and sequences each, prompt tokens computed."""
+    """Medians over runs of ``engine_steps``: decode-only steps, ms and sequences each, a sequence's
+    context in them (tokens), prompt tokens computed."""
     return {"steps": statistics.median(r["num_decode_steps"] for r in runs),
             "ms": statistics.median(1e3 * r["decode_s"] / max(1, r["num_decode_steps"]) for r in runs),
             "sequences": statistics.median(r["num_decode_step_seqs"] / max(1, r["num_decode_steps"]) for r in runs),
+            "context": statistics.median(r["num_decode_step_context_tokens"] / max(1, r["num_decode_step_seqs"])
+                                         for r in runs),
             "prompt_tokens": statistics.median(r["num_prefill_tokens"] for r in runs)}
 
 
@@ -563,5 +566,6 @@ def print_summary(doc: dict) -> None:
         if row.get("decode_steps"):
             s, o = row["decode_steps"]["served"], row["decode_steps"]["offline"]
             print(f"|   prefixkv's decode-only steps, served / offline: {s['steps']:.0f} / {o['steps']:.0f}, "
-                  f"{s['ms']:.1f} / {o['ms']:.1f} ms, {s['sequences']:.1f} / {o['sequences']:.1f} sequences each; "
+                  f"{s['ms']:.1f} / {o['ms']:.1f} ms, {s['sequences']:.1f} / {o['sequences']:.1f} sequences each "
+                  f"of {s['context']:.0f} / {o['context']:.0f} tokens of context; "
                   f"prompt tokens computed {s['prompt_tokens']:.0f} / {o['prompt_tokens']:.0f}")

@@ -42,7 +42,8 @@ def is_fatal(e: BaseException) -> bool:
 class StepCounters:
     """What the steps took (``LLMEngine.stats()``; the replicas' routing reads the first four,
     serve/load.py): prompt tokens computed and the seconds of the steps that computed some, steps of
-    decodes only and their seconds; the sequences decoding in each kind of step."""
+    decodes only and their seconds; the sequences decoding in each kind of step, and the context the
+    decode-only steps' sequences attended to."""
 
     num_prefill_tokens: int = 0
     prefill_s: float = 0.0
@@ -50,6 +51,8 @@ class StepCounters:
     decode_s: float = 0.0
     num_prefill_step_decodes: int = 0  # sequences decoding beside the prompt tokens of a prefill step
     num_decode_step_seqs: int = 0  # sequences of the decode-only steps
+    # the tokens of context the decode-only steps' sequences attended to (K/V read), theirs included
+    num_decode_step_context_tokens: int = 0
 
     def count(self, out, seconds: float) -> None:
         num_prefill = sum(s.num_scheduled_tokens for s in out.scheduled[out.num_decodes:])
@@ -61,6 +64,8 @@ class StepCounters:
             self.num_decode_steps += 1
             self.decode_s += seconds
             self.num_decode_step_seqs += len(out.scheduled)
+            self.num_decode_step_context_tokens += sum(s.num_computed_tokens + s.num_scheduled_tokens
+                                                       for s in out.scheduled)
 
     def stats(self) -> dict[str, Any]:
         return {**asdict(self), "prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6)}

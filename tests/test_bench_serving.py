@@ -267,13 +267,15 @@ def test_engine_steps_served_and_offline(tiny_llama, capsys):
     assert engine_steps(srv) is None  # (stopped: no counters, no error)
     served = {k: after[k] - before[k] for k in after}
     assert (served["num_decode_steps"], served["num_decode_step_seqs"], served["num_prefill_step_decodes"]) == (6, 6, 0)
+    context = 6 * len(ids) + 21  # decode step i (1..6) attends to the prompt and i new tokens
+    assert served["num_decode_step_context_tokens"] == context
     assert 0 < served["num_prefill_tokens"] <= len(ids) and served["decode_s"] > 0 and served["prefill_s"] > 0
     offline = run({"model": str(tiny_llama), "prompts": [ids], "output_tokens": 7, "max_num_seqs": 4,
                    "kv_cache_bytes": 1 << 26, "threads": 1})["engine_steps"]
     assert {k: offline[k] for k in ("num_decode_steps", "num_decode_step_seqs", "num_prefill_step_decodes",
-                                    "num_prefill_tokens")} == {"num_decode_steps": 6, "num_decode_step_seqs": 6,
-                                                               "num_prefill_step_decodes": 0,
-                                                               "num_prefill_tokens": len(ids)}
+                                    "num_prefill_tokens", "num_decode_step_context_tokens")} == {
+        "num_decode_steps": 6, "num_decode_step_seqs": 6, "num_prefill_step_decodes": 0,
+        "num_prefill_tokens": len(ids), "num_decode_step_context_tokens": context}
     doc = {"command": "python -m bench http ...", "rounds": 1, "loadavg_start": [0, 0, 0], "workloads": ["cold"],
            "concurrency": [1], "systems": ["prefixkv"],
            "runs": [{"workload": "cold", "concurrency": 1, "identical_to_prefixkv": {}, "offline": {"prefixkv": 2.0},
@@ -285,5 +287,6 @@ def test_engine_steps_served_and_offline(tiny_llama, capsys):
     assert steps["offline"]["ms"] == pytest.approx(1e3 * offline["decode_s"] / 6)
     print_summary(doc)
     assert (f"|   prefixkv's decode-only steps, served / offline: 6 / 6, {steps['served']['ms']:.1f} / "
-            f"{steps['offline']['ms']:.1f} ms, 1.0 / 1.0 sequences each; prompt tokens computed "
+            f"{steps['offline']['ms']:.1f} ms, 1.0 / 1.0 sequences each of {context / 6:.0f} / {context / 6:.0f} tokens "
+            f"of context; prompt tokens computed "
             f"{served['num_prefill_tokens']:.0f} / {len(ids)}") in capsys.readouterr().out

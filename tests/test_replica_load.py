@@ -28,6 +28,7 @@ def test_the_engine_counts_prefill_tokens_and_decode_steps(tiny_llama):
     st = engine.stats()
     # the prompt's 20 tokens in two steps (the second also samples the first token), then 3 decodes
     assert (st["num_prefill_tokens"], st["num_decode_steps"]) == (20, 3)
+    assert st["num_decode_step_context_tokens"] == 21 + 22 + 23  # tokens 2..4 attend to 21..23
     assert st["prefill_s"] > 0 and st["decode_s"] > 0
     engine.add_request("b", list(range(5, 25)) + [30, 31], params)  # its first 20 tokens cached: 2 computed
     while engine.has_unfinished():
@@ -35,6 +36,7 @@ def test_the_engine_counts_prefill_tokens_and_decode_steps(tiny_llama):
     st = engine.stats()
     assert (st["num_prefill_tokens"], st["num_decode_steps"]) == (22, 6)
     assert (st["num_decode_step_seqs"], st["num_prefill_step_decodes"]) == (6, 0)  # one sequence at a time
+    assert st["num_decode_step_context_tokens"] == 66 + 23 + 24 + 25
     engine.add_request("c", list(range(40, 44)), params)
     engine.step()  # c's prompt and first token
     engine.add_request("d", list(range(50, 58)), params)
@@ -43,6 +45,7 @@ def test_the_engine_counts_prefill_tokens_and_decode_steps(tiny_llama):
     st = engine.stats()
     assert (st["num_prefill_tokens"], st["num_decode_steps"]) == (34, 9)
     assert (st["num_decode_step_seqs"], st["num_prefill_step_decodes"]) == (6 + 2 + 2 + 1, 1)
+    assert st["num_decode_step_context_tokens"] == 138 + (6 + 9) + (7 + 10) + 11  # c's 3rd, 4th; d's 2nd..4th
 
 
 def test_the_speed_meter_decays_old_reports():

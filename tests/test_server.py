@@ -404,6 +404,7 @@ def test_metrics_after_traffic(server, client):
                                                             - m["prefixkv_prefix_cache_hit_tokens_total"])
     assert m["prefixkv_engine_decode_steps_total"] >= 2
     assert m["prefixkv_engine_decode_step_sequences_total"] >= m["prefixkv_engine_decode_steps_total"]
+    assert m["prefixkv_engine_decode_step_context_tokens_total"] > m["prefixkv_engine_decode_step_sequences_total"]
     assert "prefixkv_engine_prefill_step_decode_sequences_total" in m
     assert m["prefixkv_engine_prefill_step_seconds_total"] > 0 and m["prefixkv_engine_decode_step_seconds_total"] > 0
     assert not any('status="500"' in k for k in m)

@@ -95,6 +95,9 @@ _ENGINE_METRICS = (
     ("decode_s", "prefixkv_engine_decode_step_seconds", "Seconds of the decode-only engine steps.", "counter"),
     ("num_decode_step_seqs", "prefixkv_engine_decode_step_sequences",
      "Sequences of the decode-only engine steps (over prefixkv_engine_decode_steps: their mean batch).", "counter"),
+    ("num_decode_step_context_tokens", "prefixkv_engine_decode_step_context_tokens",
+     "Tokens of context the sequences of the decode-only engine steps attended to, their new tokens included "
+     "(over prefixkv_engine_decode_step_sequences: the mean context).", "counter"),
     ("num_prefill_step_decodes", "prefixkv_engine_prefill_step_decode_sequences",
      "Sequences decoding in the engine steps that also computed prompt tokens.", "counter"),
 )
