@@ -287,6 +287,6 @@ def test_engine_steps_served_and_offline(tiny_llama, capsys):
     assert steps["offline"]["ms"] == pytest.approx(1e3 * offline["decode_s"] / 6)
     print_summary(doc)
     assert (f"|   prefixkv's decode-only steps, served / offline: 6 / 6, {steps['served']['ms']:.1f} / "
-            f"{steps['offline']['ms']:.1f} ms, 1.0 / 1.0 sequences each of {context / 6:.0f} / {context / 6:.0f} tokens "
-            f"of context; prompt tokens computed "
+            f"{steps['offline']['ms']:.1f} ms, 1.0 / 1.0 sequences each of {context / 6:.0f} / "
+            f"{context / 6:.0f} tokens of context; prompt tokens computed "
             f"{served['num_prefill_tokens']:.0f} / {len(ids)}") in capsys.readouterr().out
