@@ -6,7 +6,8 @@ so that offline and served runs of the same engine compare like with like::
 
 ``engine_steps``: what the engine's steps took during the run (``prefixkv.engine.StepCounters``).
 
-spec: {"model", "prompts": [[ids]], "output_tokens", "max_num_seqs", "kv_cache_bytes", "threads"}.
+spec: {"model", "prompts": [[ids]], "output_tokens", "max_num_seqs", "kv_cache_bytes", "threads"}, and
+optionally "max_wait_steps" (the engine's; None or absent: its default).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def main() -> int:
     from prefixkv import LLM, SamplingParams
 
     torch.set_num_threads(spec["threads"])
+    scheduler = {} if spec.get("max_wait_steps") is None else {"max_wait_steps": spec["max_wait_steps"]}
     llm = LLM(model=spec["model"], dtype="float32", max_num_seqs=spec["max_num_seqs"],
-              kv_cache_memory_bytes=spec["kv_cache_bytes"], max_waiting_requests=100_000)
+              kv_cache_memory_bytes=spec["kv_cache_bytes"], max_waiting_requests=100_000, **scheduler)
     prompts = spec["prompts"]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm
     llm.engine.scheduler.kv.reset_cache()

@@ -30,7 +30,9 @@ requests through ``LLM.generate`` (prefixkv, this process) and vLLM's ``LLM.gene
 ``max_num_seqs`` = the concurrency, token-id prompts: served / offline throughput, and prefixkv's
 engine steps served and offline (``prefixkv.engine.StepCounters``: /metrics before and after a served
 run, the engine's own counters around the offline one): decode-only steps, their ms and sequences
-each, a sequence's context in them, prompt tokens computed.
+each, a sequence's context in them, prompt tokens computed. The offline engine holds every request
+at once and admits them by cached prefix; ``--max-wait-steps 0`` has prefixkv admit in arrival order,
+served and offline, as the load generator sends them.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-interval", type=int, default=1,
                    help="prefixkv's and vLLM's --stream-interval: a chunk every this many tokens (llama-server has none)")
     p.add_argument("--offline", action="store_true", help="also the same requests offline (prefixkv and vLLM)")
+    p.add_argument("--max-wait-steps", type=int, default=None,
+                   help="prefixkv's --max-wait-steps, served and offline (0: admitted in arrival order, as vLLM "
+                        "does; default: prefixkv's, its cache-aware order)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads of the offline runs (default: every CPU)")
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
@@ -151,6 +156,8 @@ def start_server(name: str, model_dir: Path, model_name: str, args: argparse.Nam
         cmd = [sys.executable, "-m", "prefixkv.cli", "serve", "--model", str(model_dir), "--served-model-name",
                model_name, "--port", str(port), "--dtype", "float32", "--max-num-seqs", str(args.max_num_seqs),
                "--kv-cache-memory", str(kv_gib), "--max-waiting-requests", "100000", *stream_interval]
+        if getattr(args, "max_wait_steps", None) is not None:
+            cmd += ["--max-wait-steps", str(args.max_wait_steps)]
         if name == "prefixkv-inproc":
             cmd.append("--no-engine-process")
         elif name == "prefixkv-t1":  # the engine's compute pool one thread short of the CPUs
@@ -368,13 +375,14 @@ def identical_fraction(a: list[str] | None, b: list[str] | None) -> float | None
 
 # ---------------------------------------------------------------------- offline references
 def offline_prefixkv(model_dir: Path, token_prompts: list[list[int]], output_tokens: int, max_num_seqs: int,
-                     kv_gib: float, threads: int) -> tuple[float, dict]:
+                     kv_gib: float, threads: int, max_wait_steps: int | None = None) -> tuple[float, dict]:
     """Requests/s of the same token-id prompts through ``LLM.generate`` (bench/offline_run.py), and
     what its engine's steps took (``engine_steps``)."""
     from bench.offline_run import run
 
     res = run({"model": str(model_dir), "prompts": token_prompts, "output_tokens": output_tokens,
-               "max_num_seqs": max_num_seqs, "kv_cache_bytes": int(kv_gib * (1 << 30)), "threads": threads})
+               "max_num_seqs": max_num_seqs, "kv_cache_bytes": int(kv_gib * (1 << 30)), "threads": threads,
+               "max_wait_steps": max_wait_steps})
     return len(token_prompts) / res["elapsed_s"], res["engine_steps"]
 
 
@@ -422,7 +430,7 @@ def cmd_http(args: argparse.Namespace, command: str) -> int:
     doc = {"command": command, "started": started, "machine": machine_info(torch.get_num_threads()),
            "systems": systems, "workloads": workloads, "concurrency": concurrencies,
            "output_tokens": args.output_tokens, "stream_interval": args.stream_interval, "rounds": args.rounds,
-           "runs": [], "loadavg_start": _loadavg()}
+           "max_wait_steps": args.max_wait_steps, "runs": [], "loadavg_start": _loadavg()}
     servers: dict[str, Server] = {}
     cache: dict = {}
     out = Path(args.out)
@@ -471,7 +479,7 @@ def cmd_http(args: argparse.Namespace, command: str) -> int:
                     if args.offline:
                         ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
                         rps, steps = offline_prefixkv(model_dir, ids, args.output_tokens, c, args.kv_cache_gib,
-                                                      args.threads)
+                                                      args.threads, args.max_wait_steps)
                         run["offline"] = {"prefixkv": rps}
                         run["offline_engine_steps"] = {"prefixkv": steps}
                         if "vllm" in systems:

@@ -85,7 +85,8 @@ class SchedulerConfig:
     max_admitted_prefill_tokens: int | str | None = "auto"
     max_waiting_requests: int = 4096
     # A waiting request that has been passed over for this many steps is admitted in arrival
-    # order ahead of requests with longer cached prefixes (aging: nobody starves).
+    # order ahead of requests with longer cached prefixes (aging: nobody starves). 0: every
+    # request is admitted in arrival order (no cache-aware reordering).
     max_wait_steps: int = 64
     # "continuous" admits new requests every step; "static" admits only once the running
     # batch has drained (the classic static-batching baseline, for ablations).
@@ -123,7 +124,8 @@ class SchedulerConfig:
         require(isinstance(self.stream_interval, int) and not isinstance(self.stream_interval, bool)
                 and self.stream_interval >= 1, "stream_interval",
                 f"must be a positive int, got {self.stream_interval!r}")
-        require(self.max_wait_steps >= 0, "max_wait_steps", "must be >= 0")
+        require(isinstance(self.max_wait_steps, int) and not isinstance(self.max_wait_steps, bool)
+                and self.max_wait_steps >= 0, "max_wait_steps", f"must be an int >= 0, got {self.max_wait_steps!r}")
         require(self.policy in ("continuous", "static"), "policy",
                  f"must be 'continuous' or 'static', got {self.policy!r}")
         require(isinstance(self.watermark, (int, float)) and 0.0 <= self.watermark < 1.0, "watermark",

@@ -49,6 +49,7 @@ class EngineArgs:
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_admitted_prefill_tokens: int | str | None = SchedulerConfig.max_admitted_prefill_tokens
     max_waiting_requests: int = SchedulerConfig.max_waiting_requests
+    max_wait_steps: int = SchedulerConfig.max_wait_steps
     scheduling_policy: str = SchedulerConfig.policy
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     num_speculative_tokens: int = SchedulerConfig.num_speculative_tokens
@@ -87,7 +88,8 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs,
                                       max_admitted_prefill_tokens=self.max_admitted_prefill_tokens,
-                                      max_waiting_requests=self.max_waiting_requests, policy=self.scheduling_policy,
+                                      max_waiting_requests=self.max_waiting_requests,
+                                      max_wait_steps=self.max_wait_steps, policy=self.scheduling_policy,
                                       enable_chunked_prefill=self.enable_chunked_prefill,
                                       num_speculative_tokens=self.num_speculative_tokens,
                                       prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
@@ -173,6 +175,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
                    help="requests queued beyond this are refused with 503")
+    g.add_argument("--max-wait-steps", type=int, default=d.max_wait_steps,
+                   help="waiting requests are admitted longest cached prefix first, except that one passed over "
+                        "for this many steps goes ahead, oldest first; 0: admitted in arrival order "
+                        "(default: %(default)s)")
     g.add_argument("--stream-interval", type=int, default=d.stream_interval,
                    help="a streamed request's output goes out every this many new tokens (its first token and "
                         "its finish at once); a request's stream_interval can raise it (default: %(default)s)")

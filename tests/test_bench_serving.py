@@ -251,8 +251,10 @@ def test_engine_steps_served_and_offline(tiny_llama, capsys):
     prompt = "a b c d e f"
     ids = Tokenizer.from_pretrained(str(tiny_llama)).encode(prompt, add_special_tokens=False)
     assert engine_steps(types.SimpleNamespace(name="vllm")) is None
+    # (--max-wait-steps 0, arrival order, served and offline: one request, the same steps)
     srv = start_server("prefixkv", tiny_llama, "m", argparse.Namespace(max_num_seqs=4, kv_cache_gib=0.05,
-                                                                       stream_interval=1), 4)
+                                                                       stream_interval=1, max_wait_steps=0), 4)
+    assert srv.cmd[-2:] == ["--max-wait-steps", "0"]
     try:
         srv.wait_ready(120)
         before = engine_steps(srv)
@@ -271,7 +273,7 @@ def test_engine_steps_served_and_offline(tiny_llama, capsys):
     assert served["num_decode_step_context_tokens"] == context
     assert 0 < served["num_prefill_tokens"] <= len(ids) and served["decode_s"] > 0 and served["prefill_s"] > 0
     offline = run({"model": str(tiny_llama), "prompts": [ids], "output_tokens": 7, "max_num_seqs": 4,
-                   "kv_cache_bytes": 1 << 26, "threads": 1})["engine_steps"]
+                   "kv_cache_bytes": 1 << 26, "threads": 1, "max_wait_steps": 0})["engine_steps"]
     assert {k: offline[k] for k in ("num_decode_steps", "num_decode_step_seqs", "num_prefill_step_decodes",
                                     "num_prefill_tokens", "num_decode_step_context_tokens")} == {
         "num_decode_steps": 6, "num_decode_step_seqs": 6, "num_prefill_step_decodes": 0,

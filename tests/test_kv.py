@@ -331,6 +331,26 @@ def test_scheduler_cache_aware_order_with_aging():
     assert s2.schedule().scheduled[0].req is old
 
 
+def test_scheduler_max_wait_steps_0_admits_in_arrival_order():
+    """``max_wait_steps=0``: no cache-aware reordering; the same queue as above, the cold request
+    first, then the hot one (still starting from its 12 cached tokens)."""
+    s = _sched(num_blocks=32, block_size=4, budget=12, max_seqs=1, max_wait_steps=0)
+    warm = _req(0, list(range(1, 13)))
+    s.add_request(warm)
+    s.update(s.schedule(), [[5]])
+    s.finish_request(warm, RequestStatus.FINISHED_STOPPED)
+    cold, hot = _req(1, list(range(100, 110))), _req(2, list(range(1, 13)) + [7, 7])
+    s.add_request(cold)
+    s.add_request(hot)
+    out = s.schedule()
+    assert [(x.req.seq_id, x.num_computed_tokens) for x in out.scheduled] == [("r1#0", 0)]
+    s.update(out, [[9]])
+    s.finish_request(cold, RequestStatus.FINISHED_STOPPED)
+    out = s.schedule()
+    assert [(x.req.seq_id, x.num_computed_tokens, x.num_scheduled_tokens) for x in out.scheduled] == [("r2#0", 12, 2)]
+    s.check_integrity()
+
+
 def test_scheduler_n_forks_share_prompt_blocks():
     s = _sched(num_blocks=16, block_size=4, budget=32)
     r = _req(0, list(range(1, 7)), n=3)  # 6 tokens: one full block + a partial one
