@@ -108,7 +108,8 @@ def cmd_ceiling(args: argparse.Namespace, command: str) -> int:
     try:
         for n in streams:
             server_args = argparse.Namespace(max_num_seqs=n, kv_cache_gib=1.0, output_tokens=args.output_tokens,
-                                             seed=args.seed, stream_interval=args.stream_interval)
+                                             seed=args.seed, stream_interval=args.stream_interval,
+                                             max_wait_steps=None)
             servers = {name: start_server(name, model_dir, "tiny", server_args, n) for name in systems}
             for srv in servers.values():
                 srv.wait_ready(args.startup_seconds)

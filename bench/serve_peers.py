@@ -156,7 +156,7 @@ def start_server(name: str, model_dir: Path, model_name: str, args: argparse.Nam
         cmd = [sys.executable, "-m", "prefixkv.cli", "serve", "--model", str(model_dir), "--served-model-name",
                model_name, "--port", str(port), "--dtype", "float32", "--max-num-seqs", str(args.max_num_seqs),
                "--kv-cache-memory", str(kv_gib), "--max-waiting-requests", "100000", *stream_interval]
-        if getattr(args, "max_wait_steps", None) is not None:
+        if args.max_wait_steps is not None:
             cmd += ["--max-wait-steps", str(args.max_wait_steps)]
         if name == "prefixkv-inproc":
             cmd.append("--no-engine-process")
@@ -333,8 +333,8 @@ def engine_steps(server: Server) -> dict[str, float] | None:
     from prefixkv.server.metrics import ENGINE_METRIC_NAMES
 
     async def read() -> dict[str, float]:
-        async with aiohttp.ClientSession() as session:
-            return await scrape(session, server.url)
+        async with aiohttp.ClientSession() as http:
+            return await scrape(http, server.url)
 
     metrics = asyncio.run(read())
     names = {f.name: ENGINE_METRIC_NAMES[f.name] + "_total" for f in dataclasses.fields(StepCounters)}

@@ -4,6 +4,7 @@ offline API, is in llm.py)."""
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 import random
 import time
@@ -38,6 +39,9 @@ def is_fatal(e: BaseException) -> bool:
     return "CUDA error" in msg or "device-side assert" in msg or "CUBLAS_STATUS" in msg
 
 
+_computed = operator.attrgetter("num_computed_tokens")
+
+
 @dataclass
 class StepCounters:
     """What the steps took (``LLMEngine.stats()``; the replicas' routing reads the first four,
@@ -64,8 +68,8 @@ class StepCounters:
             self.num_decode_steps += 1
             self.decode_s += seconds
             self.num_decode_step_seqs += len(out.scheduled)
-            self.num_decode_step_context_tokens += sum(s.num_computed_tokens + s.num_scheduled_tokens
-                                                       for s in out.scheduled)
+            # (the step's tokens, num_batched_tokens, are the new tokens of these contexts)
+            self.num_decode_step_context_tokens += sum(map(_computed, out.scheduled)) + out.num_batched_tokens
 
     def stats(self) -> dict[str, Any]:
         return {**asdict(self), "prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6)}

@@ -185,7 +185,7 @@ def test_the_servers_are_started_with_the_stream_interval(tiny_llama):
 
     from bench.serve_peers import start_server
 
-    args = argparse.Namespace(max_num_seqs=4, kv_cache_gib=0.05, stream_interval=3)
+    args = argparse.Namespace(max_num_seqs=4, kv_cache_gib=0.05, stream_interval=3, max_wait_steps=None)
     with pytest.raises(SystemExit, match="--stream-interval: llama has no stream interval"):
         start_server("llama", tiny_llama, "m", args, 4)
     with pytest.raises(SystemExit, match="--stream-interval: must be >= 1, got 0"):
