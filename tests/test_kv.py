@@ -62,38 +62,6 @@ def test_radix_match_insert_split_and_lru_eviction():
     pool.check_integrity()
 
 
-def test_block_pool_hands_out_blocks_next_fit_whatever_order_they_were_freed_in():
-    pool = BlockPool(10)
-    assert [pool.allocate() for _ in range(8)] == list(range(8))
-    for b in (6, 1, 4, 2):
-        pool.decref(b)
-    assert pool.free_ids == [8, 9, 1, 2, 4, 6]  # on from 8, then around from 0
-    assert [pool.allocate() for _ in range(4)] == [8, 9, 1, 2]  # (a FIFO list: 8, 9, 6, 1)
-    pool.decref(0)
-    assert [pool.allocate() for _ in range(3)] == [4, 6, 0]
-    assert pool.num_free == 0 and pool.free_ids == []
-    with pytest.raises(RuntimeError, match="no free block"):
-        pool.allocate()
-    pool.decref(9)
-    assert pool.allocate() == 9
-    pool.check_integrity()
-
-
-def test_a_request_after_others_were_freed_gets_its_blocks_in_ascending_order():
-    """Freed tail first (or evicted in LRU order), blocks came back to a FIFO list reversed: the
-    next request's table ran downwards through the cache. Next fit gives it ascending blocks."""
-    kv = KVCacheCoordinator(num_blocks=12, block_size=4, enable_prefix_caching=False)
-    assert kv.allocate_slots("a", 0, 16) == [] and kv.allocate_slots("b", 0, 16) == []
-    assert kv.block_tables["a"] == ([0, 1, 2, 3],) and kv.block_tables["b"] == ([4, 5, 6, 7],)
-    kv.free("a")
-    assert kv.allocate_slots("c", 0, 24) == []
-    assert kv.block_tables["c"] == ([8, 9, 10, 11, 0, 1],)
-    kv.free("b")
-    assert kv.allocate_slots("d", 0, 16) == []
-    assert kv.block_tables["d"] == ([2, 3, 4, 5],)
-    kv.check_integrity()
-
-
 def test_radix_never_evicts_locked_blocks_and_keeps_its_own_duplicate():
     pool = BlockPool(6)
     tree = RadixIndex(pool, block_size=2)

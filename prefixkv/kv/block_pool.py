@@ -1,8 +1,8 @@
-"""A fixed pool of KV blocks: ids, reference counts, free blocks, evictable count. No torch.
+"""A fixed pool of KV blocks: ids, reference counts, free list, evictable count. No torch.
 
 A block is in exactly one of three states::
 
-    free       ref_cnt == 0                    free[id] == 1, content meaningless
+    free       ref_cnt == 0                    on the free list, content meaningless
     evictable  ref_cnt == 1 and cached         held only by a cache; reclaimable
     in use     otherwise                       held by at least one request's block table
 
@@ -10,19 +10,12 @@ A block is in exactly one of three states::
 group's cache: kv/managers.py) and counts as one of its holders. ``clock`` is the LRU time those
 caches stamp their entries with: one tick per lookup or insert that touches, so that eviction can
 take the oldest entry of all of them.
-
-Free blocks are handed out in address order, next fit: the first free id at or after the one after
-the last handed out, wrapping around. A request's blocks then lie in ascending order, mostly side by
-side, however the blocks were freed (the engine frees a request's table tail first, and eviction
-frees cached blocks in LRU order), as in a pool that has just started. With blocks handed out in
-the order they were freed (a FIFO list), a server that had run a while gave its requests blocks
-scattered over the cache, and its decode steps were ~6 % slower than a fresh engine's on the same
-requests (bench/RESULTS.md, 2026-12-06, Xeon: a server's blocks after a while).
 """
 
 from __future__ import annotations
 
 from array import array
+from collections import deque
 
 
 class BlockPool:
@@ -34,17 +27,13 @@ class BlockPool:
         # (10^6 blocks: ~2 million visits per collection for these two alone)
         self.ref_cnt = array("i", bytes(4 * num_blocks))
         self.cached = bytearray(num_blocks)  # 1 while a cache holds the block
-        self.free = bytearray(b"\x01") * num_blocks  # 1 while the block is free
-        self.num_free = num_blocks
-        self.next_fit = 0  # where the search for the next free block starts
+        self.free_ids: deque[int] = deque(range(num_blocks))
         self.num_evictable = 0
         self.clock = 0
 
     @property
-    def free_ids(self) -> list[int]:
-        """The free blocks in the order ``allocate`` would hand them out."""
-        f, start = self.free, self.next_fit
-        return [i for i in range(start, self.num_blocks) if f[i]] + [i for i in range(start) if f[i]]
+    def num_free(self) -> int:
+        return len(self.free_ids)
 
     @property
     def num_in_use(self) -> int:
@@ -52,14 +41,9 @@ class BlockPool:
 
     def allocate(self) -> int:
         """Take a free block (ref_cnt becomes 1). The caller evicts first if none is free."""
-        block_id = self.free.find(1, self.next_fit)
-        if block_id < 0:
-            block_id = self.free.find(1, 0, self.next_fit)
-            if block_id < 0:
-                raise RuntimeError("BlockPool.allocate: no free block (evict first)")
-        self.free[block_id] = 0
-        self.num_free -= 1
-        self.next_fit = block_id + 1
+        if not self.free_ids:
+            raise RuntimeError("BlockPool.allocate: no free block (evict first)")
+        block_id = self.free_ids.popleft()
         self.ref_cnt[block_id] = 1
         return block_id
 
@@ -76,8 +60,7 @@ class BlockPool:
         self.ref_cnt[block_id] = rc
         if rc == 0:
             assert not self.cached[block_id], f"block {block_id} reached ref 0 while cached"
-            self.free[block_id] = 1
-            self.num_free += 1
+            self.free_ids.append(block_id)
         elif rc == 1 and self.cached[block_id]:
             self.num_evictable += 1
 
@@ -95,14 +78,13 @@ class BlockPool:
         self.cached[block_id] = 0
         self.num_evictable -= 1
         self.ref_cnt[block_id] = 0
-        self.free[block_id] = 1
-        self.num_free += 1
+        self.free_ids.append(block_id)
 
     def check_integrity(self) -> None:
-        free = {b for b, f in enumerate(self.free) if f}
-        assert len(free) == self.num_free, f"num_free={self.num_free}, {len(free)} blocks marked free"
+        free = set(self.free_ids)
+        assert len(free) == len(self.free_ids), f"duplicate ids on the free list: {list(self.free_ids)}"
         zero = {b for b, rc in enumerate(self.ref_cnt) if rc == 0}
-        assert free == zero, f"free blocks {sorted(free)} != blocks with ref 0 {sorted(zero)}"
+        assert free == zero, f"free list {sorted(free)} != blocks with ref 0 {sorted(zero)}"
         evictable = sum(1 for b, rc in enumerate(self.ref_cnt) if rc == 1 and self.cached[b])
         assert evictable == self.num_evictable, f"num_evictable={self.num_evictable}, counted {evictable}"
         assert all(rc >= 0 for rc in self.ref_cnt)
