@@ -21,6 +21,7 @@ Within prefixkv only::
     kernel-ab          this checkout's C kernels against another cpu_ops.c, alternating in one process:
                        decode attention alone, or the engine's fused layer stack (--part)
     sliding-window     long chats on a Gemma-3-shaped model in a fixed KV budget: out-of-window blocks freed or kept
+    aged-engine        the same requests on a fresh engine and on one that served other traffic first (its blocks)
 
 Against ``prefixkv serve`` (spawned on loopback, or ``--url``)::
 
@@ -185,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_kernel_ab(p)
     add_common(p, systems_default=None)
+    p = sub.add_parser("aged-engine", help="the same requests offline on a fresh engine and on one that served "
+                                           "other traffic first")
+    from bench.aged_engine import add_arguments as add_aged_engine
+
+    add_aged_engine(p)
     p = sub.add_parser("serving", help="prefixkv serve: latency percentiles and throughput against request rate")
     from bench.serving import add_arguments
 

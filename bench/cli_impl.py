@@ -167,6 +167,10 @@ def dispatch(args: argparse.Namespace, command: str) -> int:
         from bench import kernel_ab
 
         return kernel_ab.cmd_kernel_ab(args, command)
+    if args.workload == "aged-engine":
+        from bench import aged_engine
+
+        return aged_engine.cmd_aged_engine(args, command)
     if args.workload == "sliding-window":
         from bench import sliding_window
 

@@ -7,7 +7,10 @@ so that offline and served runs of the same engine compare like with like::
 ``engine_steps``: what the engine's steps took during the run (``prefixkv.engine.StepCounters``).
 
 spec: {"model", "prompts": [[ids]], "output_tokens", "max_num_seqs", "kv_cache_bytes", "threads"}, and
-optionally "max_wait_steps" (the engine's; None or absent: its default).
+optionally "max_wait_steps" (the engine's; None or absent: its default) and "before": [[[ids]]], lists
+of prompts generated (``output_tokens`` each) before the timed run, the prefix cache kept, and
+"block_pool": another version of prefixkv/kv/block_pool.py whose ``BlockPool`` the engine uses
+(``bench aged-engine --baseline-pool``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,15 @@ def main() -> int:
     from prefixkv import LLM, SamplingParams
 
     torch.set_num_threads(spec["threads"])
+    if spec.get("block_pool"):
+        import importlib.util
+
+        from prefixkv.kv import coordinator
+
+        found = importlib.util.spec_from_file_location("baseline_block_pool", spec["block_pool"])
+        module = importlib.util.module_from_spec(found)
+        found.loader.exec_module(module)
+        coordinator.BlockPool = module.BlockPool
     scheduler = {} if spec.get("max_wait_steps") is None else {"max_wait_steps": spec["max_wait_steps"]}
     llm = LLM(model=spec["model"], dtype="float32", max_num_seqs=spec["max_num_seqs"],
               kv_cache_memory_bytes=spec["kv_cache_bytes"], max_waiting_requests=100_000, **scheduler)
@@ -46,6 +58,8 @@ def main() -> int:
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm
     llm.engine.scheduler.kv.reset_cache()
     sp = SamplingParams(max_tokens=spec["output_tokens"], temperature=0.0, ignore_eos=True)
+    for prompts_before in spec.get("before", ()):
+        llm.generate(prompts_before, sp)
     before = llm.engine.step_counters.stats()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp)

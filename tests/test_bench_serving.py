@@ -292,3 +292,45 @@ def test_engine_steps_served_and_offline(tiny_llama, capsys):
             f"{steps['offline']['ms']:.1f} ms, 1.0 / 1.0 sequences each of {context / 6:.0f} / "
             f"{context / 6:.0f} tokens of context; prompt tokens computed "
             f"{served['num_prefill_tokens']:.0f} / {len(ids)}") in capsys.readouterr().out
+
+
+def test_offline_run_times_only_its_prompts_after_traffic_before_on_the_pool_it_is_given(tiny_llama, tmp_path):
+    """bench/offline_run.py's "before" (``bench aged-engine``): the prompts generated first are not in
+    the counted steps; "block_pool": the engine's pool is that file's ``BlockPool``."""
+    from bench.offline_run import run
+    from prefixkv.kv import block_pool
+
+    marker = tmp_path / "used"
+    pool_file = tmp_path / "pool.py"
+    pool_file.write_text(Path(block_pool.__file__).read_text() + (
+        "\n\n_Base = BlockPool\n\n\nclass BlockPool(_Base):\n"
+        "    def __init__(self, num_blocks):\n"
+        f"        open({str(marker)!r}, 'w').write(str(num_blocks))\n"
+        "        super().__init__(num_blocks)\n"))
+    spec = {"model": str(tiny_llama), "prompts": [[5, 6, 7, 8, 9, 10]], "output_tokens": 7, "max_num_seqs": 4,
+            "kv_cache_bytes": 1 << 26, "threads": 1}
+    before = [[[11 + i, 12 + i, 13 + i] for i in range(5)], [[40, 41, 42, 43]]]
+    for extra in ({}, {"before": before}, {"before": before, "block_pool": str(pool_file)}):
+        steps = run({**spec, **extra})["engine_steps"]
+        assert (steps["num_decode_steps"], steps["num_decode_step_seqs"], steps["num_prefill_tokens"]) == (6, 6, 6)
+        assert marker.exists() == ("block_pool" in extra)
+    assert int(marker.read_text()) > 100
+
+
+def test_bench_aged_engine_runs_each_engine_on_the_same_prompts(tiny_llama, tmp_path, capsys):
+    """``python -m bench aged-engine --baseline-pool FILE``: a fresh engine, an aged one and an aged
+    one on the baseline pool, each on the round's same requests (the same steps), and the ratios."""
+    from prefixkv.kv import block_pool
+
+    assert main(["aged-engine", "--model", str(tiny_llama), "--rounds", "1", "--num-prompts", "8",
+                 "--output-tokens", "3", "--concurrency", "4", "--kv-cache-gib", "0.05", "--threads", "1",
+                 "--baseline-pool", block_pool.__file__, "--out", str(tmp_path), "--stem", "aged"]) == 0
+    doc = json.loads((tmp_path / "aged.json").read_text())
+    got = doc["rounds"][0]["systems"]
+    assert set(got) == {"fresh", "aged", "aged-baseline"}
+    assert len({(g["engine_steps"]["num_decode_step_seqs"], g["engine_steps"]["num_prefill_step_decodes"])
+                for g in got.values()}) == 1
+    assert all(g["engine_steps"]["num_decode_step_seqs"] + g["engine_steps"]["num_prefill_step_decodes"] == 8 * 2
+               for g in got.values())  # every request's tokens after its first, once each
+    assert set(doc["summary"]["decode_step_over_fresh"]) == {"aged", "aged-baseline"}
+    assert "decode step over fresh: aged" in capsys.readouterr().out
