@@ -43,6 +43,11 @@ def cmd_aged_engine(args: argparse.Namespace, command: str) -> int:
     from prefixkv.model.loader import resolve_model
     from prefixkv.tokenizer import Tokenizer
 
+    if args.rounds < 1:
+        raise SystemExit(f"aged-engine: --rounds must be >= 1, got {args.rounds}")
+    if args.baseline_pool and not Path(args.baseline_pool).is_file():
+        raise SystemExit(f"aged-engine: --baseline-pool: no file {args.baseline_pool}")
+    names = ["fresh", "aged"] + (["aged-baseline"] if args.baseline_pool else [])
     model_dir = resolve_model(args.model)
     tokenizer = Tokenizer.from_pretrained(str(model_dir))
     answers: dict = {}
@@ -59,7 +64,6 @@ def cmd_aged_engine(args: argparse.Namespace, command: str) -> int:
         before = [ids("shared-prefix", seed + 1), ids("multi-turn", seed + 2)]
         answers.pop("llm", None)  # (the multi-turn answers' engine: not beside the timed runs)
         got = {}
-        names = ["fresh", "aged"] + (["aged-baseline"] if args.baseline_pool else [])
         for name in names[r % len(names):] + names[:r % len(names)]:
             res = run({"model": str(model_dir), "prompts": prompts, "output_tokens": args.output_tokens,
                        "max_num_seqs": args.concurrency, "kv_cache_bytes": int(args.kv_cache_gib * (1 << 30)),

@@ -334,3 +334,7 @@ def test_bench_aged_engine_runs_each_engine_on_the_same_prompts(tiny_llama, tmp_
                for g in got.values())  # every request's tokens after its first, once each
     assert set(doc["summary"]["decode_step_over_fresh"]) == {"aged", "aged-baseline"}
     assert "decode step over fresh: aged" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--rounds must be >= 1, got 0"):
+        main(["aged-engine", "--rounds", "0", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--baseline-pool: no file /nonexistent/pool.py"):
+        main(["aged-engine", "--baseline-pool", "/nonexistent/pool.py", "--out", str(tmp_path)])
