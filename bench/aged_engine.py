@@ -37,6 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stem", default=None)
 
 
+def _line(figures: dict[str, dict], over: dict[str, float]) -> str:
+    """Each engine's req/s and decode step, then each aged one's step over the fresh one's."""
+    return ("; ".join(f"{n} {f['request_throughput']:.2f} req/s, decode step {f['decode_step_ms']:.1f} ms"
+                      for n, f in figures.items())
+            + "; decode step over fresh: " + ", ".join(f"{n} {v:.3f}" for n, v in over.items()))
+
+
 def cmd_aged_engine(args: argparse.Namespace, command: str) -> int:
     from bench.offline_run import run
     from bench.serve_peers import build_prompts
@@ -74,18 +81,14 @@ def cmd_aged_engine(args: argparse.Namespace, command: str) -> int:
                          "decode_step_ms": 1e3 * st["decode_s"] / max(1, st["num_decode_steps"]),
                          "engine_steps": st}
         over = {n: got[n]["decode_step_ms"] / got["fresh"]["decode_step_ms"] for n in names[1:]}
-        print(f"round {r}: " + "; ".join(f"{n} {g['request_throughput']:.2f} req/s, decode step "
-                                         f"{g['decode_step_ms']:.1f} ms" for n, g in got.items())
-              + "; decode step over fresh: " + ", ".join(f"{n} {v:.3f}" for n, v in over.items()), flush=True)
+        print(f"round {r}: {_line(got, over)}", flush=True)
         doc["rounds"].append({"round": r, "seed": seed, "systems": got, "decode_step_over_fresh": over})
     med = {n: {k: statistics.median(x["systems"][n][k] for x in doc["rounds"])
                for k in ("request_throughput", "decode_step_ms")} for n in names}
     over = {n: statistics.median(x["decode_step_over_fresh"][n] for x in doc["rounds"]) for n in names[1:]}
     doc["summary"] = {**med, "decode_step_over_fresh": over}
     doc["loadavg_end"] = _loadavg()
-    print(f"medians of {args.rounds}: " + "; ".join(f"{n} {m['request_throughput']:.2f} req/s, "
-                                                    f"{m['decode_step_ms']:.1f} ms" for n, m in med.items())
-          + "; decode step over fresh: " + ", ".join(f"{n} {v:.3f}" for n, v in over.items()))
+    print(f"medians of {args.rounds}: {_line(med, over)}")
     path = write_result(doc, args.out, args.stem or f"aged-engine-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"wrote {path}")
     return 0

@@ -36,7 +36,8 @@ def test_the_command_line_and_keywords_give_one_config():
                     kv_host_cache_gb=0.25, kv_disk_cache_dir="/tmp/x", kv_disk_cache_gb=1.0,
                     disable_hybrid_kv_cache_manager=True, max_num_batched_tokens=64, max_num_seqs=3,
                     max_admitted_prefill_tokens=None, max_waiting_requests=7, max_wait_steps=0,
-                    num_speculative_tokens=2, stream_interval=4, batch_invariant=False, seed=5, generation_config="vllm").create_engine_config()
+                    num_speculative_tokens=2, stream_interval=4, batch_invariant=False, seed=5,
+                    generation_config="vllm").create_engine_config()
     assert cli == kw
     assert kw.cache == CacheConfig(block_size=8, num_kv_blocks=99, kv_cache_memory_bytes=1 << 29,
                                    enable_prefix_caching=False, host_cache_bytes=1 << 28, disk_cache_dir="/tmp/x",
