@@ -9,11 +9,17 @@ request's outputs are handed over to its consumer, whatever thread or event loop
 Back-pressure: a sink holds at most one undelivered output. A consumer slower than the engine gets
 the deltas of several steps merged into one (``merge_outputs``), so its memory grows with the
 undelivered tokens only, never with the number of steps, and it writes once per wake-up.
+
+A consumer that can handle an output without awaiting (the server writing a streamed delta to its
+socket) sets ``RequestStream.on_output``: while it waits for the next output, with nothing pending,
+``put`` offers each output to that callback first, and an output it takes never wakes the
+consumer's task (at 64 streams, 64 task wake-ups a step fewer).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -23,12 +29,14 @@ if TYPE_CHECKING:
     from prefixkv.engine_client import PromptType
     from prefixkv.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 
 class OutputSink:
     """One request's pending output (later ones merged into it) or error, and an event to wake the
     consumer. Read and written on ``loop`` only (``deliver`` hands items over)."""
 
-    __slots__ = ("loop", "pending", "error", "ready", "delta")
+    __slots__ = ("loop", "pending", "error", "ready", "delta", "waiting", "on_output")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, delta: bool) -> None:
         self.loop = loop
@@ -36,8 +44,14 @@ class OutputSink:
         self.error: BaseException | None = None
         self.ready = asyncio.Event()
         self.delta = delta  # the request's outputs carry deltas (output_kind "delta")
+        self.waiting = False  # the consumer is parked in ``get``: all it took before is handled
+        self.on_output: Callable[[RequestOutput], bool] | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
+        # offered only while the consumer waits with nothing pending, so that outputs stay in order
+        if (self.on_output is not None and self.waiting and self.pending is None and self.error is None
+                and not isinstance(item, BaseException) and not item.finished and self._offer(item)):
+            return
         if isinstance(item, BaseException):
             self.error = self.error or item
         elif self.pending is None:
@@ -46,10 +60,22 @@ class OutputSink:
             self.pending = merge_outputs(self.pending, item, self.delta)
         self.ready.set()
 
+    def _offer(self, item: RequestOutput) -> bool:
+        try:
+            return self.on_output(item)
+        except Exception:  # the consumer's bug: its task gets the output (and meets the error there)
+            logger.exception("a stream's on_output failed; its outputs go to its task from now on")
+            self.on_output = None
+            return False
+
     async def get(self) -> RequestOutput | BaseException:
         while self.pending is None and self.error is None:
             self.ready.clear()
-            await self.ready.wait()
+            self.waiting = True
+            try:
+                await self.ready.wait()
+            finally:
+                self.waiting = False
         if self.pending is not None:  # outputs delivered before an error still reach the consumer
             item, self.pending = self.pending, None
             return item
@@ -74,6 +100,19 @@ class RequestStream:
     @property
     def done(self) -> bool:
         return self._done
+
+    @property
+    def on_output(self) -> Callable[[RequestOutput], bool] | None:
+        """Called on the consumer's event loop with each output that arrives while the consumer
+        waits in ``__anext__`` with nothing pending; never with an error or the finished output
+        (the stream ends when ``__anext__`` returns that). True: it took the output, which
+        ``__anext__`` will not return. False: ``__anext__`` returns it, as without a callback. If
+        it raises, the output goes to ``__anext__`` and the callback is dropped."""
+        return self._sink.on_output
+
+    @on_output.setter
+    def on_output(self, fn: Callable[[RequestOutput], bool] | None) -> None:
+        self._sink.on_output = fn
 
     def __aiter__(self) -> RequestStream:
         return self

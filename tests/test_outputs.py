@@ -218,3 +218,83 @@ def test_the_engine_stream_interval_is_the_least_a_request_gets(tiny_llama):
             SamplingParams(stream_interval=bad)
     with pytest.raises(ValueError, match="^stream_interval:"):
         LLM(model=str(tiny_llama), stream_interval=0)
+
+
+def test_on_output_is_offered_only_what_arrives_while_the_consumer_waits():
+    """``RequestStream.on_output`` (streams.py) sees an output only while the consumer is parked in
+    ``__anext__`` with nothing pending: not while it handles the previous one, not behind an output
+    left pending (which merges with the next, in order), never an error or the finished output.
+    One that raises gives its output to the consumer and is dropped."""
+    from prefixkv.outputs import CompletionOutput, RequestOutput
+    from prefixkv.streams import OutputSink, RequestStream
+
+    def out(text: str, finished: bool = False) -> RequestOutput:
+        return RequestOutput("r", None, [1], [CompletionOutput(0, [len(text)], text, "length" if finished else None,
+                                                                delta_text=text, delta_token_ids=[len(text)])],
+                             finished)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        stream = RequestStream("r", OutputSink(loop, delta=True), lambda rid, sink: None)
+        offered, got = [], []
+        answer = {"t": True}
+
+        def take(o):
+            offered.append(o.outputs[0].delta_text)
+            if answer["t"] == "raise":
+                raise RuntimeError("a bug of the consumer")
+            return answer["t"]
+
+        stream.on_output = take
+        handling = asyncio.Event()  # the consumer holds an output until this is set (a slow write)
+        handling.set()
+
+        async def consume():
+            async for o in stream:
+                got.append(o.outputs[0].delta_text)
+                await handling.wait()
+            got.append("end")
+
+        sink = stream._sink
+        sink.put(out("a"))  # the consumer has not started waiting: pending
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0)
+        assert (offered, got) == ([], ["a"])
+        sink.put(out("b"))  # it waits: offered, taken
+        assert (offered, got) == (["b"], ["a"])
+        answer["t"] = False
+        sink.put(out("c"))  # offered, refused: pending
+        sink.put(out("d"))  # behind a pending output: not offered, merged with it
+        assert offered == ["b", "c"]
+        handling.clear()
+        await asyncio.sleep(0)
+        assert got == ["a", "cd"]
+        answer["t"] = True
+        sink.put(out("e"))  # the consumer is busy with "cd": not offered
+        assert offered == ["b", "c"]
+        handling.set()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert got == ["a", "cd", "e"]
+        answer["t"] = "raise"
+        sink.put(out("f"))  # offered, raises: to the consumer, and the callback is gone
+        assert stream.on_output is None and offered == ["b", "c", "f"]
+        await asyncio.sleep(0)
+        assert got == ["a", "cd", "e", "f"]
+        stream.on_output = take
+        answer["t"] = True
+        sink.put(out("g", finished=True))  # the finished output goes to the consumer
+        await asyncio.wait_for(task, 10)
+        assert offered == ["b", "c", "f"] and got == ["a", "cd", "e", "f", "g", "end"]
+
+        stream2 = RequestStream("r2", OutputSink(loop, delta=True), lambda rid, sink: None)
+        stream2.on_output = take
+        task = asyncio.ensure_future(stream2.__anext__())
+        await asyncio.sleep(0)
+        stream2._sink.put(ValueError("the step failed"))  # an error: to the consumer
+        with pytest.raises(ValueError):
+            await asyncio.wait_for(task, 10)
+        assert offered == ["b", "c", "f"]
+        return "done"
+
+    assert asyncio.run(main()) == "done"

@@ -184,6 +184,59 @@ def test_completion_stream_equals_non_stream(client):
     assert all(c.usage is None for c in chunks)  # no include_usage: no usage chunk
 
 
+def _raw_stream(server, version: bytes, body: dict) -> tuple[bytes, bytes]:
+    """A streamed completion over a plain socket: the response head, and its body as sent."""
+    import socket
+
+    import yarl
+
+    u = yarl.URL(server.url)
+    data = json.dumps(body).encode()
+    with socket.create_connection((u.host, u.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions " + version + b"\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Connection: close\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    return head, rest
+
+
+def _sse_text(body: bytes) -> str:
+    events = [e[len(b"data: "):] for e in body.split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]", body[-200:]
+    return "".join(c["text"] for e in events[:-1] for c in json.loads(e)["choices"])
+
+
+def test_streams_are_framed_per_http_version(server, client):
+    """Most of a stream's chunks are written to the socket without waking its handler (serving's
+    ``ChunkWriter``): HTTP/1.1 gets them as well-formed chunks (each size line its data's size, one
+    SSE event or more each, the zero chunk last), HTTP/1.0 unframed until the connection closes;
+    the text equals the non-streamed completion's either way."""
+    body = {"model": MODEL, "prompt": "Paged attention keeps the KV cache", "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    want = client.completions.create(model=MODEL, prompt=body["prompt"], max_tokens=40, **GREEDY).choices[0].text
+    head, rest = _raw_stream(server, b"HTTP/1.1", body)
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+    sse, sizes = b"", []
+    while True:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        sizes.append(size)
+        data, rest = rest[:size], rest[size:]
+        assert rest[:2] == b"\r\n", (size_line, data[-40:], rest[:40])
+        rest = rest[2:]
+        if size == 0:
+            break
+        assert data.startswith(b"data: ") and data.endswith(b"\n\n"), data[:80]
+        sse += data
+    assert rest == b"" and len(sizes) > 10
+    assert _sse_text(sse) == want
+    head, rest = _raw_stream(server, b"HTTP/1.0", body)
+    assert head.startswith(b"HTTP/1.0 200") and b"transfer-encoding" not in head.lower()
+    assert rest.startswith(b"data: ") and _sse_text(rest) == want
+
+
 def test_stream_without_usage_has_no_usage_chunk(client):
     _, _, chunks = stream_chat(client, messages=chat_messages("hi"), max_tokens=4, **GREEDY)
     assert all(c.choices for c in chunks)

@@ -162,3 +162,64 @@ def test_http_processes_run_on_uvloop_where_it_is_installed():
         return type(asyncio.get_running_loop()).__module__
 
     assert run_event_loop(main()).startswith("uvloop")
+
+
+class _Transport:
+    """A transport that writes without awaiting (serving.ChunkWriter) into the same list as the
+    consumer of the iterator, so that the order of the two paths shows; ``writable`` answers from
+    ``pattern`` in turn (True, False, ...), and records every write."""
+
+    def __init__(self, out: list[bytes], pattern: list[bool]) -> None:
+        self.out, self.pattern, self.calls, self.writes = out, pattern, 0, 0
+
+    def writable(self) -> bool:
+        self.calls += 1
+        return self.pattern[(self.calls - 1) % len(self.pattern)]
+
+    def write(self, data: bytes) -> None:
+        self.writes += 1
+        self.out.append(data)
+
+
+def test_a_stream_with_a_transport_writer_writes_the_same_bytes_in_order(api):
+    """The outputs that arrive while a one-request stream waits are written through the transport's
+    writer (its task is not woken), the rest through the iterator: together the same SSE bytes as
+    the iterator alone gives, in order, for any mix of the two (a writer that is sometimes full),
+    with n > 1 and with echo."""
+    async def stream(body: bytes, pattern: list[bool] | None) -> tuple[bytes, int]:
+        loop = asyncio.get_running_loop()
+        reply = await api.completions(body, loop.time())
+        out: list[bytes] = []
+        writer = None if pattern is None else _Transport(out, pattern)
+        reply.stream.writer = writer
+        try:
+            async for chunk in reply.stream:
+                out.append(chunk)
+        finally:
+            await reply.stream.aclose()
+        return b"".join(out), 0 if writer is None else writer.writes
+
+    def events(raw: bytes) -> list:  # the chunks without their creation times and ids
+        parsed = [e for e in raw.split(b"\n\n") if e]
+        assert parsed[-1] == b"data: [DONE]"
+        chunks = [json.loads(e[len(b"data: "):]) for e in parsed[:-1]]
+        return [[(c["index"], c["text"], c["finish_reason"]) for c in ch["choices"]] for ch in chunks]
+
+    async def main():
+        for kw in ({}, {"n": 2, "temperature": 1.0, "seed": 3}, {"echo": True}):
+            body = _body(stream=True, max_tokens=40, **kw)
+            alone, _ = await stream(body, None)
+            want = "".join(t for ev in events(alone) for _, t, _ in ev)
+            for pattern in ([True], [False], [True, False], [False, False, True]):
+                got, writes = await stream(body, pattern)
+                texts = [t for ev in events(got) for _, t, _ in ev]
+                assert "".join(texts) == want, (kw, pattern)
+                finishes = [(i, f) for ev in events(got) for i, _, f in ev if f]
+                assert sorted(finishes) == [(i, "length") for i in range(kw.get("n", 1))], (kw, pattern)
+                if pattern == [False]:
+                    assert writes == 0
+                elif pattern == [True]:
+                    assert writes > 0, kw  # 40 steps: the task was waiting for most of them
+        return "done"
+
+    assert asyncio.run(main()) == "done"

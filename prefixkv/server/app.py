@@ -26,7 +26,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from prefixkv.engine_client import EngineClient
 from prefixkv.engine_core.process import GC_YOUNG_THRESHOLD, tune_gc_for_serving
@@ -67,6 +67,28 @@ def _http_error(e: web.HTTPException, request: web.Request) -> ApiError:
     kind = "invalid_request_error" if e.status < 500 else "server_error"
     return ApiError(e.status, msg, type=kind, code=_HTTP_CODES.get(e.status), headers=headers)
 
+
+
+class _TransportWriter:
+    """``ChunkWriter`` over a prepared streamed response's transport (aiohttp's
+    ``StreamResponse.write`` awaits): the bytes framed as an HTTP/1.1 chunk where the response is
+    chunked, and nothing taken while the client has 64 KiB unread (the limit at which aiohttp's
+    own writes wait for it). The response's headers went out in ``prepare``."""
+
+    __slots__ = ("_transport", "_chunked")
+
+    LIMIT = 0x10000
+
+    def __init__(self, transport: asyncio.Transport, chunked: bool) -> None:
+        self._transport = transport
+        self._chunked = chunked
+
+    def writable(self) -> bool:
+        t = self._transport
+        return not t.is_closing() and t.get_write_buffer_size() < self.LIMIT
+
+    def write(self, data: bytes) -> None:
+        self._transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
 
 
 def _response(reply: Reply) -> web.Response:
@@ -125,7 +147,11 @@ class _AioServer:
             return _response(reply)
         try:
             resp = web.StreamResponse(status=reply.status, headers=reply.headers)
+            if request.version >= HttpVersion11:
+                resp.enable_chunked_encoding()  # (what aiohttp picks anyway; _TransportWriter frames so)
             await resp.prepare(request)
+            if request.transport is not None:
+                reply.stream.writer = _TransportWriter(request.transport, resp.chunked)
             async for chunk in reply.stream:
                 await resp.write(chunk)
             await resp.write_eof()

@@ -35,7 +35,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import msgspec
 
@@ -83,6 +83,7 @@ from prefixkv.server.protocol import (
 )
 from prefixkv.server.reasoning import REASONING_PARSERS, ReplyParser, thinking_enabled
 from prefixkv.server.tools import AUTO, PARSERS, ToolPlan, detect_tool_parser, plan_tools
+from prefixkv.streams import RequestStream
 
 logger = logging.getLogger(__name__)
 
@@ -264,21 +265,36 @@ class Reply:
     stream: EventStream | None = None
 
 
+class ChunkWriter(Protocol):
+    """A transport's write that does not await, for an ``EventStream`` to write the deltas of a
+    step from the engine client's callback (``RequestStream.on_output``) instead of waking its
+    task. ``writable()`` is False while it cannot take more now (the client has its limit of unread
+    bytes, or is gone): the stream then leaves the outputs to its task, whose writes wait (and
+    merge the steps behind them). ``write`` is called only right after ``writable()`` said True."""
+
+    def writable(self) -> bool: ...
+
+    def write(self, data: bytes) -> None: ...
+
+
 class EventStream:
     """The SSE bytes of a streamed completion. The transport iterates it and must ``aclose()`` it
     however it ends (finished, client gone, cancelled): that aborts the engine requests behind it
-    (a no-op for those already finished), started or not."""
+    (a no-op for those already finished), started or not. A transport that can write without
+    awaiting sets ``writer`` before iterating; the stream may then write some of its bytes there,
+    always after the ones the iterator gave before and before the ones it gives after."""
 
-    def __init__(self, chunks: AsyncIterator[bytes], streams: list[OutputStream]) -> None:
-        self._chunks = chunks
+    def __init__(self, chunks: AsyncIterator[bytes] | None, streams: list[OutputStream]) -> None:
+        self.chunks = chunks  # (None: set right after, by a producer that needs the stream itself)
+        self.writer: ChunkWriter | None = None
         self._streams = streams
 
     def __aiter__(self) -> AsyncIterator[bytes]:
-        return self._chunks
+        return self.chunks
 
     async def aclose(self) -> None:
         try:
-            await self._chunks.aclose()
+            await self.chunks.aclose()
         finally:
             for s in self._streams:
                 s.abort()
@@ -990,8 +1006,9 @@ class OpenAIServing:
                         streams[:] = [PromptOnlyStream(s) for s in streams]
             if req.stream:
                 handed_over = True
-                return Reply(200, content_type="text/event-stream", headers=dict(SSE_HEADERS), stream=EventStream(
-                    self._stream(t0, deadline, fmt, streams, params, req.include_usage), streams))
+                events = EventStream(None, streams)
+                events.chunks = self._stream(t0, deadline, fmt, streams, params, req.include_usage, events)
+                return Reply(200, content_type="text/event-stream", headers=dict(SSE_HEADERS), stream=events)
             return await self._complete(t0, deadline, fmt, streams, params)
         finally:
             if not handed_over:
@@ -1028,9 +1045,13 @@ class OpenAIServing:
         return json_reply(resp)
 
     async def _stream(self, t0: float, deadline: float, fmt: _Format, streams: list[OutputStream],
-                      params: SamplingParams, include_usage: bool) -> AsyncIterator[bytes]:
+                      params: SamplingParams, include_usage: bool, events_out: EventStream) -> AsyncIterator[bytes]:
         """The SSE events of a streamed completion, as the engine's outputs arrive; a failure of the
-        engine or the deadline ends it with an error event (then ``[DONE]``)."""
+        engine or the deadline ends it with an error event (then ``[DONE]``).
+
+        One request (any ``n``) with a transport that writes without awaiting (``events_out.writer``):
+        after the first output, the outputs that arrive while this waits are written from the
+        engine client's callback, without waking this task (``_write_directly``)."""
         loop = asyncio.get_running_loop()
         num_choices = len(streams) * params.n
         finals: list[RequestOutput | None] = [None] * len(streams)
@@ -1038,6 +1059,7 @@ class OpenAIServing:
         ttft = None
         merged = _merge(streams)
         timer = StreamDeadline(deadline)
+        direct = events_out.writer is not None and len(streams) == 1 and isinstance(streams[0], RequestStream)
         try:
             start = fmt.start_chunks(num_choices)
             if start:
@@ -1051,6 +1073,8 @@ class OpenAIServing:
                     break
                 if ttft is None:
                     ttft = loop.time() - t0
+                    if direct:
+                        streams[0].on_output = _write_directly(fmt, params.n, states, events_out.writer)
                 if out.finished:
                     finals[i] = out
                 events = _delta_events(fmt, i, params.n, out, states)
@@ -1063,6 +1087,8 @@ class OpenAIServing:
             if include_usage:
                 yield _sse(fmt.usage_chunk(usage))
         finally:
+            if direct:
+                streams[0].on_output = None
             timer.close()
             await merged.aclose()
         yield _SSE_DONE
@@ -1154,6 +1180,22 @@ def _check_tool_messages(messages: list) -> None:
             if m.tool_call_id not in call_ids:
                 raise ApiError(400, f"messages[{i}].tool_call_id: {m.tool_call_id!r} is not the id of a tool call "
                                     "of an earlier assistant message", param=f"messages[{i}].tool_call_id")
+
+
+def _write_directly(fmt: _Format, n: int, states: list[_ChoiceState],
+                    writer: ChunkWriter) -> Callable[[RequestOutput], bool]:
+    """``RequestStream.on_output`` for a one-request stream: an output's events, written at once
+    while the writer takes them (the transport's buffer is below its limit)."""
+
+    def write(out: RequestOutput) -> bool:
+        if not writer.writable():
+            return False
+        events = _delta_events(fmt, 0, n, out, states)
+        if events:
+            writer.write(b"".join(events))
+        return True
+
+    return write
 
 
 def _delta_events(fmt: _Format, prompt_index: int, n: int, out: RequestOutput,
