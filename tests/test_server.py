@@ -184,22 +184,48 @@ def test_completion_stream_equals_non_stream(client):
     assert all(c.usage is None for c in chunks)  # no include_usage: no usage chunk
 
 
-def _raw_stream(server, version: bytes, body: dict) -> tuple[bytes, bytes]:
-    """A streamed completion over a plain socket: the response head, and its body as sent."""
+def _raw_stream(server, version: bytes, body: dict, rcvbuf: int = 0, read_after: float = 0.0) -> tuple[bytes, bytes]:
+    """A streamed completion over a plain socket: the response head, and its body as sent. With
+    ``rcvbuf``, a small receive buffer and nothing read for ``read_after`` seconds: a slow client."""
     import socket
 
     import yarl
 
     u = yarl.URL(server.url)
     data = json.dumps(body).encode()
-    with socket.create_connection((u.host, u.port), timeout=30) as sock:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    with sock:
+        if rcvbuf:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.settimeout(60)
+        sock.connect((u.host, u.port))
         sock.sendall(b"POST /v1/completions " + version + b"\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Connection: close\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+        time.sleep(read_after)
         raw = b""
         while chunk := sock.recv(65536):
             raw += chunk
     head, _, rest = raw.partition(b"\r\n\r\n")
     return head, rest
+
+
+def _unchunk(rest: bytes) -> tuple[bytes, int]:
+    """An HTTP/1.1 chunked body's data, and its number of chunks, each checked to hold whole SSE
+    events and the zero chunk last."""
+    sse, num_chunks = b"", 0
+    while True:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        data, rest = rest[:size], rest[size:]
+        assert rest[:2] == b"\r\n", (size_line, data[-40:], rest[:40])
+        rest = rest[2:]
+        if size == 0:
+            break
+        assert data.startswith(b"data: ") and data.endswith(b"\n\n"), data[:80]
+        sse += data
+        num_chunks += 1
+    assert rest == b""
+    return sse, num_chunks
 
 
 def _sse_text(body: bytes) -> str:
@@ -218,23 +244,34 @@ def test_streams_are_framed_per_http_version(server, client):
     want = client.completions.create(model=MODEL, prompt=body["prompt"], max_tokens=40, **GREEDY).choices[0].text
     head, rest = _raw_stream(server, b"HTTP/1.1", body)
     assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
-    sse, sizes = b"", []
-    while True:
-        size_line, _, rest = rest.partition(b"\r\n")
-        size = int(size_line, 16)
-        sizes.append(size)
-        data, rest = rest[:size], rest[size:]
-        assert rest[:2] == b"\r\n", (size_line, data[-40:], rest[:40])
-        rest = rest[2:]
-        if size == 0:
-            break
-        assert data.startswith(b"data: ") and data.endswith(b"\n\n"), data[:80]
-        sse += data
-    assert rest == b"" and len(sizes) > 10
-    assert _sse_text(sse) == want
+    sse, num_chunks = _unchunk(rest)
+    assert num_chunks > 10 and _sse_text(sse) == want
     head, rest = _raw_stream(server, b"HTTP/1.0", body)
     assert head.startswith(b"HTTP/1.0 200") and b"transfer-encoding" not in head.lower()
     assert rest.startswith(b"data: ") and _sse_text(rest) == want
+
+
+def test_a_slow_client_gets_every_token_in_order(server, client):
+    """A client that reads nothing until its request is over, through a small receive buffer: the
+    server's socket buffer (the kernel's grows to 4 MiB here) fills, the stream's writes wait and
+    the steps behind them are merged; once it reads, the client gets every token of every choice,
+    in order, with its logprobs, as the non-streamed greedy completion has them."""
+    kw = dict(prompt="A slow reader", max_tokens=900, temperature=0, logprobs=20)
+    t0 = time.monotonic()
+    full = client.completions.create(model=MODEL, extra_body={"ignore_eos": True}, **kw).choices[0]
+    took = time.monotonic() - t0
+    n = 8  # greedy: 8 equal choices, ~5 MB of events
+    head, rest = _raw_stream(server, b"HTTP/1.1", {"model": MODEL, "stream": True, "ignore_eos": True, "n": n, **kw},
+                             rcvbuf=4096, read_after=2 * took + 1.0)
+    assert head.startswith(b"HTTP/1.1 200")
+    sse, _ = _unchunk(rest)
+    events = [json.loads(e[len(b"data: "):]) for e in sse.split(b"\n\n") if e and e != b"data: [DONE]"]
+    for i in range(n):
+        choices = [c for e in events for c in e["choices"] if c["index"] == i]
+        assert "".join(c["text"] for c in choices) == full.text, i
+        assert [t for c in choices for t in c["logprobs"]["tokens"]] == full.logprobs.tokens, i
+        assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["length"], i
+    assert len(events) < n * 900, (took, len(sse))  # steps were merged while the client did not read
 
 
 def test_stream_without_usage_has_no_usage_chunk(client):
