@@ -30,7 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.serve_peers import ROOT, check_stream_interval, run_load, start_server
+from bench.serve_peers import (ROOT, add_load_generator_nice, check_stream_interval, load_generator_command, run_load,
+                               start_server)
 
 PROG = "bench http-ceiling"
 
@@ -48,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stem", default=None)
     p.add_argument("--startup-seconds", type=float, default=900.0)
     p.add_argument("--seed", type=int, default=0)
+    add_load_generator_nice(p)
 
 
 def tiny_model(out: Path) -> Path:
@@ -100,16 +102,18 @@ def cmd_ceiling(args: argparse.Namespace, command: str) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     streams = [int(s) for s in args.streams.split(",") if s.strip()]
     check_stream_interval(args.stream_interval, systems)
+    load_generator_command([], args.load_generator_nice)
     workdir = Path(tempfile.mkdtemp(prefix="bench-ceiling-"))
     doc = {"command": command, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
            "machine": machine_info(torch.get_num_threads()), "model": str(model_dir), "systems": systems,
            "streams": streams, "stream_interval": args.stream_interval, "prompt_tokens": args.prompt_tokens,
-           "output_tokens": args.output_tokens, "runs": [], "loadavg_start": _loadavg()}
+           "output_tokens": args.output_tokens, "load_generator_nice": args.load_generator_nice, "runs": [],
+           "loadavg_start": _loadavg()}
     try:
         for n in streams:
             server_args = argparse.Namespace(max_num_seqs=n, kv_cache_gib=1.0, output_tokens=args.output_tokens,
                                              seed=args.seed, stream_interval=args.stream_interval,
-                                             max_wait_steps=None)
+                                             max_wait_steps=None, load_generator_nice=args.load_generator_nice)
             servers = {name: start_server(name, model_dir, "tiny", server_args, n) for name in systems}
             for srv in servers.values():
                 srv.wait_ready(args.startup_seconds)

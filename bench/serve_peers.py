@@ -75,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "does; default: prefixkv's, its cache-aware order)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads of the offline runs (default: every CPU)")
+    add_load_generator_nice(p)
     p.add_argument("--out", default=str(ROOT / "bench" / "out"))
     p.add_argument("--stem", default=None)
     p.add_argument("--startup-seconds", type=float, default=900.0)
@@ -135,6 +136,19 @@ class Server:
                 os.killpg(self.proc.pid, 9)
                 self.proc.wait()
         return self.proc.returncode
+
+
+def add_load_generator_nice(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--load-generator-nice", type=int, default=0,
+                   help="the load generator's nice value, 0 to 19 (19: it runs only on CPU time the servers "
+                        "leave; default: %(default)s, a client beside the servers as any other)")
+
+
+def load_generator_command(cmd: list[str], nice: int) -> list[str]:
+    """``cmd`` run at ``nice`` (--load-generator-nice; 0: as it is)."""
+    if not 0 <= nice <= 19:
+        raise SystemExit(f"{PROG}: --load-generator-nice: must be 0 to 19, got {nice}")
+    return ["nice", "-n", str(nice), *cmd] if nice else cmd
 
 
 def check_stream_interval(interval: int, systems: list[str]) -> None:
@@ -296,6 +310,7 @@ def run_load(server: Server, prompts: list[str], args: argparse.Namespace, concu
     cmd = [vllm_python(), str(ROOT / "bench" / "vllm_bench_serve.py"),
            *bench_serve_args(server.url, model_name, model_dir, data, len(prompts), concurrency,
                              args.output_tokens, workdir, result, args.seed, server.client_headers)]
+    cmd = load_generator_command(cmd, args.load_generator_nice)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("PYTHONPATH", None)
     t0 = time.perf_counter()
@@ -422,6 +437,7 @@ def cmd_http(args: argparse.Namespace, command: str) -> int:
         if s not in SYSTEMS:
             raise SystemExit(f"{PROG}: --systems: unknown {s!r} (from {', '.join(SYSTEMS)})")
     check_stream_interval(args.stream_interval, systems)
+    load_generator_command([], args.load_generator_nice)
     model_dir = resolve_model(args.model)
     model_name = model_dir.name
     tokenizer = Tokenizer.from_pretrained(str(model_dir))
@@ -430,7 +446,8 @@ def cmd_http(args: argparse.Namespace, command: str) -> int:
     doc = {"command": command, "started": started, "machine": machine_info(torch.get_num_threads()),
            "systems": systems, "workloads": workloads, "concurrency": concurrencies,
            "output_tokens": args.output_tokens, "stream_interval": args.stream_interval, "rounds": args.rounds,
-           "max_wait_steps": args.max_wait_steps, "runs": [], "loadavg_start": _loadavg()}
+           "max_wait_steps": args.max_wait_steps, "load_generator_nice": args.load_generator_nice, "runs": [],
+           "loadavg_start": _loadavg()}
     servers: dict[str, Server] = {}
     cache: dict = {}
     out = Path(args.out)

@@ -338,3 +338,24 @@ def test_bench_aged_engine_runs_each_engine_on_the_same_prompts(tiny_llama, tmp_
         main(["aged-engine", "--rounds", "0", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--baseline-pool: no file /nonexistent/pool.py"):
         main(["aged-engine", "--baseline-pool", "/nonexistent/pool.py", "--out", str(tmp_path)])
+
+
+def test_the_load_generator_runs_at_the_nice_value_asked_for():
+    """``--load-generator-nice N`` (bench http, bench http-ceiling) runs ``vllm bench serve`` under
+    ``nice -n N``; 0 leaves its command as it is; a value outside 0..19 is refused by name before
+    any server starts."""
+    import subprocess
+    import sys
+
+    from bench.serve_peers import ROOT, load_generator_command
+
+    cmd = ["/venv/bin/python", "bench/vllm_bench_serve.py", "--base-url", "http://127.0.0.1:1"]
+    assert load_generator_command(cmd, 0) == cmd
+    assert load_generator_command(cmd, 19) == ["nice", "-n", "19", *cmd]
+    for bad in (-1, 20):
+        with pytest.raises(SystemExit, match=f"--load-generator-nice: must be 0 to 19, got {bad}"):
+            load_generator_command(cmd, bad)
+    for command in ("http", "http-ceiling"):
+        out = subprocess.run([sys.executable, "-m", "bench", command, "--load-generator-nice", "25"],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert out.returncode != 0 and "--load-generator-nice: must be 0 to 19, got 25" in out.stderr, out.stderr
