@@ -30,8 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.serve_peers import (ROOT, add_load_generator_nice, check_stream_interval, load_generator_command, run_load,
-                               start_server)
+from bench.serve_peers import (ROOT, add_load_generator_nice, check_load_generator_nice, check_stream_interval,
+                               run_load, start_server)
 
 PROG = "bench http-ceiling"
 
@@ -102,7 +102,7 @@ def cmd_ceiling(args: argparse.Namespace, command: str) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     streams = [int(s) for s in args.streams.split(",") if s.strip()]
     check_stream_interval(args.stream_interval, systems)
-    load_generator_command([], args.load_generator_nice)
+    check_load_generator_nice(args.load_generator_nice)
     workdir = Path(tempfile.mkdtemp(prefix="bench-ceiling-"))
     doc = {"command": command, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
            "machine": machine_info(torch.get_num_threads()), "model": str(model_dir), "systems": systems,

@@ -144,10 +144,14 @@ def add_load_generator_nice(p: argparse.ArgumentParser) -> None:
                         "leave; default: %(default)s, a client beside the servers as any other)")
 
 
-def load_generator_command(cmd: list[str], nice: int) -> list[str]:
-    """``cmd`` run at ``nice`` (--load-generator-nice; 0: as it is)."""
+def check_load_generator_nice(nice: int) -> None:
     if not 0 <= nice <= 19:
         raise SystemExit(f"{PROG}: --load-generator-nice: must be 0 to 19, got {nice}")
+
+
+def load_generator_command(cmd: list[str], nice: int) -> list[str]:
+    """``cmd`` run at ``nice`` (--load-generator-nice; 0: as it is)."""
+    check_load_generator_nice(nice)
     return ["nice", "-n", str(nice), *cmd] if nice else cmd
 
 
@@ -437,7 +441,7 @@ def cmd_http(args: argparse.Namespace, command: str) -> int:
         if s not in SYSTEMS:
             raise SystemExit(f"{PROG}: --systems: unknown {s!r} (from {', '.join(SYSTEMS)})")
     check_stream_interval(args.stream_interval, systems)
-    load_generator_command([], args.load_generator_nice)
+    check_load_generator_nice(args.load_generator_nice)
     model_dir = resolve_model(args.model)
     model_name = model_dir.name
     tokenizer = Tokenizer.from_pretrained(str(model_dir))
