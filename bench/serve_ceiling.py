@@ -93,16 +93,16 @@ def cmd_ceiling(args: argparse.Namespace, command: str) -> int:
     from bench.run import _loadavg, machine_info
     from prefixkv.tokenizer import Tokenizer
 
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    streams = [int(s) for s in args.streams.split(",") if s.strip()]
+    check_stream_interval(args.stream_interval, systems)
+    check_load_generator_nice(args.load_generator_nice)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from prefixkv.cache_dir import cache_root
 
     model_dir = tiny_model(cache_root())
     tokenizer = Tokenizer.from_pretrained(str(model_dir))
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    streams = [int(s) for s in args.streams.split(",") if s.strip()]
-    check_stream_interval(args.stream_interval, systems)
-    check_load_generator_nice(args.load_generator_nice)
     workdir = Path(tempfile.mkdtemp(prefix="bench-ceiling-"))
     doc = {"command": command, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
            "machine": machine_info(torch.get_num_threads()), "model": str(model_dir), "systems": systems,

@@ -50,8 +50,14 @@ class OutputSink:
     def put(self, item: RequestOutput | BaseException) -> None:
         # offered only while the consumer waits with nothing pending, so that outputs stay in order
         if (self.on_output is not None and self.waiting and self.pending is None and self.error is None
-                and not isinstance(item, BaseException) and not item.finished and self._offer(item)):
-            return
+                and not isinstance(item, BaseException) and not item.finished):
+            try:
+                if self.on_output(item):
+                    return
+            except Exception as e:  # it may have sent part of the output: the stream ends with the error
+                logger.exception("a stream's on_output failed; the stream ends with its error")
+                self.on_output = None
+                item = e
         if isinstance(item, BaseException):
             self.error = self.error or item
         elif self.pending is None:
@@ -59,14 +65,6 @@ class OutputSink:
         else:
             self.pending = merge_outputs(self.pending, item, self.delta)
         self.ready.set()
-
-    def _offer(self, item: RequestOutput) -> bool:
-        try:
-            return self.on_output(item)
-        except Exception:  # the consumer's bug: its task gets the output (and meets the error there)
-            logger.exception("a stream's on_output failed; its outputs go to its task from now on")
-            self.on_output = None
-            return False
 
     async def get(self) -> RequestOutput | BaseException:
         while self.pending is None and self.error is None:
@@ -107,7 +105,8 @@ class RequestStream:
         waits in ``__anext__`` with nothing pending; never with an error or the finished output
         (the stream ends when ``__anext__`` returns that). True: it took the output, which
         ``__anext__`` will not return. False: ``__anext__`` returns it, as without a callback. If
-        it raises, the output goes to ``__anext__`` and the callback is dropped."""
+        it raises, ``__anext__`` raises that error instead of returning the output (which it may have
+        sent in part), and the callback is dropped."""
         return self._sink.on_output
 
     @on_output.setter

@@ -224,7 +224,7 @@ def test_on_output_is_offered_only_what_arrives_while_the_consumer_waits():
     """``RequestStream.on_output`` (streams.py) sees an output only while the consumer is parked in
     ``__anext__`` with nothing pending: not while it handles the previous one, not behind an output
     left pending (which merges with the next, in order), never an error or the finished output.
-    One that raises gives its output to the consumer and is dropped."""
+    One that raises ends the stream with its error and is dropped."""
     from prefixkv.outputs import CompletionOutput, RequestOutput
     from prefixkv.streams import OutputSink, RequestStream
 
@@ -276,16 +276,20 @@ def test_on_output_is_offered_only_what_arrives_while_the_consumer_waits():
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         assert got == ["a", "cd", "e"]
-        answer["t"] = "raise"
-        sink.put(out("f"))  # offered, raises: to the consumer, and the callback is gone
-        assert stream.on_output is None and offered == ["b", "c", "f"]
-        await asyncio.sleep(0)
-        assert got == ["a", "cd", "e", "f"]
-        stream.on_output = take
-        answer["t"] = True
         sink.put(out("g", finished=True))  # the finished output goes to the consumer
         await asyncio.wait_for(task, 10)
-        assert offered == ["b", "c", "f"] and got == ["a", "cd", "e", "f", "g", "end"]
+        assert offered == ["b", "c"] and got == ["a", "cd", "e", "g", "end"]
+
+        stream3 = RequestStream("r3", OutputSink(loop, delta=True), lambda rid, sink: None)
+        stream3.on_output = take
+        task = asyncio.ensure_future(stream3.__anext__())
+        await asyncio.sleep(0)
+        answer["t"] = "raise"
+        stream3._sink.put(out("f"))  # offered, raises: the stream ends with that error, the callback is gone
+        assert stream3.on_output is None and offered == ["b", "c", "f"]
+        with pytest.raises(RuntimeError, match="a bug of the consumer"):
+            await asyncio.wait_for(task, 10)
+        answer["t"] = True
 
         stream2 = RequestStream("r2", OutputSink(loop, delta=True), lambda rid, sink: None)
         stream2.on_output = take

@@ -234,7 +234,29 @@ def _sse_text(body: bytes) -> str:
     return "".join(c["text"] for e in events[:-1] for c in json.loads(e)["choices"])
 
 
-def test_streams_are_framed_per_http_version(server, client):
+@pytest.fixture
+def transport_writes(monkeypatch):
+    """How often the server's ``_TransportWriter`` wrote, and said it could not take more."""
+    from prefixkv.server import app
+
+    seen = {"write": 0, "full": 0}
+    write, writable = app._TransportWriter.write, app._TransportWriter.writable
+
+    def counted_write(self, data):
+        seen["write"] += 1
+        write(self, data)
+
+    def counted_writable(self):
+        ok = writable(self)
+        seen["full"] += not ok
+        return ok
+
+    monkeypatch.setattr(app._TransportWriter, "write", counted_write)
+    monkeypatch.setattr(app._TransportWriter, "writable", counted_writable)
+    return seen
+
+
+def test_streams_are_framed_per_http_version(server, client, transport_writes):
     """Most of a stream's chunks are written to the socket without waking its handler (serving's
     ``ChunkWriter``): HTTP/1.1 gets them as well-formed chunks (each size line its data's size, one
     SSE event or more each, the zero chunk last), HTTP/1.0 unframed until the connection closes;
@@ -246,12 +268,15 @@ def test_streams_are_framed_per_http_version(server, client):
     assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
     sse, num_chunks = _unchunk(rest)
     assert num_chunks > 10 and _sse_text(sse) == want
+    assert transport_writes["write"] > 0
+    written = transport_writes["write"]
     head, rest = _raw_stream(server, b"HTTP/1.0", body)
     assert head.startswith(b"HTTP/1.0 200") and b"transfer-encoding" not in head.lower()
     assert rest.startswith(b"data: ") and _sse_text(rest) == want
+    assert transport_writes["write"] > written
 
 
-def test_a_slow_client_gets_every_token_in_order(server, client):
+def test_a_slow_client_gets_every_token_in_order(server, client, transport_writes):
     """A client that reads nothing until its request is over, through a small receive buffer: the
     server's socket buffer (the kernel's grows to 4 MiB here) fills, the stream's writes wait and
     the steps behind them are merged; once it reads, the client gets every token of every choice,
@@ -271,7 +296,8 @@ def test_a_slow_client_gets_every_token_in_order(server, client):
         assert "".join(c["text"] for c in choices) == full.text, i
         assert [t for c in choices for t in c["logprobs"]["tokens"]] == full.logprobs.tokens, i
         assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["length"], i
-    assert len(events) < n * 900, (took, len(sse))  # steps were merged while the client did not read
+    assert transport_writes["full"] > 0  # the writer stopped taking bytes ...
+    assert len(events) < n * 900, (took, len(sse))  # ... and steps were merged while the client did not read
 
 
 def test_stream_without_usage_has_no_usage_chunk(client):

@@ -183,9 +183,9 @@ class _Transport:
 
 def test_a_stream_with_a_transport_writer_writes_the_same_bytes_in_order(api):
     """The outputs that arrive while a one-request stream waits are written through the transport's
-    writer (its task is not woken), the rest through the iterator: together the same SSE bytes as
-    the iterator alone gives, in order, for any mix of the two (a writer that is sometimes full),
-    with n > 1 and with echo."""
+    writer (its task is not woken), the rest through the iterator: together each choice's text and
+    finish reason as the iterator alone gives them, in order, for any mix of the two (a writer that
+    is sometimes full), with n > 1 and with echo."""
     async def stream(body: bytes, pattern: list[bool] | None) -> tuple[bytes, int]:
         loop = asyncio.get_running_loop()
         reply = await api.completions(body, loop.time())
@@ -199,23 +199,26 @@ def test_a_stream_with_a_transport_writer_writes_the_same_bytes_in_order(api):
             await reply.stream.aclose()
         return b"".join(out), 0 if writer is None else writer.writes
 
-    def events(raw: bytes) -> list:  # the chunks without their creation times and ids
+    def choices(raw: bytes) -> dict[int, tuple[str, list]]:  # each choice's text and finish reasons
         parsed = [e for e in raw.split(b"\n\n") if e]
         assert parsed[-1] == b"data: [DONE]"
-        chunks = [json.loads(e[len(b"data: "):]) for e in parsed[:-1]]
-        return [[(c["index"], c["text"], c["finish_reason"]) for c in ch["choices"]] for ch in chunks]
+        out: dict[int, tuple[str, list]] = {}
+        for e in parsed[:-1]:
+            for c in json.loads(e[len(b"data: "):])["choices"]:
+                text, finishes = out.get(c["index"], ("", []))
+                out[c["index"]] = (text + c["text"], finishes + ([c["finish_reason"]] if c["finish_reason"] else []))
+        return out
 
     async def main():
         for kw in ({}, {"n": 2, "temperature": 1.0, "seed": 3}, {"echo": True}):
             body = _body(stream=True, max_tokens=40, **kw)
             alone, _ = await stream(body, None)
-            want = "".join(t for ev in events(alone) for _, t, _ in ev)
+            want = choices(alone)
+            assert sorted(want) == list(range(kw.get("n", 1)))
+            assert all(f == ["length"] for _, f in want.values())
             for pattern in ([True], [False], [True, False], [False, False, True]):
                 got, writes = await stream(body, pattern)
-                texts = [t for ev in events(got) for _, t, _ in ev]
-                assert "".join(texts) == want, (kw, pattern)
-                finishes = [(i, f) for ev in events(got) for i, _, f in ev if f]
-                assert sorted(finishes) == [(i, "length") for i in range(kw.get("n", 1))], (kw, pattern)
+                assert choices(got) == want, (kw, pattern)
                 if pattern == [False]:
                     assert writes == 0
                 elif pattern == [True]:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import HttpVersion11, web
+from aiohttp import web
 
 from prefixkv.engine_client import EngineClient
 from prefixkv.engine_core.process import GC_YOUNG_THRESHOLD, tune_gc_for_serving
@@ -71,9 +71,9 @@ def _http_error(e: web.HTTPException, request: web.Request) -> ApiError:
 
 class _TransportWriter:
     """``ChunkWriter`` over a prepared streamed response's transport (aiohttp's
-    ``StreamResponse.write`` awaits): the bytes framed as an HTTP/1.1 chunk where the response is
-    chunked, and nothing taken while the client has 64 KiB unread (the limit at which aiohttp's
-    own writes wait for it). The response's headers went out in ``prepare``."""
+    ``StreamResponse.write`` awaits): the bytes framed as an HTTP/1.1 chunk where aiohttp's writer
+    chunks the response, and nothing taken while 64 KiB wait in the transport's buffer (aiohttp's
+    own limit). The response's headers went out in ``prepare``."""
 
     __slots__ = ("_transport", "_chunked")
 
@@ -147,11 +147,10 @@ class _AioServer:
             return _response(reply)
         try:
             resp = web.StreamResponse(status=reply.status, headers=reply.headers)
-            if request.version >= HttpVersion11:
-                resp.enable_chunked_encoding()  # (what aiohttp picks anyway; _TransportWriter frames so)
-            await resp.prepare(request)
-            if request.transport is not None:
-                reply.stream.writer = _TransportWriter(request.transport, resp.chunked)
+            writer = await resp.prepare(request)
+            transport = getattr(writer, "transport", None)  # (aiohttp's StreamWriter: chunked for HTTP/1.1)
+            if transport is not None:
+                reply.stream.writer = _TransportWriter(transport, writer.chunked)
             async for chunk in reply.stream:
                 await resp.write(chunk)
             await resp.write_eof()

@@ -269,8 +269,9 @@ class ChunkWriter(Protocol):
     """A transport's write that does not await, for an ``EventStream`` to write the deltas of a
     step from the engine client's callback (``RequestStream.on_output``) instead of waking its
     task. ``writable()`` is False while it cannot take more now (the client has its limit of unread
-    bytes, or is gone): the stream then leaves the outputs to its task, whose writes wait (and
-    merge the steps behind them). ``write`` is called only right after ``writable()`` said True."""
+    bytes, or is gone): the stream then leaves the outputs to its task, which writes them through
+    the transport's own path (where a slow client is waited for, and the steps behind merge).
+    ``write`` is called only right after ``writable()`` said True, with a whole number of events."""
 
     def writable(self) -> bool: ...
 
@@ -1059,6 +1060,7 @@ class OpenAIServing:
         ttft = None
         merged = _merge(streams)
         timer = StreamDeadline(deadline)
+        # one stream: _merge reads it in this task, so when its consumer waits, all it yielded is written
         direct = events_out.writer is not None and len(streams) == 1 and isinstance(streams[0], RequestStream)
         try:
             start = fmt.start_chunks(num_choices)
