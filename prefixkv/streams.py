@@ -36,7 +36,7 @@ class OutputSink:
     """One request's pending output (later ones merged into it) or error, and an event to wake the
     consumer. Read and written on ``loop`` only (``deliver`` hands items over)."""
 
-    __slots__ = ("loop", "pending", "error", "ready", "delta", "waiting", "on_output")
+    __slots__ = ("loop", "pending", "error", "ready", "delta", "waiting", "on_output", "on_output_failed")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, delta: bool) -> None:
         self.loop = loop
@@ -46,6 +46,7 @@ class OutputSink:
         self.delta = delta  # the request's outputs carry deltas (output_kind "delta")
         self.waiting = False  # the consumer is parked in ``get``: all it took before is handled
         self.on_output: Callable[[RequestOutput], bool] | None = None
+        self.on_output_failed = False  # ``error`` is on_output's: the engine still runs the request
 
     def put(self, item: RequestOutput | BaseException) -> None:
         # offered only while the consumer waits with nothing pending, so that outputs stay in order
@@ -57,6 +58,7 @@ class OutputSink:
             except Exception as e:  # it may have sent part of the output: the stream ends with the error
                 logger.exception("a stream's on_output failed; the stream ends with its error")
                 self.on_output = None
+                self.on_output_failed = True
                 item = e
         if isinstance(item, BaseException):
             self.error = self.error or item
@@ -106,7 +108,7 @@ class RequestStream:
         (the stream ends when ``__anext__`` returns that). True: it took the output, which
         ``__anext__`` will not return. False: ``__anext__`` returns it, as without a callback. If
         it raises, ``__anext__`` raises that error instead of returning the output (which it may have
-        sent in part), and the callback is dropped."""
+        sent in part) and aborts the request, and the callback is dropped."""
         return self._sink.on_output
 
     @on_output.setter
@@ -121,6 +123,8 @@ class RequestStream:
             raise StopAsyncIteration
         item = await self._sink.get()
         if isinstance(item, BaseException):
+            if self._sink.on_output_failed:  # not the engine's error: the request is still running there
+                self.abort()
             self._done = True
             raise item
         if item.finished:

@@ -224,7 +224,7 @@ def test_on_output_is_offered_only_what_arrives_while_the_consumer_waits():
     """``RequestStream.on_output`` (streams.py) sees an output only while the consumer is parked in
     ``__anext__`` with nothing pending: not while it handles the previous one, not behind an output
     left pending (which merges with the next, in order), never an error or the finished output.
-    One that raises ends the stream with its error and is dropped."""
+    One that raises ends the stream with its error (the request aborted) and is dropped."""
     from prefixkv.outputs import CompletionOutput, RequestOutput
     from prefixkv.streams import OutputSink, RequestStream
 
@@ -280,7 +280,8 @@ def test_on_output_is_offered_only_what_arrives_while_the_consumer_waits():
         await asyncio.wait_for(task, 10)
         assert offered == ["b", "c"] and got == ["a", "cd", "e", "g", "end"]
 
-        stream3 = RequestStream("r3", OutputSink(loop, delta=True), lambda rid, sink: None)
+        aborted = []
+        stream3 = RequestStream("r3", OutputSink(loop, delta=True), lambda rid, sink: aborted.append(rid))
         stream3.on_output = take
         task = asyncio.ensure_future(stream3.__anext__())
         await asyncio.sleep(0)
@@ -289,16 +290,19 @@ def test_on_output_is_offered_only_what_arrives_while_the_consumer_waits():
         assert stream3.on_output is None and offered == ["b", "c", "f"]
         with pytest.raises(RuntimeError, match="a bug of the consumer"):
             await asyncio.wait_for(task, 10)
+        assert aborted == ["r3"] and stream3.done  # the engine still ran it: aborted
+        stream3.abort()
+        assert aborted == ["r3"]
         answer["t"] = True
 
-        stream2 = RequestStream("r2", OutputSink(loop, delta=True), lambda rid, sink: None)
+        stream2 = RequestStream("r2", OutputSink(loop, delta=True), lambda rid, sink: aborted.append(rid))
         stream2.on_output = take
         task = asyncio.ensure_future(stream2.__anext__())
         await asyncio.sleep(0)
         stream2._sink.put(ValueError("the step failed"))  # an error: to the consumer
         with pytest.raises(ValueError):
             await asyncio.wait_for(task, 10)
-        assert offered == ["b", "c", "f"]
+        assert offered == ["b", "c", "f"] and aborted == ["r3"]  # the engine's own error: nothing to abort
         return "done"
 
     assert asyncio.run(main()) == "done"
