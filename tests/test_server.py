@@ -257,7 +257,7 @@ def transport_writes(monkeypatch):
 
 
 def test_streams_are_framed_per_http_version(server, client, transport_writes):
-    """Most of a stream's chunks are written to the socket without waking its handler (serving's
+    """A stream's chunks are written to the socket without waking its handler (serving's
     ``ChunkWriter``): HTTP/1.1 gets them as well-formed chunks (each size line its data's size, one
     SSE event or more each, the zero chunk last), HTTP/1.0 unframed until the connection closes;
     the text equals the non-streamed completion's either way."""

@@ -181,7 +181,7 @@ class _Transport:
         self.out.append(data)
 
 
-def test_a_stream_with_a_transport_writer_writes_the_same_bytes_in_order(api):
+def test_a_stream_with_a_transport_writer_gives_each_choice_the_same_text_in_order(api):
     """The outputs that arrive while a one-request stream waits are written through the transport's
     writer (its task is not woken), the rest through the iterator: together each choice's text and
     finish reason as the iterator alone gives them, in order, for any mix of the two (a writer that
