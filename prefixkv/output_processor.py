@@ -128,7 +128,7 @@ class OutputProcessor:
 
     def decode_token(self, token_id: int) -> str:
         """One token's text alone (vLLM's ``Logprob.decoded_token``)."""
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.tokenizer.token_text(token_id, skip_special_tokens=False)
 
     def state(self, parent: RequestState, seq: Request) -> SeqOutputState:
         st = parent.states.get(seq.sample_index)

@@ -114,6 +114,18 @@ class Tokenizer:
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
         raise NotImplementedError
 
+    def token_text(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """``decode([token_id], skip_special_tokens)``, remembered per token."""
+        texts = self._token_texts[skip_special_tokens]
+        text = texts.get(token_id)
+        if text is None:
+            text = texts[token_id] = self.decode([token_id], skip_special_tokens=skip_special_tokens)
+        return text
+
+    @functools.cached_property
+    def _token_texts(self) -> dict[bool, dict[int, str]]:
+        return {False: {}, True: {}}
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """Render `messages` (and the OpenAI-style `tools`, if any) with the chat template and return
@@ -319,10 +331,11 @@ class IncrementalDetokenizer:
         if probe_id is not None and not self._decode(self._window + [probe_id]).startswith(new_text):
             return ""
         delta = new_text[self._prefix_len:]
-        # The tokens just read become the next prefix window.
+        # The tokens just read become the next prefix window (most often one token: its text remembered).
         del self._window[:self._num_prefix_tokens]
         self._num_prefix_tokens = len(self._window)
-        self._prefix_len = len(self._decode(self._window))
+        self._prefix_len = len(self.tokenizer.token_text(self._window[0], self.skip_special_tokens)
+                               if self._num_prefix_tokens == 1 else self._decode(self._window))
         self._emit(delta)
         return delta
 

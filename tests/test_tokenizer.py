@@ -300,6 +300,32 @@ def test_decode_window_is_bounded(tok, monkeypatch):
     assert max(lengths) <= (12 if tok.byte_run_probe_id is None else 40), max(lengths)
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_token_text_is_the_decode_of_the_token_alone(tok, skip_special_tokens, monkeypatch):
+    """Tokenizer.token_text: decode([id]) for every id, special ones included; asked again, it
+    decodes nothing."""
+    ids = range(min(tok.vocab_size, 3000))
+    assert [tok.token_text(i, skip_special_tokens) for i in ids] == [
+        tok.decode([i], skip_special_tokens=skip_special_tokens) for i in ids]
+    monkeypatch.setattr(tok, "decode", lambda *a, **k: pytest.fail("decoded again"))
+    assert tok.token_text(5, skip_special_tokens) == tok.token_text(5, skip_special_tokens)
+
+
+def test_a_streamed_token_whose_text_is_final_costs_one_decode(bpe, monkeypatch):
+    """The prefix window after a delta is most often one token: its text comes from token_text, so
+    a step decodes the window once."""
+    ids = bpe.encode("the quick brown fox jumps over the lazy dog " * 3, add_special_tokens=False)
+    for i in ids:
+        bpe.token_text(i)
+    calls = []
+    decode = bpe.decode
+    monkeypatch.setattr(bpe, "decode", lambda token_ids, **k: calls.append(list(token_ids)) or decode(token_ids, **k))
+    detok = IncrementalDetokenizer(bpe)
+    deltas = [detok.add(i) for i in ids]
+    assert all(deltas) and "".join(deltas) == decode(ids)
+    assert len(calls) == len(ids)
+
+
 def test_add_after_flush_raises(bpe):
     detok = IncrementalDetokenizer(bpe)
     detok.add(bpe.encode("hi", add_special_tokens=False)[0])
