@@ -2,7 +2,7 @@
 engine-core process gets (``engine_core.process.engine_environment``: how its OpenMP threads wait),
 so that offline and served runs of the same engine compare like with like::
 
-    python -m bench.offline_run < spec.json     -> {"elapsed_s": ..., "num_output_tokens": ..., "engine_steps": ...}
+    python -m bench.offline_run < spec.json     -> {"elapsed_s": ..., "cpu_s": ..., "num_output_tokens": ..., "engine_steps": ...}
 
 ``engine_steps``: what the engine's steps took during the run (``prefixkv.engine.StepCounters``).
 
@@ -61,11 +61,11 @@ def main() -> int:
     for prompts_before in spec.get("before", ()):
         llm.generate(prompts_before, sp)
     before = llm.engine.step_counters.stats()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, sp)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     after = llm.engine.step_counters.stats()
-    print(json.dumps({"elapsed_s": elapsed, "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+    print(json.dumps({"elapsed_s": elapsed, "cpu_s": cpu, "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
                       "engine_steps": {k: after[k] - before[k] for k in after}}))
     return 0
 

@@ -1,12 +1,14 @@
 """``python -m bench http-ceiling``: how many tokens per second the serving path carries when the
 engine's steps take milliseconds -- the front end's own limit, as on a GPU.
 
-The model is a tiny random Llama (2 layers, hidden 64) with the embedded SmolLM2's real tokenizer
+The model is a tiny random Llama (2 layers, hidden 128, head_dim 64) with the embedded SmolLM2's real tokenizer
 and vocabulary (49,152 tokens: detokenization costs what it costs with the real model), saved once
 under ``--out``. ``--streams`` requests of ``--prompt-tokens`` distinct tokens each generate
 ``--output-tokens`` tokens (greedy, ``ignore_eos``):
 
-- offline: ``LLM.generate`` in this process, ``max_num_seqs`` = streams: output tokens/s;
+- offline: ``LLM.generate`` (``bench/offline_run.py``, a fresh interpreter), ``max_num_seqs`` =
+  streams: output tokens/s, and the CPU seconds its process took a token (every thread: what the
+  served engine core's CPU a token compares with);
 - served: each system of ``--systems`` started (prefixkv serve: the engine in its own process;
   prefixkv-inproc: in a thread of the HTTP process; vllm: vLLM's api_server), driven by ``vllm bench
   serve`` at concurrency = streams: output tokens/s, and served / the same round's offline;
@@ -79,12 +81,13 @@ def tiny_model(out: Path) -> Path:
     return path
 
 
-def offline_tokens_per_s(model_dir: Path, prompts: list[list[int]], output_tokens: int, threads: int) -> float:
+def offline_tokens(model_dir: Path, prompts: list[list[int]], output_tokens: int, threads: int) -> tuple[float, float]:
+    """The offline run's output tokens/s and its process's CPU seconds (every thread) a token."""
     from bench.offline_run import run
 
     res = run({"model": str(model_dir), "prompts": prompts, "output_tokens": output_tokens,
                "max_num_seqs": len(prompts), "kv_cache_bytes": 1 << 30, "threads": threads})
-    return res["num_output_tokens"] / res["elapsed_s"]
+    return res["num_output_tokens"] / res["elapsed_s"], res["cpu_s"] / res["num_output_tokens"]
 
 
 def cmd_ceiling(args: argparse.Namespace, command: str) -> int:
@@ -136,8 +139,10 @@ def cmd_ceiling(args: argparse.Namespace, command: str) -> int:
                               f"{res.get('load_generator_cpu_s', float('nan')):.2f}", flush=True)
                     # the offline run encodes the served text again: the same token counts as served
                     enc = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-                    run["offline_tokens_per_s"] = offline_tokens_per_s(model_dir, enc, args.output_tokens, args.threads)
-                    print(f"streams {n} round {r} offline: {run['offline_tokens_per_s']:.0f} tok/s", flush=True)
+                    run["offline_tokens_per_s"], run["offline_cpu_s_per_token"] = offline_tokens(
+                        model_dir, enc, args.output_tokens, args.threads)
+                    print(f"streams {n} round {r} offline: {run['offline_tokens_per_s']:.0f} tok/s, "
+                          f"{run['offline_cpu_s_per_token'] * 1e6:.0f} CPU µs a token", flush=True)
                     doc["runs"].append(run)
             finally:
                 for name, srv in servers.items():

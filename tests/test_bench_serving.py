@@ -272,8 +272,10 @@ def test_engine_steps_served_and_offline(tiny_llama, capsys):
     context = 6 * len(ids) + 21  # decode step i (1..6) attends to the prompt and i new tokens
     assert served["num_decode_step_context_tokens"] == context
     assert 0 < served["num_prefill_tokens"] <= len(ids) and served["decode_s"] > 0 and served["prefill_s"] > 0
-    offline = run({"model": str(tiny_llama), "prompts": [ids], "output_tokens": 7, "max_num_seqs": 4,
-                   "kv_cache_bytes": 1 << 26, "threads": 1, "max_wait_steps": 0})["engine_steps"]
+    res = run({"model": str(tiny_llama), "prompts": [ids], "output_tokens": 7, "max_num_seqs": 4,
+               "kv_cache_bytes": 1 << 26, "threads": 1, "max_wait_steps": 0})
+    assert res["num_output_tokens"] == 7 and 0 < res["cpu_s"]  # (its process's CPU, the ceiling's per token)
+    offline = res["engine_steps"]
     assert {k: offline[k] for k in ("num_decode_steps", "num_decode_step_seqs", "num_prefill_step_decodes",
                                     "num_prefill_tokens", "num_decode_step_context_tokens")} == {
         "num_decode_steps": 6, "num_decode_step_seqs": 6, "num_prefill_step_decodes": 0,
