@@ -2,9 +2,11 @@
 engine-core process gets (``engine_core.process.engine_environment``: how its OpenMP threads wait),
 so that offline and served runs of the same engine compare like with like::
 
-    python -m bench.offline_run < spec.json     -> {"elapsed_s": ..., "cpu_s": ..., "num_output_tokens": ..., "engine_steps": ...}
+    python -m bench.offline_run < spec.json
+        -> {"elapsed_s": ..., "cpu_s": ..., "num_output_tokens": ..., "engine_steps": ...}
 
-``engine_steps``: what the engine's steps took during the run (``prefixkv.engine.StepCounters``).
+``engine_steps``: what the engine's steps took during the run (``prefixkv.engine.StepCounters``);
+``cpu_s``: the CPU seconds of the process (every thread) during it.
 
 spec: {"model", "prompts": [[ids]], "output_tokens", "max_num_seqs", "kv_cache_bytes", "threads"}, and
 optionally "max_wait_steps" (the engine's; None or absent: its default) and "before": [[[ids]]], lists
@@ -65,7 +67,8 @@ def main() -> int:
     outs = llm.generate(prompts, sp)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     after = llm.engine.step_counters.stats()
-    print(json.dumps({"elapsed_s": elapsed, "cpu_s": cpu, "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+    print(json.dumps({"elapsed_s": elapsed, "cpu_s": cpu,
+                      "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
                       "engine_steps": {k: after[k] - before[k] for k in after}}))
     return 0
 
