@@ -663,6 +663,9 @@ class _FakeTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return ""
 
+    def token_text(self, token_id, skip_special_tokens=True):
+        return ""
+
 
 def cmd_scale(args: argparse.Namespace, command: str) -> int:
     import prefixkv.engine  # noqa: F401 - torch, transformers and the engine's modules, as in a server

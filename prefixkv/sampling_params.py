@@ -138,6 +138,7 @@ class SamplingParams:
         require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be a list of non-negative ints")
         require(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool")
+        require(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "must be a bool")
         require(self.detokenize or not self.stop, "stop", "stop strings need detokenize=True")
         require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
                f"must be a positive int or None, got {self.max_tokens!r}")

@@ -200,7 +200,7 @@ class HFTokenizer(Tokenizer):
 
     def _find_rust_decode(self):
         """transformers' decode of a fast tokenizer, without clean-up, is its Rust tokenizer's
-        decode (called twice a streamed token; the Python around it cost 3.2 us of 4 here). None
+        decode (called once a streamed token; the Python around it cost 3.2 us of 4 here). None
         where the class overrides either step (its own decode is kept)."""
         try:
             from transformers.tokenization_utils_base import PreTrainedTokenizerBase

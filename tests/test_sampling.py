@@ -105,6 +105,7 @@ def test_sampling_never_draws_a_token_of_probability_zero():
     ("n", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_k", -2), ("min_p", 1.5), ("seed", "x"),
     ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0), ("stop", [""]),
     ("stop_token_ids", [-1]), ("max_tokens", 0), ("min_tokens", -1), ("logprobs", 21), ("ignore_eos", "yes"),
+    ("skip_special_tokens", None),
 ])
 def test_sampling_params_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}:"):
