@@ -30,6 +30,7 @@ from prefixkv.engine import LLMEngine
 from prefixkv.engine_core.client import EngineCoreClient
 from prefixkv.sampling_params import SamplingParams
 from prefixkv.server.app import BackgroundServer, ServerConfig
+from sse_stream import completion_chunks
 
 MODEL = "tiny-llama"
 BLOCK_SIZE = 16
@@ -228,15 +229,8 @@ def _unchunk(rest: bytes) -> tuple[bytes, int]:
     return sse, num_chunks
 
 
-def _sse_chunks(body: bytes) -> list[dict]:
-    """A completion stream's SSE body: its chunks, before the closing ``[DONE]``."""
-    events = [e[len(b"data: "):] for e in body.split(b"\n\n") if e]
-    assert events[-1] == b"[DONE]", body[-200:]
-    return [json.loads(e) for e in events[:-1]]
-
-
 def _sse_text(body: bytes) -> str:
-    return "".join(c["text"] for chunk in _sse_chunks(body) for c in chunk["choices"])
+    return "".join(c["text"] for chunk in completion_chunks(body) for c in chunk["choices"])
 
 
 @pytest.fixture
@@ -295,7 +289,7 @@ def test_a_slow_client_gets_every_token_in_order(server, client, transport_write
                              rcvbuf=4096, read_after=2 * took + 1.0)
     assert head.startswith(b"HTTP/1.1 200")
     sse, _ = _unchunk(rest)
-    events = _sse_chunks(sse)
+    events = completion_chunks(sse)
     for i in range(n):
         choices = [c for e in events for c in e["choices"] if c["index"] == i]
         assert "".join(c["text"] for c in choices) == full.text, i

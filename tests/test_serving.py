@@ -15,6 +15,7 @@ from prefixkv.async_engine import AsyncEngine
 from prefixkv.config import CacheConfig, EngineConfig, SchedulerConfig
 from prefixkv.engine import LLMEngine
 from prefixkv.server.serving import ApiError, OpenAIServing, ServerConfig
+from sse_stream import completion_chunks
 
 
 def test_the_layer_imports_no_http_library():
@@ -48,9 +49,7 @@ def test_replies_streams_and_errors_without_a_transport(api):
         assert streamed.headers["Content-Type"] == "text/event-stream" and streamed.stream is not None
         raw = b"".join([chunk async for chunk in streamed.stream])
         await streamed.stream.aclose()
-        events = [e[len(b"data: "):] for e in raw.split(b"\n\n") if e]
-        assert events[-1] == b"[DONE]"
-        chunks = [json.loads(e) for e in events[:-1]]
+        chunks = completion_chunks(raw)
         assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
         assert chunks[-1]["usage"]["completion_tokens"] == 6
         with pytest.raises(ApiError) as e:
@@ -200,11 +199,9 @@ def test_a_stream_with_a_transport_writer_gives_each_choice_the_same_text_in_ord
         return b"".join(out), 0 if writer is None else writer.writes
 
     def choices(raw: bytes) -> dict[int, tuple[str, list]]:  # each choice's text and finish reasons
-        parsed = [e for e in raw.split(b"\n\n") if e]
-        assert parsed[-1] == b"data: [DONE]"
         out: dict[int, tuple[str, list]] = {}
-        for e in parsed[:-1]:
-            for c in json.loads(e[len(b"data: "):])["choices"]:
+        for chunk in completion_chunks(raw):
+            for c in chunk["choices"]:
                 text, finishes = out.get(c["index"], ("", []))
                 out[c["index"]] = (text + c["text"], finishes + ([c["finish_reason"]] if c["finish_reason"] else []))
         return out
