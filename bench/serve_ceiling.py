@@ -1,9 +1,9 @@
 """``python -m bench http-ceiling``: how many tokens per second the serving path carries when the
 engine's steps take milliseconds -- the front end's own limit, as on a GPU.
 
-The model is a tiny random Llama (2 layers, hidden 128, head_dim 64) with the embedded SmolLM2's real tokenizer
-and vocabulary (49,152 tokens: detokenization costs what it costs with the real model), saved once
-under ``--out``. ``--streams`` requests of ``--prompt-tokens`` distinct tokens each generate
+The model is a tiny random Llama (2 layers, hidden 128, head_dim 64) with the embedded SmolLM2's
+real tokenizer and vocabulary (49,152 tokens: detokenization costs what it costs with the real
+model), saved once under ``--out``. ``--streams`` requests of ``--prompt-tokens`` distinct tokens each generate
 ``--output-tokens`` tokens (greedy, ``ignore_eos``):
 
 - offline: ``LLM.generate`` (``bench/offline_run.py``, a fresh interpreter), ``max_num_seqs`` =
