@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from prefixkv import LLM, SamplingParams
+from prefixkv import LLM, SamplingParams, cpu_ops
 from prefixkv.cpu_ops import gemm_available
 from prefixkv.model import fused_stack
 from test_lossless import random_prompts
@@ -23,15 +23,20 @@ _CALL = fused_stack.FusedStack.__call__
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """head_dim 64 (the C decode kernel's vector path): llama (untied head), qwen2 (q/k/v biases),
-    mistral (tied embeddings), qwen3 (q/k norms and a sliding-window layer: not the driver's)."""
+    mistral (tied embeddings), qwen3 (q/k norms and a sliding-window layer: not the driver's);
+    llama-i96: intermediate size 96, a multiple of the GEMM's panel width (48 or 16), where prefill
+    rows take SiLU·mul inside the gate/up GEMM."""
     tok = tmp_path_factory.mktemp("tok")
     vocab = build_tokenizer(tok)
     out = {}
-    for arch in ("llama", "qwen2", "mistral", "qwen3"):
+    for arch in ("llama", "qwen2", "mistral", "qwen3", "llama-i96"):
         path = tmp_path_factory.mktemp(f"fused-{arch}")
         for f in tok.iterdir():
             shutil.copy(f, path / f.name)
-        build_model(path, arch, vocab, head_dim=64)
+        if arch == "llama-i96":
+            build_model(path, "llama", vocab, head_dim=64, intermediate_size=96)
+        else:
+            build_model(path, arch, vocab, head_dim=64)
         out[arch] = (path, vocab)
     return out
 
@@ -39,11 +44,12 @@ def models(tmp_path_factory):
 def _run(monkeypatch, model_dir, vocab, fused: bool, **kw):
     """(results, fused calls, prefill tokens the fused calls computed)."""
     monkeypatch.setenv("PREFIXKV_FUSED_STACK", "1" if fused else "0")
-    calls = {"n": 0, "multi": 0}
+    calls = {"n": 0, "multi": 0, "rows": 0}
 
     def counted(self, h, cos, sin, meta, tables, lens, order):
         calls["n"] += 1
         calls["multi"] += int(meta.num_decode_seqs < meta.num_seqs)
+        calls["rows"] = max(calls["rows"], h.shape[0])
         return _CALL(self, h, cos, sin, meta, tables, lens, order)
 
     monkeypatch.setattr(fused_stack.FusedStack, "__call__", counted)
@@ -71,7 +77,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama-i96"])
 def test_fused_stack_is_bitwise_the_python_loop(models, monkeypatch, arch, case):
     path, vocab = models[arch]
     want, none, _ = _run(monkeypatch, path, vocab, False, **CASES[case])
@@ -84,6 +90,10 @@ def test_fused_stack_is_bitwise_the_python_loop(models, monkeypatch, arch, case)
         assert calls["multi"] == 0  # prefill chunks outside batch-invariant mode: the prefill kernel, in the loop
     else:
         assert calls["multi"] > 0
+    if arch == "llama-i96" and case in ("default", "block-8", "speculative"):
+        # decoder_layers_f32 fuses SiLU·mul into the gate/up GEMM where the panels pair up, past one
+        # row group (32 rows on AVX-512, 24 on AVX2): these cases' prefill steps are past it
+        assert 96 % cpu_ops.load().gemm_panel_width() == 0 and calls["rows"] > 32
     if case == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
     if case == "speculative":

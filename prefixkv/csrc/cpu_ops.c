@@ -1233,16 +1233,18 @@ _Static_assert(GEMM_MR == 8 && GEMM_RG % GEMM_MR == 0, "gemm_f32's switch covers
  * the first tile over all of K, then the next tiles from L2). */
 static inline __attribute__((always_inline)) void gemm_tile_kblock(const int MR, const float *x, int64_t ld_x,
                                                                    const float *panel, int k0, int k1,
-                                                                   float *total, const int tile, const int ntiles) {
+                                                                   const float *ahead, float *total,
+                                                                   const int tile, const int ntiles) {
     __m512 acc[GEMM_MR][GEMM_NV];
     const float *xr[GEMM_MR];
     for (int m = 0; m < MR; m++) xr[m] = x + m * ld_x;
     for (int m = 0; m < MR; m++)
         for (int v = 0; v < GEMM_NV; v++) acc[m][v] = _mm512_setzero_ps();
     const float *pk = panel + (int64_t)k0 * GEMM_NR;
-    /* the next block is k1 - k0 rows of GEMM_NV lines: each tile L lines an iteration */
+    /* the next block (at ahead: this panel's next, or the first of the panel taken next) is k1 - k0
+     * rows of GEMM_NV lines: each tile L lines an iteration */
     const int L = (GEMM_NV + ntiles - 1) / ntiles;
-    const float *pf = panel + (int64_t)k1 * GEMM_NR + (int64_t)tile * (k1 - k0) * L * 16;
+    const float *pf = ahead + (int64_t)tile * (k1 - k0) * L * 16;
     #pragma GCC unroll 2
     for (int k = k0; k < k1; k++, pk += GEMM_NR, pf += L * 16) {
         __m512 w[GEMM_NV];
@@ -1309,7 +1311,7 @@ static inline __attribute__((always_inline)) void gemm_tile_kblock(const int MR,
 /* MR rows of a row group at a block of k: the AVX-512 build's tiles share the prefetch of the next
  * block; in the AVX2 build the first tile (m0 == 0, pf a constant at each call site) prefetches */
 #if defined(__AVX512F__)
-#define GEMM_TILE(MR_) gemm_tile_kblock(MR_, xt, ld_x, panel, k0, k1, tt, m0 / GEMM_MR, ntiles)
+#define GEMM_TILE(MR_) gemm_tile_kblock(MR_, xt, ld_x, panel, k0, k1, ahead, tt, m0 / GEMM_MR, ntiles)
 #else
 #define GEMM_TILE(MR_)                                                                       \
     do {                                                                                     \
@@ -1317,6 +1319,40 @@ static inline __attribute__((always_inline)) void gemm_tile_kblock(const int MR,
         else gemm_tile_kblock(MR_, xt, ld_x, panel, k0, k1, tt, 0);                          \
     } while (0)
 #endif
+
+/* One row group's rows (rows <= GEMM_RG, from x) times one panel: their sums into total
+ * [rows][GEMM_NR] (set here), no bias. next: the panel this thread takes after this one, whose
+ * first block the last block's tiles prefetch. */
+static inline __attribute__((always_inline)) void gemm_group_panel(const float *x, int64_t ld_x,
+                                                                   const float *panel, const float *next,
+                                                                   int rows, int K, float *total) {
+    const int ntiles = (rows + GEMM_MR - 1) / GEMM_MR;
+    (void)ntiles;
+    memset(total, 0, sizeof(float) * rows * GEMM_NR);
+    for (int k0 = 0; k0 < K; k0 += GEMM_KB) {
+        const int k1 = k0 + GEMM_KB < K ? k0 + GEMM_KB : K;
+        const float *ahead = k1 < K ? panel + (int64_t)k1 * GEMM_NR : next;
+        (void)ahead;
+        for (int m0 = 0; m0 < rows; m0 += GEMM_MR) {
+            const float *xt = x + m0 * ld_x;
+            float *tt = total + m0 * GEMM_NR;
+            switch (rows - m0 < GEMM_MR ? rows - m0 : GEMM_MR) {
+            case 1: GEMM_TILE(1); break;
+            case 2: GEMM_TILE(2); break;
+            case 3: GEMM_TILE(3); break;
+            case 4: GEMM_TILE(4); break;
+            case 5: GEMM_TILE(5); break;
+#if GEMM_MR == 8
+            case 6: GEMM_TILE(6); break;
+            case 7: GEMM_TILE(7); break;
+            default: GEMM_TILE(8); break;
+#else
+            default: GEMM_TILE(6); break;
+#endif
+            }
+        }
+    }
+}
 
 /* This thread's share of the GEMM among the threads of the enclosing parallel region (all of it
  * outside any): each thread a contiguous range of panels; the row groups outside the panels, so a
@@ -1337,34 +1373,12 @@ static void gemm_share_to(const float *x, int64_t ld_x, const float *packed, con
         const int p0 = (int)((int64_t)P * t / nt), p1 = (int)((int64_t)P * (t + 1) / nt);
         float total[GEMM_RG * GEMM_NR] __attribute__((aligned(64)));
         for (int g0 = 0; g0 < M; g0 += GEMM_RG) {
-            const int rows = M - g0 < GEMM_RG ? M - g0 : GEMM_RG, ntiles = (rows + GEMM_MR - 1) / GEMM_MR;
-            (void)ntiles;
+            const int rows = M - g0 < GEMM_RG ? M - g0 : GEMM_RG;
             for (int p = p0; p < p1; p++) {
                 const float *panel = packed + (int64_t)p * K * GEMM_NR;
                 const float *b = bias ? bias + p * GEMM_NR : 0;
                 const int ncols = N - p * GEMM_NR < GEMM_NR ? N - p * GEMM_NR : GEMM_NR;
-                memset(total, 0, sizeof(float) * rows * GEMM_NR);
-                for (int k0 = 0; k0 < K; k0 += GEMM_KB) {
-                    const int k1 = k0 + GEMM_KB < K ? k0 + GEMM_KB : K;
-                    for (int m0 = 0; m0 < rows; m0 += GEMM_MR) {
-                        const float *xt = x + (g0 + m0) * ld_x;
-                        float *tt = total + m0 * GEMM_NR;
-                        switch (rows - m0 < GEMM_MR ? rows - m0 : GEMM_MR) {
-                        case 1: GEMM_TILE(1); break;
-                        case 2: GEMM_TILE(2); break;
-                        case 3: GEMM_TILE(3); break;
-                        case 4: GEMM_TILE(4); break;
-                        case 5: GEMM_TILE(5); break;
-#if GEMM_MR == 8
-                        case 6: GEMM_TILE(6); break;
-                        case 7: GEMM_TILE(7); break;
-                        default: GEMM_TILE(8); break;
-#else
-                        default: GEMM_TILE(6); break;
-#endif
-                        }
-                    }
-                }
+                gemm_group_panel(x + g0 * ld_x, ld_x, panel, panel + (int64_t)K * GEMM_NR, rows, K, total);
                 for (int m = 0; m < rows; m++) {
                     float *tr = total + m * GEMM_NR;
                     if (am_best) {  /* the values y would hold, in place */
@@ -1377,6 +1391,32 @@ static void gemm_share_to(const float *x, int64_t ld_x, const float *packed, con
                     else memcpy(yr, tr, sizeof(float) * ncols);
                 }
             }
+        }
+    }
+}
+
+/* This thread's share of act = silu_mul(x @ Wgate_up^T) (silu_mul_rows' arithmetic on what gemm_share
+ * would write, never written), for a gate_up packed from [2 I, K] with I a multiple of GEMM_NR: gate
+ * panels 0 .. Q - 1, then up panels Q .. 2 Q - 1. Each thread takes a contiguous range of panel
+ * pairs (q, Q + q); a group's rows go through the gate panel, then the up panel, and each row's
+ * GEMM_NR outputs are silu_mul_row of the two totals. The [M, 2 I] buffer between the GEMM and
+ * silu_mul_rows, written and read back through L3 at a prefill's row counts, is not needed. */
+static void gemm_silu_share(const float *x, int64_t ld_x, const float *packed, float *act, int64_t ld_act,
+                            int M, int I, int K) {
+    const int Q = I / GEMM_NR;
+    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int q0 = (int)((int64_t)Q * t / nt), q1 = (int)((int64_t)Q * (t + 1) / nt);
+    const int64_t stride = (int64_t)K * GEMM_NR;
+    float gate[GEMM_RG * GEMM_NR] __attribute__((aligned(64)));
+    float up[GEMM_RG * GEMM_NR] __attribute__((aligned(64)));
+    for (int g0 = 0; g0 < M; g0 += GEMM_RG) {
+        const int rows = M - g0 < GEMM_RG ? M - g0 : GEMM_RG;
+        for (int q = q0; q < q1; q++) {
+            const float *gp = packed + q * stride, *upp = packed + (Q + q) * stride;
+            gemm_group_panel(x + g0 * ld_x, ld_x, gp, upp, rows, K, gate);
+            gemm_group_panel(x + g0 * ld_x, ld_x, upp, q + 1 < q1 ? gp + stride : packed + q0 * stride, rows, K, up);
+            for (int m = 0; m < rows; m++)
+                silu_mul_row(gate + m * GEMM_NR, up + m * GEMM_NR, act + (g0 + m) * ld_act + q * GEMM_NR, GEMM_NR);
         }
     }
 }
@@ -1485,6 +1525,9 @@ int decoder_layers_f32(const decoder_layer_f32 *layers, int num_layers, const de
     if (num_layers <= 0) return 1;
     int next_row[num_layers];  /* each layer's attention: the next row to claim */
     memset(next_row, 0, sizeof(next_row));
+    /* SiLU·mul in the gate/up GEMM (gemm_silu_share) where its panels pair up, from two row groups
+     * on (a prefill's rows): the same bits, without the [T, 2 I] buffer's round trip through L3 */
+    const int silu_in_gemm = I % GEMM_NR == 0 && T > GEMM_RG;
     #pragma omp parallel
     {
         for (int i = 0; i < num_layers; i++) {
@@ -1502,9 +1545,14 @@ int decoder_layers_f32(const decoder_layer_f32 *layers, int num_layers, const de
             #pragma omp barrier
             add_rmsnorm_rows(s->o_out, hid, s->residual, hid, s->residual, hid, w->post_attention_norm, s->normed,
                              hid, T, hid, s->eps);
-            gemm_share(s->normed, hid, w->gate_up, 0, s->gate_up, 2 * I, T, 2 * I, hid);
-            #pragma omp barrier
-            silu_mul_rows(s->gate_up, 2 * I, s->act, I, T, I);
+            if (silu_in_gemm) {
+                gemm_silu_share(s->normed, hid, w->gate_up, s->act, I, T, I, hid);
+                #pragma omp barrier
+            } else {
+                gemm_share(s->normed, hid, w->gate_up, 0, s->gate_up, 2 * I, T, 2 * I, hid);
+                #pragma omp barrier
+                silu_mul_rows(s->gate_up, 2 * I, s->act, I, T, I);  /* (its omp for ends at a barrier) */
+            }
             gemm_share(s->act, I, w->down, 0, s->h, hid, T, hid, I);
             #pragma omp barrier
         }
