@@ -1526,7 +1526,8 @@ int decoder_layers_f32(const decoder_layer_f32 *layers, int num_layers, const de
     int next_row[num_layers];  /* each layer's attention: the next row to claim */
     memset(next_row, 0, sizeof(next_row));
     /* SiLU·mul in the gate/up GEMM (gemm_silu_share) where its panels pair up, from two row groups
-     * on (a prefill's rows): the same bits, without the [T, 2 I] buffer's round trip through L3 */
+     * on (a prefill's rows): the same bits, without the [T, 2 I] buffer's round trip through L3
+     * (offline cold traffic at 64 sequences +5 %: bench/RESULTS.md, 2026-12-07, `26e2bad`) */
     const int silu_in_gemm = I % GEMM_NR == 0 && T > GEMM_RG;
     #pragma omp parallel
     {
