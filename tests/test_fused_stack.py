@@ -100,6 +100,23 @@ def test_fused_stack_is_bitwise_the_python_loop(models, monkeypatch, arch, case)
         assert llm.engine.stats()["spec_draft_tokens"] > 0  # verified in multi-token rows
 
 
+def test_silu_in_the_gate_up_gemm_on_1_to_3_threads(models, monkeypatch):
+    """The gate/up panel pairs split among 1, 2 or 3 threads (2 pairs of 48, or 6 of 16: a thread may
+    have none): the same bits as the Python loop (pytest-xdist runs one thread a worker)."""
+    import torch
+
+    path, vocab = models["llama-i96"]
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            want, _, _ = _run(monkeypatch, path, vocab, False)
+            got, calls, _ = _run(monkeypatch, path, vocab, True)
+            assert calls["rows"] > 32 and got == want, n
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_where_the_driver_does_not_run_the_loop_serves(models, monkeypatch):
     path, vocab = models["llama"]
     _, calls, llm = _run(monkeypatch, path, vocab, True, block_size=32)  # the C decode kernel's generic path
