@@ -29,20 +29,19 @@ def models(tmp_path_factory):
     tok = tmp_path_factory.mktemp("tok")
     vocab = build_tokenizer(tok)
     out = {}
-    for arch in ("llama", "qwen2", "mistral", "qwen3", "llama-i96"):
-        path = tmp_path_factory.mktemp(f"fused-{arch}")
+    variants = {"llama-i96": ("llama", {"intermediate_size": 96})}
+    for name in ("llama", "qwen2", "mistral", "qwen3", "llama-i96"):
+        arch, overrides = variants.get(name, (name, {}))
+        path = tmp_path_factory.mktemp(f"fused-{name}")
         for f in tok.iterdir():
             shutil.copy(f, path / f.name)
-        if arch == "llama-i96":
-            build_model(path, "llama", vocab, head_dim=64, intermediate_size=96)
-        else:
-            build_model(path, arch, vocab, head_dim=64)
-        out[arch] = (path, vocab)
+        build_model(path, arch, vocab, head_dim=64, **overrides)
+        out[name] = (path, vocab)
     return out
 
 
 def _run(monkeypatch, model_dir, vocab, fused: bool, **kw):
-    """(results, fused calls, prefill tokens the fused calls computed)."""
+    """(results; the fused calls: how many, how many with prefill rows, the most rows of one; the LLM)."""
     monkeypatch.setenv("PREFIXKV_FUSED_STACK", "1" if fused else "0")
     calls = {"n": 0, "multi": 0, "rows": 0}
 
