@@ -117,7 +117,7 @@ def layers(args: argparse.Namespace, libs: dict) -> dict:
     from prefixkv import LLM
     from prefixkv.model import fused_stack
 
-    llm = LLM(model=args.model, dtype="float32", block_size=args.block_size,
+    llm = LLM(model=args.model, dtype="float32", block_size=args.block_size, max_num_seqs=max(64, args.batch),
               num_kv_blocks=max(64, args.batch * -(-(args.system_tokens + args.question_tokens + args.warm
                                                      + 4 * args.passes) // args.block_size) + 8))
     eng = llm.engine

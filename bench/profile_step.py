@@ -49,8 +49,13 @@ def time_kernels(eng) -> dict[str, float]:
 
 def shared_prefix_decodes(eng, batch: int = 16, system_tokens: int = 196, question_tokens: int = 32) -> None:
     """``batch`` greedy requests sharing a ``system_tokens`` prefix, each with its own
-    ``question_tokens``, added to ``eng`` and prefilled: its next steps are decode steps."""
+    ``question_tokens``, added to ``eng`` and prefilled: its next steps are decode steps. ``eng``'s
+    ``max_num_seqs`` must be at least ``batch`` (the requests never finish, so the rest would wait forever)."""
     from prefixkv import SamplingParams
+
+    bound = eng.config.scheduler.max_num_seqs
+    if batch > bound:
+        raise ValueError(f"batch: {batch} decodes at once need max_num_seqs >= {batch} (the engine's is {bound})")
 
     v = min(40000, eng.info.vocab_size - 5)  # (token ids of SmolLM2's vocabulary; of a tiny one in tests)
     shared = [3 + (i * 7919) % v for i in range(system_tokens)]
@@ -76,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="also write the table to this file")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    llm = LLM()
+    llm = LLM(max_num_seqs=max(64, a.batch))
     eng = llm.engine
     shared_prefix_decodes(eng, a.batch, a.system_tokens, a.question_tokens)
     times = []
