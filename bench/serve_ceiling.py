@@ -132,11 +132,14 @@ def cmd_ceiling(args: argparse.Namespace, command: str) -> int:
                                        f"ceiling-{n}-{r}")
                         run["systems"][name] = {k: res.get(k) for k in ("output_throughput", "request_throughput",
                                                                          "median_itl_ms", "median_ttft_ms", "failed",
-                                                                         "server_cpu_s", "load_generator_cpu_s")}
+                                                                         "server_cpu_s", "load_generator_cpu_s",
+                                                                         "load_generator_run_cpu_s", "completed",
+                                                                         "total_output_tokens")}
                         cpu = res["server_cpu_s"]
                         print(f"streams {n} round {r} {name}: {res['output_throughput']:.0f} tok/s; CPU s: front "
                               f"{cpu['front']:.2f}, engine {cpu['engine']:.2f}, load generator "
-                              f"{res.get('load_generator_cpu_s', float('nan')):.2f}", flush=True)
+                              f"{res.get('load_generator_cpu_s', float('nan')):.2f} (in its requests "
+                              f"{res.get('load_generator_run_cpu_s') or float('nan'):.2f})", flush=True)
                     # the offline run encodes the served text again: the same token counts as served
                     enc = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
                     run["offline_tokens_per_s"], run["offline_cpu_s_per_token"] = offline_tokens(
@@ -161,6 +164,7 @@ def cmd_ceiling(args: argparse.Namespace, command: str) -> int:
             ratio = med(g["output_throughput"] / r["offline_tokens_per_s"] for g, r in zip(got, runs))
             cpu = {k: med(g["server_cpu_s"][k] for g in got) for k in ("front", "engine")}
             cpu["load_generator"] = med(g.get("load_generator_cpu_s") or float("nan") for g in got)
+            cpu["load_generator_run"] = med(g.get("load_generator_run_cpu_s") or float("nan") for g in got)
             doc["summary"].append({"streams": n, "system": name, "served": served, "offline": offline,
                                    "ratio": ratio, "cpu_s": cpu})
     print_summary(doc)
@@ -175,9 +179,11 @@ def print_summary(doc: dict) -> None:
     runs move with the machine too), the median of those."""
     print(f"\n{doc['command']}\nload average {doc['loadavg_start']} -> {doc.get('loadavg_end')}")
     print("| streams | system | served tok/s | offline tok/s | served / offline (median of the rounds') | "
-          "CPU s: front / engine / load generator |\n|---|---|---|---|---|---|")
+          "CPU s: front / engine / load generator (in its requests) |\n|---|---|---|---|---|---|")
     for row in doc["summary"]:
         cpu = {"front": float("nan"), "engine": float("nan"), "load_generator": float("nan"),
-               **(row.get("cpu_s") or {})}  # the runs before `a5a7bd7` recorded none
+               "load_generator_run": float("nan"),
+               **(row.get("cpu_s") or {})}  # older runs lack some (none before `a5a7bd7`)
         print(f"| {row['streams']} | {row['system']} | {row['served']:.0f} | {row['offline']:.0f} | {row['ratio']:.2f} | "
-              f"{cpu['front']:.2f} / {cpu['engine']:.2f} / {cpu['load_generator']:.2f} |")
+              f"{cpu['front']:.2f} / {cpu['engine']:.2f} / {cpu['load_generator']:.2f} "
+              f"({cpu['load_generator_run']:.2f}) |")
