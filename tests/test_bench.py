@@ -159,6 +159,27 @@ def test_kernel_ab(tiny_llama, tmp_path, tokenizer_dir):
     assert doc["ms_per_pass"]["current"] > 0 and doc["ms_per_pass"]["baseline"] > 0
     with pytest.raises(SystemExit, match="fused layer stack does not run here .*head_dim 16"):
         main(layers + ["--model", str(tiny_llama), "--out", str(tmp_path)])
+    # more sequences than the engine's default max_num_seqs (64): every one decodes in the timed steps
+    wide = ["kernel-ab", "--part", "layers", "--batch", "70", "--system-tokens", "8", "--question-tokens", "2",
+            "--passes", "1", "--baseline", str(same), "--model", str(model)]
+    doc = _run(wide, tmp_path, "layers-70")
+    assert doc["batch"] == 70 and doc["calls"] == {"current": 2, "baseline": 2}
+
+
+def test_shared_prefix_decodes_refuses_more_sequences_than_the_engine_runs_at_once(tiny_llama):
+    """``bench.profile_step.shared_prefix_decodes`` (kernel-ab's and profile_step's decode batch): its
+    requests never finish, so a batch over the engine's ``max_num_seqs`` would leave some waiting
+    forever; it is refused by name, and a batch at the bound is prefilled and decoding."""
+    from bench.profile_step import shared_prefix_decodes
+    from prefixkv import LLM
+
+    eng = LLM(model=str(tiny_llama), dtype="float32", max_num_seqs=4).engine
+    with pytest.raises(ValueError, match=r"batch: 5 decodes at once need max_num_seqs >= 5 \(the engine's is 4\)"):
+        shared_prefix_decodes(eng, 5, system_tokens=8, question_tokens=2)
+    assert not eng.scheduler.waiting and not eng.scheduler.running  # nothing was added
+    shared_prefix_decodes(eng, 4, system_tokens=8, question_tokens=2)
+    running = eng.scheduler.running
+    assert len(running) == 4 and all(r.num_computed_tokens >= r.num_prompt_tokens for r in running)
 
 
 def test_report_makes_the_summary_plots_from_the_recorded_json(tmp_path):

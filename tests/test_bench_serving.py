@@ -361,3 +361,58 @@ def test_the_load_generator_runs_at_the_nice_value_asked_for():
         out = subprocess.run([sys.executable, "-m", "bench", command, "--load-generator-nice", "25"],
                              capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert out.returncode != 0 and "--load-generator-nice: must be 0 to 19, got 25" in out.stderr, out.stderr
+
+
+def test_the_load_generators_cpu_inside_its_requests_is_recorded_apart_from_its_start_up(tmp_path):
+    """``bench/vllm_bench_serve.py`` adds to ``vllm bench serve``'s result file its CPU from after
+    its imports (``load_generator_cpu_s``) and inside vLLM's ``benchmark`` coroutine alone
+    (``load_generator_run_cpu_s``: the requests). Here a stand-in ``vllm`` package burns ~0.3 CPU s
+    before ``benchmark`` (its tokenizer, its dataset) and ~0.2 s inside it."""
+    import json
+    import subprocess
+    import sys
+
+    from bench.serve_peers import ROOT
+
+    pkg = tmp_path / "fake" / "vllm"
+    (pkg / "benchmarks").mkdir(parents=True)
+    (pkg / "utils").mkdir()
+    for d in (pkg, pkg / "benchmarks", pkg / "utils"):
+        (d / "__init__.py").write_text("")
+    (pkg / "utils" / "argparse_utils.py").write_text("from argparse import ArgumentParser as FlexibleArgumentParser\n")
+    (pkg / "benchmarks" / "serve.py").write_text('''
+import asyncio, json, os, time
+
+def burn(s):
+    t = time.process_time()
+    while time.process_time() - t < s:
+        pass
+
+def add_cli_args(p):
+    p.add_argument("--save-result", action="store_true")
+    p.add_argument("--result-dir")
+    p.add_argument("--result-filename")
+
+async def benchmark():
+    burn(0.2)
+    return {"completed": 1}
+
+async def main_async(args):
+    burn(0.3)
+    result = await benchmark()
+    with open(os.path.join(args.result_dir, args.result_filename), "w") as f:
+        json.dump(result, f)
+    return result
+
+def main(args):
+    return asyncio.run(main_async(args))
+''')
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path / "fake")}
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "vllm_bench_serve.py"), "--save-result",
+                          "--result-dir", str(tmp_path), "--result-filename", "r.json"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["completed"] == 1
+    assert 0.19 <= doc["load_generator_run_cpu_s"] < 0.3
+    assert 0.49 <= doc["load_generator_cpu_s"] < 0.7
