@@ -116,6 +116,33 @@ def test_silu_in_the_gate_up_gemm_on_1_to_3_threads(models, monkeypatch):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("delay_us", [300, 30_000])
+def test_the_callers_thread_takes_the_shares_of_helpers_that_start_late(models, monkeypatch, delay_us):
+    """The layer stack and the LM head run on cpu_ops.c's team: the caller's thread takes every
+    share no helper has claimed, and a helper that arrives after its call is over claims nothing.
+    Helpers held back 0.3 ms (they join calls midway) or 30 ms (the caller does every share, and
+    each helper wakes into a call that is over or a later one), on 2 and 3 threads: the same
+    bits as the Python loop."""
+    import torch
+
+    lib = cpu_ops.load()
+    if lib is None or not cpu_ops.gemm_available():
+        pytest.skip("the team runs the AVX-512 / AVX2 kernels")
+    path, vocab = models["llama"]
+    want, _, _ = _run(monkeypatch, path, vocab, False)
+    threads = torch.get_num_threads()
+    try:
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            lib.team_set_helper_delay_us(delay_us)
+            got, calls, _ = _run(monkeypatch, path, vocab, True)
+            lib.team_set_helper_delay_us(0)
+            assert calls["n"] > 0 and got == want, n
+    finally:
+        lib.team_set_helper_delay_us(0)
+        torch.set_num_threads(threads)
+
+
 def test_where_the_driver_does_not_run_the_loop_serves(models, monkeypatch):
     path, vocab = models["llama"]
     _, calls, llm = _run(monkeypatch, path, vocab, True, block_size=32)  # the C decode kernel's generic path

@@ -9,8 +9,11 @@
  * Every function exists for float (suffix _f32) and double (suffix _f64); arithmetic is in the
  * element type (float32 accumulation for float32: "accumulated in at least fp32").
  */
+#define _GNU_SOURCE  /* pthreads, syscall, sched_yield under -std=c11 */
 #include <math.h>
 #include <omp.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
@@ -892,10 +895,12 @@ static inline int decode_rows_claim(int *next, const int32_t *block_tables, int 
  * in any group, alone, or computed by any thread. Each thread claims its next group from the
  * counter *next (0 at the start) while it computes one (while more groups are left than threads):
  * the AVX-512 kernel reads that group's blocks ahead under this one's arithmetic. The rows are
- * claimed in the order `order` gives (DECODE_ROW). A barrier at the end. */
+ * claimed in the order `order` gives (DECODE_ROW). nt: the threads that claim (no barrier here: the
+ * caller's parallel region or team phase ends after the rows). */
 static void decode_rows_f32(const float *q, int64_t ldq, const float *kv_layer, const int32_t *block_tables,
                             const int32_t *seq_lens, const int32_t *order, float *out, int B, int H, int KVH, int D,
-                            int BS, int max_blocks, int64_t nb1, float scale, int window, float softcap, int *next) {
+                            int BS, int max_blocks, int64_t nb1, float scale, int window, float softcap, int *next,
+                            int nt) {
     const int64_t half = nb1 * (int64_t)KVH * BS * D;
 #if defined(__AVX512F__)
     const int fit = 16384 / (H * (D + DECODE_CHUNK));  /* a row's accumulators and a chunk's p */
@@ -914,7 +919,7 @@ static void decode_rows_f32(const float *q, int64_t ldq, const float *kv_layer, 
         /* the next group claimed now only while more are left than there are threads: with fewer, a
          * thread that claimed early would leave another idle (at batch 2 on 2 threads, one thread
          * took both rows); then it is claimed after this one, with nothing read ahead for it */
-        const int early = B - __atomic_load_n(next, __ATOMIC_RELAXED) > omp_get_num_threads();
+        const int early = B - __atomic_load_n(next, __ATOMIC_RELAXED) > nt;
         const int i2 = early ? decode_rows_claim(next, block_tables, max_blocks, seq_lens, order, B, BS, tg) : B;
         const float *qb = q + (int64_t)b * ldq;
         const int32_t *table = block_tables + (int64_t)(b + n - 1) * max_blocks;
@@ -946,7 +951,6 @@ static void decode_rows_f32(const float *q, int64_t ldq, const float *kv_layer, 
 #endif
         i = early ? i2 : decode_rows_claim(next, block_tables, max_blocks, seq_lens, order, B, BS, tg);
     }
-    #pragma omp barrier
 }
 #endif
 
@@ -958,7 +962,7 @@ void paged_decode_attention_f32(const float *q, int64_t ldq, const float *kv_lay
         int next = 0;
         #pragma omp parallel
         decode_rows_f32(q, ldq, kv_layer, block_tables, seq_lens, order, out, B, H, KVH, D, BS, max_blocks, nb1,
-                        scale, window, softcap, &next);
+                        scale, window, softcap, &next, omp_get_num_threads());
         return;
     }
 #endif
@@ -981,13 +985,15 @@ int paged_decode_takes_order(void) { return 1; }
  *     h = x + residual (if residual);  residual_out = h;  out = weight * (h * rsqrt(mean(h^2) + eps))
  * x, residual, residual_out, out: [rows, n] (row strides ld_*); weight [n]. The mean is a float32
  * sum in index order divided by n (torch sums in another order: values agree to float32 rounding). */
-/* The rows shared among the threads of the enclosing parallel region (one thread outside any);
- * implicit barrier at the end. Likewise rope_rows_*, silu_mul_rows, kv_write_rows_* below. */
-static void add_rmsnorm_rows(const float *x, int64_t ld_x, const float *residual, int64_t ld_res,
-                             float *residual_out, int64_t ld_res_out, const float *weight, float *out,
-                             int64_t ld_out, int rows, int n, float eps) {
-    #pragma omp for schedule(static)
-    for (int r = 0; r < rows; r++) {
+/* Row r (add_rmsnorm_rows: the rows shared among the threads of the enclosing parallel region, one
+ * thread outside any; implicit barrier at the end. Likewise rope_rows_*, silu_mul_rows,
+ * kv_write_rows_* below, each with its row on its own for the team's shares further down). One
+ * body for every caller (noinline): the compiler may vectorize the sum of squares differently where
+ * it inlines it, and the fused layer stack must give the separate kernel's bits. */
+static __attribute__((noinline)) void add_rmsnorm_row(const float *x, int64_t ld_x, const float *residual, int64_t ld_res,
+                                   float *residual_out, int64_t ld_res_out, const float *weight, float *out,
+                                   int64_t ld_out, int r, int n, float eps) {
+    {
         const float *xr = x + r * ld_x;
         float *hr = residual_out ? residual_out + r * ld_res_out : out + r * ld_out;
         if (residual) {
@@ -1007,6 +1013,14 @@ static void add_rmsnorm_rows(const float *x, int64_t ld_x, const float *residual
     }
 }
 
+static void add_rmsnorm_rows(const float *x, int64_t ld_x, const float *residual, int64_t ld_res,
+                             float *residual_out, int64_t ld_res_out, const float *weight, float *out,
+                             int64_t ld_out, int rows, int n, float eps) {
+    #pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++)
+        add_rmsnorm_row(x, ld_x, residual, ld_res, residual_out, ld_res_out, weight, out, ld_out, r, n, eps);
+}
+
 void add_rmsnorm_f32(const float *x, int64_t ld_x, const float *residual, int64_t ld_res, float *residual_out,
                      int64_t ld_res_out, const float *weight, float *out, int64_t ld_out, int rows, int n,
                      float eps) {
@@ -1019,10 +1033,9 @@ void add_rmsnorm_f32(const float *x, int64_t ld_x, const float *residual, int64_
  *     out[i] = x[i] * cos[i] + (-x[i + D/2]) * sin[i],   out[i + D/2] = x[i + D/2] * cos[i + D/2] + x[i] * sin[i + D/2]
  * x: [rows, heads, D] with row stride ld_x (a view into the fused qkv output), cos/sin: [rows, D]. */
 #define DEFINE_ROPE(T, SUFFIX)                                                                   \
-static void rope_rows_##SUFFIX(T *x, int64_t ld_x, const T *cos, const T *sin, int rows, int heads, int D) { \
+static inline void rope_row_##SUFFIX(T *x, int64_t ld_x, const T *cos, const T *sin, int r, int heads, int D) { \
     const int half = D / 2;                                                                      \
-    _Pragma("omp for schedule(static)")                                                          \
-    for (int r = 0; r < rows; r++) {                                                             \
+    {                                                                                            \
         const T *c = cos + (int64_t)r * D, *s = sin + (int64_t)r * D;                            \
         for (int h = 0; h < heads; h++) {                                                        \
             T *v = x + r * ld_x + (int64_t)h * D;                                                \
@@ -1036,6 +1049,10 @@ static void rope_rows_##SUFFIX(T *x, int64_t ld_x, const T *cos, const T *sin, i
             }                                                                                    \
         }                                                                                        \
     }                                                                                            \
+}                                                                                                \
+static void rope_rows_##SUFFIX(T *x, int64_t ld_x, const T *cos, const T *sin, int rows, int heads, int D) { \
+    _Pragma("omp for schedule(static)")                                                          \
+    for (int r = 0; r < rows; r++) rope_row_##SUFFIX(x, ld_x, cos, sin, r, heads, D);            \
 }                                                                                                \
 void rope_##SUFFIX(T *x, int64_t ld_x, const T *cos, const T *sin, int rows, int heads, int D) {   \
     _Pragma("omp parallel if (rows >= 32)")                                                      \
@@ -1093,13 +1110,12 @@ void softcap_f32(float *x, int64_t n, float cap) {
  * heads contiguous (views into the fused qkv output: no copy first). Slots < 0 or >= nslots are
  * skipped, as the CUDA kernel does. The copy is exact, so any order gives the same cache. */
 #define DEFINE_KV_WRITE(T, SUFFIX)                                                               \
-static void kv_write_rows_##SUFFIX(const T *k, int64_t ld_k, const T *v, int64_t ld_v, T *kv_layer,     \
-                                  int64_t half, const int64_t *slots, int ntok, int KVH, int BS, int D,  \
-                                  int64_t nslots) {                                              \
-    _Pragma("omp for schedule(static)")                                                          \
-    for (int t = 0; t < ntok; t++) {                                                             \
+static inline void kv_write_row_##SUFFIX(const T *k, int64_t ld_k, const T *v, int64_t ld_v, T *kv_layer, \
+                                         int64_t half, const int64_t *slots, int t, int KVH, int BS, int D, \
+                                         int64_t nslots) {                                       \
+    {                                                                                            \
         const int64_t s = slots[t];                                                              \
-        if (s < 0 || s >= nslots) continue;                                                      \
+        if (s < 0 || s >= nslots) return;                                                        \
         const int64_t blk = s / BS, off = s % BS;                                                \
         for (int h = 0; h < KVH; h++) {                                                          \
             T *dst = kv_layer + ((blk * KVH + h) * BS + off) * D;                                \
@@ -1107,6 +1123,12 @@ static void kv_write_rows_##SUFFIX(const T *k, int64_t ld_k, const T *v, int64_t
             memcpy(dst + half, v + t * ld_v + (int64_t)h * D, sizeof(T) * D);                    \
         }                                                                                        \
     }                                                                                            \
+}                                                                                                \
+static void kv_write_rows_##SUFFIX(const T *k, int64_t ld_k, const T *v, int64_t ld_v, T *kv_layer,     \
+                                  int64_t half, const int64_t *slots, int ntok, int KVH, int BS, int D,  \
+                                  int64_t nslots) {                                              \
+    _Pragma("omp for schedule(static)")                                                          \
+    for (int t = 0; t < ntok; t++) kv_write_row_##SUFFIX(k, ld_k, v, ld_v, kv_layer, half, slots, t, KVH, BS, D, nslots); \
 }                                                                                                \
 void kv_write_##SUFFIX(const T *k, int64_t ld_k, const T *v, int64_t ld_v, T *kv_layer, int64_t half, \
                        const int64_t *slots, int ntok, int KVH, int BS, int D, int64_t nslots) { \
@@ -1354,22 +1376,21 @@ static inline __attribute__((always_inline)) void gemm_group_panel(const float *
     }
 }
 
-/* This thread's share of the GEMM among the threads of the enclosing parallel region (all of it
- * outside any): each thread a contiguous range of panels; the row groups outside the panels, so a
- * group's GEMM_RG rows of x stay in L2 while the thread's panels go by (from memory for the first
- * group, then from L3). No barrier at the end. With am_best (y unused): y is not written; row m's
- * argmax over this thread's columns (in order) goes to am_best[m], am_idx[m] (argmax_update). */
+/* Share t of nt of the GEMM (thread t of a parallel region of nt threads, or a team's share): a
+ * contiguous range of panels; the row groups outside the panels, so a group's GEMM_RG rows of x
+ * stay in L2 while the share's panels go by (from memory for the first group, then from L3). No
+ * barrier at the end. With am_best (y unused): y is not written; row m's argmax over the share's
+ * columns (in order) goes to am_best[m], am_idx[m] (argmax_update). */
 static void gemm_share_to(const float *x, int64_t ld_x, const float *packed, const float *bias, float *y,
-                          int64_t ld_y, int M, int N, int K, float *am_best, int64_t *am_idx);
+                          int64_t ld_y, int M, int N, int K, float *am_best, int64_t *am_idx, int t, int nt);
 static void gemm_share(const float *x, int64_t ld_x, const float *packed, const float *bias, float *y,
-                       int64_t ld_y, int M, int N, int K) {
-    gemm_share_to(x, ld_x, packed, bias, y, ld_y, M, N, K, 0, 0);
+                       int64_t ld_y, int M, int N, int K, int t, int nt) {
+    gemm_share_to(x, ld_x, packed, bias, y, ld_y, M, N, K, 0, 0, t, nt);
 }
 static void gemm_share_to(const float *x, int64_t ld_x, const float *packed, const float *bias, float *y,
-                          int64_t ld_y, int M, int N, int K, float *am_best, int64_t *am_idx) {
+                          int64_t ld_y, int M, int N, int K, float *am_best, int64_t *am_idx, int t, int nt) {
     const int P = (N + GEMM_NR - 1) / GEMM_NR;
     {
-        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int p0 = (int)((int64_t)P * t / nt), p1 = (int)((int64_t)P * (t + 1) / nt);
         float total[GEMM_RG * GEMM_NR] __attribute__((aligned(64)));
         for (int g0 = 0; g0 < M; g0 += GEMM_RG) {
@@ -1395,16 +1416,15 @@ static void gemm_share_to(const float *x, int64_t ld_x, const float *packed, con
     }
 }
 
-/* This thread's share of act = silu_mul(x @ Wgate_up^T) (silu_mul_rows' arithmetic on what gemm_share
+/* Share t of nt of act = silu_mul(x @ Wgate_up^T) (silu_mul_rows' arithmetic on what gemm_share
  * would write, never written), for a gate_up packed from [2 I, K] with I a multiple of GEMM_NR: gate
  * panels 0 .. Q - 1, then up panels Q .. 2 Q - 1. Each thread takes a contiguous range of panel
  * pairs (q, Q + q); a group's rows go through the gate panel, then the up panel, and each row's
  * GEMM_NR outputs are silu_mul_row of the two totals. The [M, 2 I] buffer between the GEMM and
  * silu_mul_rows, written and read back through L3 at a prefill's row counts, is not needed. */
 static void gemm_silu_share(const float *x, int64_t ld_x, const float *packed, float *act, int64_t ld_act,
-                            int M, int I, int K) {
+                            int M, int I, int K, int t, int nt) {
     const int Q = I / GEMM_NR;
-    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     const int q0 = (int)((int64_t)Q * t / nt), q1 = (int)((int64_t)Q * (t + 1) / nt);
     const int64_t stride = (int64_t)K * GEMM_NR;
     float gate[GEMM_RG * GEMM_NR] __attribute__((aligned(64)));
@@ -1425,39 +1445,243 @@ static void gemm_silu_share(const float *x, int64_t ld_x, const float *packed, f
 int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bias, float *y, int64_t ld_y,
              int M, int N, int K) {
     #pragma omp parallel
-    gemm_share(x, ld_x, packed, bias, y, ld_y, M, N, K);
+    gemm_share(x, ld_x, packed, bias, y, ld_y, M, N, K, omp_get_thread_num(), omp_get_num_threads());
     return 1;
+}
+
+/* ----------------------------------------------------------------------------------------------
+ * The team: the threads of the LM head (lm_head_argmax_f32) and of the fused layer stack
+ * (decoder_layers_f32). A call is a sequence of phases, each split into nt shares: share s is what
+ * thread s of an OpenMP team of nt computes, so the bits are the same whoever computes it. A
+ * thread takes its own share of a phase first, then any share still unclaimed; a phase is over
+ * when all its shares are done, whoever did them. The calling thread takes part and never waits
+ * for a thread that has not started. With OpenMP's barriers it did: a worker the OS left queued
+ * behind another process (the HTTP front end, its client) held the step while the caller's CPU
+ * idled (bench/RESULTS.md, 2026-12-07: the served ceiling's idle CPU).
+ *
+ * The helpers are pthreads, started at first use: omp_get_max_threads() - 1 of them (what
+ * torch.set_num_threads set), at most TEAM_MAX_THREADS in all. Between calls a helper spins
+ * briefly, then sleeps on a futex. Each claim word and done word carries its call's generation:
+ * a helper that arrives after its call is over (or reads a later call's state half-written)
+ * claims nothing, so it never touches a call's data, and goes back to waiting. One call at a time
+ * (a mutex); a forked child starts its own helpers.
+ * ---------------------------------------------------------------------------------------------- */
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define TEAM_MAX_THREADS 32   /* a claim word's share bits */
+#define TEAM_MAX_PHASES 8192
+#define TEAM_SPIN 1000        /* pause iterations before a helper sleeps or a waiter yields */
+
+static uint64_t team_claims[TEAM_MAX_PHASES];  /* (gen << 32) | a bit a share claimed (bits >= nt set from the start) */
+static uint64_t team_dones[TEAM_MAX_PHASES];   /* (gen << 32) | (nt << 16) | the number of shares done */
+static uint32_t team_gen;                      /* the current call's generation: the helpers' futex word */
+static int team_sleepers;                      /* helpers asleep on it (or about to be) */
+static int team_waiters;                       /* threads asleep on a phase's done word (or about to be) */
+static void (*team_body)(uint32_t gen, int self);
+static int team_nt;                            /* the current call's shares a phase */
+static int team_helpers;                       /* helper threads started */
+static int team_helper_delay_us;               /* tests: each helper joins each call this late */
+static pthread_mutex_t team_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static inline void team_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Share s of phase p for a thread of call gen: self's own first, then the lowest unclaimed; -1 when
+ * none is left, -2 when the call is over. */
+static inline int team_claim(uint32_t gen, int p, int self) {
+    uint64_t w = __atomic_load_n(&team_claims[p], __ATOMIC_ACQUIRE);
+    for (;;) {
+        if ((uint32_t)(w >> 32) != gen) return -2;
+        const uint32_t open = ~(uint32_t)w;
+        if (!open) return -1;
+        const int s = self < TEAM_MAX_THREADS && (open >> self & 1) ? self : __builtin_ctz(open);
+        if (__atomic_compare_exchange_n(&team_claims[p], &w, w | (1ull << s), 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return s;
+    }
+}
+
+/* The low half of phase p's done word (its count and nt: what a share's end changes), a futex. */
+static inline uint32_t *team_done_futex(int p) {
+    return (uint32_t *)&team_dones[p] + (__BYTE_ORDER__ == __ORDER_BIG_ENDIAN__);
+}
+
+/* Until all shares of phase p are done: 1, or 0 when call gen is over (a late helper). After a
+ * short spin the thread sleeps (a share's thread was preempted: its CPU goes to whatever else
+ * waits for one) until a share's end wakes it. */
+static inline int team_wait(uint32_t gen, int p) {
+    for (int i = 0;; i++) {
+        const uint64_t w = __atomic_load_n(&team_dones[p], __ATOMIC_ACQUIRE);
+        if ((uint32_t)(w >> 32) != gen) return 0;
+        if ((w & 0xffff) >= (w >> 16 & 0xffff)) return 1;
+        if (i < TEAM_SPIN) {
+            team_relax();
+            continue;
+        }
+        __atomic_add_fetch(&team_waiters, 1, __ATOMIC_SEQ_CST);
+        syscall(SYS_futex, team_done_futex(p), FUTEX_WAIT_PRIVATE, (uint32_t)w, NULL, NULL, 0);
+        __atomic_sub_fetch(&team_waiters, 1, __ATOMIC_SEQ_CST);
+    }
+}
+
+/* A share of phase p done: its count up, and whoever sleeps on a phase woken. */
+static inline void team_share_done(int p) {
+    __atomic_add_fetch(&team_dones[p], 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&team_waiters, __ATOMIC_SEQ_CST) > 0)
+        syscall(SYS_futex, team_done_futex(p), FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+}
+
+/* Phase p of call gen: the body (the macro's last arguments) once for each share s claimed (s in scope), then the wait for the
+ * others; the body function returns when the call is over for this thread. A body reads the
+ * call's parameters, but uses them only inside a phase's body: a claim is proof that the call is current. */
+#define TEAM_PHASE(gen, p, self, ...)                                                          \
+    do {                                                                                     \
+        int s;                                                                               \
+        while ((s = team_claim(gen, p, self)) >= 0) {                                        \
+            __VA_ARGS__;                                                                     \
+            team_share_done(p);                                                              \
+        }                                                                                    \
+        if (s == -2 || !team_wait(gen, p)) return;                                           \
+    } while (0)
+
+static void *team_helper(void *arg) {
+    const int self = (int)(intptr_t)arg;
+    uint32_t seen = __atomic_load_n(&team_gen, __ATOMIC_ACQUIRE);
+    for (;;) {
+        uint32_t gen;
+        for (int i = 0;; i++) {
+            gen = __atomic_load_n(&team_gen, __ATOMIC_ACQUIRE);
+            if (gen != seen) break;
+            if (i < TEAM_SPIN) {
+                team_relax();
+                continue;
+            }
+            __atomic_add_fetch(&team_sleepers, 1, __ATOMIC_SEQ_CST);
+            syscall(SYS_futex, &team_gen, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+            __atomic_sub_fetch(&team_sleepers, 1, __ATOMIC_SEQ_CST);
+            i = 0;
+        }
+        seen = gen;
+        const int delay = __atomic_load_n(&team_helper_delay_us, __ATOMIC_RELAXED);
+        if (delay > 0) usleep((useconds_t)delay);
+        void (*body)(uint32_t, int) = team_body;  /* (a later call's, if it was written meanwhile: its claims fail) */
+        if (self < __atomic_load_n(&team_nt, __ATOMIC_RELAXED) && body) body(gen, self);
+    }
+    return NULL;
+}
+
+static void team_after_fork(void) {
+    team_helpers = 0;
+    team_sleepers = 0;
+    team_waiters = 0;
+    pthread_mutex_init(&team_lock, NULL);
+}
+
+/* Run body(gen, 0) on this thread, nt - 1 helpers taking part; its nphases phases of nt shares.
+ * The caller holds team_lock and has written the call's parameters. Returns when every phase is
+ * done. */
+static void team_run(void (*body)(uint32_t, int), int nphases, int nt) {
+    static int registered;
+    if (!registered) {
+        pthread_atfork(NULL, NULL, team_after_fork);
+        registered = 1;
+    }
+    while (team_helpers < nt - 1) {
+        pthread_t th;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int ok = pthread_create(&th, &attr, team_helper, (void *)(intptr_t)(team_helpers + 1)) == 0;
+        pthread_attr_destroy(&attr);
+        if (!ok) break;  /* the shares stay nt: the threads there are take them all */
+        pthread_setname_np(th, "prefixkv-team");
+        team_helpers++;
+    }
+    const uint32_t gen = team_gen + 1;
+    const uint32_t absent = nt >= 32 ? 0 : ~((1u << nt) - 1);  /* shares nt .. 31: never claimable */
+    for (int p = 0; p < nphases; p++) {
+        __atomic_store_n(&team_claims[p], (uint64_t)gen << 32 | absent, __ATOMIC_RELAXED);
+        __atomic_store_n(&team_dones[p], (uint64_t)gen << 32 | (uint64_t)nt << 16, __ATOMIC_RELAXED);
+    }
+    __atomic_store_n(&team_nt, nt, __ATOMIC_RELAXED);
+    __atomic_store_n(&team_body, body, __ATOMIC_RELAXED);
+    __atomic_store_n(&team_gen, gen, __ATOMIC_SEQ_CST);
+    if (nt > 1 && __atomic_load_n(&team_sleepers, __ATOMIC_SEQ_CST) > 0)
+        syscall(SYS_futex, &team_gen, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+    body(gen, 0);
+}
+
+/* Tests: every helper starts on each call us microseconds after it is posted (0: at once), so that
+ * the caller takes some or all of the helpers' shares, and helpers arrive after their call is over. */
+void team_set_helper_delay_us(int us) { __atomic_store_n(&team_helper_delay_us, us < 0 ? 0 : us, __ATOMIC_RELAXED); }
+
+/* The shares of a team call: nt = omp_get_max_threads() (torch's), at most TEAM_MAX_THREADS. */
+static int team_threads(void) {
+    const int nt = omp_get_max_threads();
+    return nt < 1 ? 1 : nt > TEAM_MAX_THREADS ? TEAM_MAX_THREADS : nt;
+}
+
+/* Rows lo .. hi - 1 of n: share s of nt. */
+#define SHARE_ROWS(n, s, nt, lo, hi) \
+    const int lo = (int)((int64_t)(n) * (s) / (nt)), hi = (int)((int64_t)(n) * ((s) + 1) / (nt))
+
+
+/* lm_head_argmax_f32's call, for the team's threads */
+static struct {
+    const float *x, *residual, *norm_w, *packed, *bias;
+    float *normed, *best;
+    int64_t *idx;
+    int64_t ld_x, ld_res;
+    float eps;
+    int M, N, K, nt;
+} lm_call;
+
+static void lm_head_body(uint32_t gen, int self) {
+    const int M = lm_call.M, N = lm_call.N, K = lm_call.K, nt = lm_call.nt;
+    TEAM_PHASE(gen, 0, self, {
+        SHARE_ROWS(M, s, nt, lo, hi);
+        for (int r = lo; r < hi; r++)
+            add_rmsnorm_row(lm_call.x, lm_call.ld_x, lm_call.residual, lm_call.ld_res, 0, 0, lm_call.norm_w,
+                            lm_call.normed, K, r, K, lm_call.eps);
+    });
+    TEAM_PHASE(gen, 1, self, gemm_share_to(lm_call.normed, K, lm_call.packed, lm_call.bias, 0, 0, M, N, K,
+                                           lm_call.best + (int64_t)s * M, lm_call.idx + (int64_t)s * M, s, nt));
 }
 
 /* Greedy decoding's last step, M rows of float32: h = x + residual, normed = rmsnorm(h) * norm_w
  * (add_rmsnorm_f32's arithmetic, into the workspace normed [M, K]), logits = normed @ W^T (+ bias)
  * as gemm_f32 computes them, never written: out[m] = the first index of row m's largest logit (its
- * first NaN if any), argmax_rows_f32 of the logits gemm_f32 would write. Each thread's columns in
- * order, then the threads in order. Returns 1, or 0 (nothing done) as gemm_f32 or where its scratch
- * cannot be allocated. */
+ * first NaN if any), argmax_rows_f32 of the logits gemm_f32 would write. Each share's columns in
+ * order, then the shares in order; on the team's threads. Returns 1, or 0 (nothing done) as
+ * gemm_f32 or where its scratch cannot be allocated. */
 int lm_head_argmax_f32(const float *x, int64_t ld_x, const float *residual, int64_t ld_res, const float *norm_w,
                        float eps, float *normed, const float *packed, const float *bias, int M, int N, int K,
                        int64_t *out) {
     if (M <= 0) return 1;
-    const int nt_max = omp_get_max_threads();
-    float *best = malloc(sizeof(float) * (size_t)nt_max * M);
-    int64_t *idx = malloc(sizeof(int64_t) * (size_t)nt_max * M);
+    const int nt = team_threads();
+    float *best = malloc(sizeof(float) * (size_t)nt * M);
+    int64_t *idx = malloc(sizeof(int64_t) * (size_t)nt * M);
     if (!best || !idx) {
         free(best);
         free(idx);
         return 0;
     }
-    for (int64_t i = 0; i < (int64_t)nt_max * M; i++) idx[i] = -1;  /* (a thread without columns keeps -1) */
-    #pragma omp parallel
-    {
-        add_rmsnorm_rows(x, ld_x, residual, ld_res, 0, 0, norm_w, normed, K, M, K, eps);  /* (a barrier after) */
-        const int t = omp_get_thread_num();
-        gemm_share_to(normed, K, packed, bias, 0, 0, M, N, K, best + (int64_t)t * M, idx + (int64_t)t * M);
-    }
-    for (int m = 0; m < M; m++) {  /* the threads' results in order, by the same rule as one value each */
+    for (int64_t i = 0; i < (int64_t)nt * M; i++) idx[i] = -1;  /* (a share without columns keeps -1) */
+    pthread_mutex_lock(&team_lock);
+    lm_call.x = x, lm_call.residual = residual, lm_call.norm_w = norm_w, lm_call.packed = packed;
+    lm_call.bias = bias, lm_call.normed = normed, lm_call.best = best, lm_call.idx = idx;
+    lm_call.ld_x = ld_x, lm_call.ld_res = ld_res, lm_call.eps = eps;
+    lm_call.M = M, lm_call.N = N, lm_call.K = K, lm_call.nt = nt;
+    team_run(lm_head_body, 2, nt);
+    pthread_mutex_unlock(&team_lock);
+    for (int m = 0; m < M; m++) {  /* the shares' results in order, by the same rule as one value each */
         float b = -INFINITY;
         int64_t j = -1;
-        for (int t = 0; t < nt_max; t++)
+        for (int t = 0; t < nt; t++)
             if (idx[(int64_t)t * M + m] >= 0) argmax_update(best + (int64_t)t * M + m, 1, idx[(int64_t)t * M + m], &b, &j);
         out[m] = j < 0 ? 0 : j;
     }
@@ -1488,11 +1712,11 @@ int lm_head_argmax_f32(const float *x, int64_t ld_x, const float *residual, int6
  *     attn = decode attention of every row (a token with its own block-table row and length)
  *     normed, residual = add_rmsnorm(attn @ Wo^T (+ b), residual)
  *     h = silu_mul(normed @ Wgate_up^T) @ Wdown^T
- * inside one parallel region, the threads meeting at a barrier between dependent steps, instead of
- * ~11 calls a layer through ctypes, each with its Python wrapper, allocations and a parallel region
- * of its own. Each kernel's rows are computed exactly as in its own call (each row, panel or
- * element on its own: the same bits whichever thread computes it), so the results are bitwise the
- * Python path's (tests/test_fused_stack.py). On return h holds the last layer's MLP output and
+ in one call on the team's threads (a phase a step, STACK_PHASES a layer) instead of ~11 calls a
+ * layer through ctypes, each with its Python wrapper, allocations and a parallel region of its own.
+ * Each kernel's rows are computed exactly as in its own call (each row, panel or element on its
+ * own: the same bits whichever thread computes it), so the results are bitwise the Python path's
+ * (tests/test_fused_stack.py). On return h holds the last layer's MLP output and
  * residual the stream before it, as LlamaModel.forward's loop leaves them.
  * ---------------------------------------------------------------------------------------------- */
 typedef struct {
@@ -1515,49 +1739,96 @@ typedef struct {
     const int32_t *row_order;        /* [T]: the order the attention takes the rows in (DECODE_ROW), or 0 */
 } decoder_step_f32;
 
+#if defined(VW)
+/* A layer's phases on the team: each depends on the one before. */
+enum { STACK_NORM, STACK_QKV, STACK_ROPE_KV, STACK_ATTN, STACK_O, STACK_NORM2, STACK_GATE_UP, STACK_SILU, STACK_DOWN,
+       STACK_PHASES };
+
+static struct {
+    const decoder_layer_f32 *layers;
+    const decoder_step_f32 *s;
+    int num_layers, nt;
+    int silu_in_gemm;  /* SiLU·mul inside the gate/up GEMM (STACK_SILU skipped) */
+} stack_call;
+static int stack_next_row[TEAM_MAX_PHASES / STACK_PHASES];  /* each layer's attention: the next row to claim */
+
+/* Share s of nt of phase k of layer i (w). */
+static void stack_phase(const decoder_layer_f32 *w, const decoder_step_f32 *st, int i, int k, int s, int nt,
+                        int silu_in_gemm) {
+    const int T = st->T, hid = st->hidden, H = st->H, KVH = st->KVH, D = st->D, I = st->inter;
+    const int nqkv = (H + 2 * KVH) * D;
+    const int64_t half = st->nb1 * (int64_t)KVH * st->BS * D;
+    SHARE_ROWS(T, s, nt, lo, hi);
+    switch (k) {
+    case STACK_NORM:  /* layer 0: residual = h */
+        for (int r = lo; r < hi; r++)
+            add_rmsnorm_row(st->h, hid, i ? st->residual : 0, hid, st->residual, hid, w->input_norm, st->normed, hid,
+                            r, hid, st->eps);
+        break;
+    case STACK_QKV:
+        gemm_share(st->normed, hid, w->qkv, w->qkv_bias, st->qkv, nqkv, T, nqkv, hid, s, nt);
+        break;
+    case STACK_ROPE_KV:  /* a row's q and k rotated (adjacent heads), then its k and v into the cache */
+        for (int r = lo; r < hi; r++) {
+            rope_row_f32(st->qkv, nqkv, st->cos, st->sin, r, H + KVH, D);
+            kv_write_row_f32(st->qkv + (int64_t)H * D, nqkv, st->qkv + (int64_t)(H + KVH) * D, nqkv, w->kv_layer,
+                             half, st->slots, r, KVH, st->BS, D, st->nb1 * st->BS);
+        }
+        break;
+    case STACK_ATTN:  /* every share's thread claims groups of rows until none is left */
+        decode_rows_f32(st->qkv, nqkv, w->kv_layer, st->block_tables, st->seq_lens, st->row_order, st->attn, T, H,
+                        KVH, D, st->BS, st->max_blocks, st->nb1, st->scale, 0, 0.0f, stack_next_row + i, nt);
+        break;
+    case STACK_O:
+        gemm_share(st->attn, (int64_t)H * D, w->o, w->o_bias, st->o_out, hid, T, hid, H * D, s, nt);
+        break;
+    case STACK_NORM2:
+        for (int r = lo; r < hi; r++)
+            add_rmsnorm_row(st->o_out, hid, st->residual, hid, st->residual, hid, w->post_attention_norm, st->normed,
+                            hid, r, hid, st->eps);
+        break;
+    case STACK_GATE_UP:
+        if (silu_in_gemm) gemm_silu_share(st->normed, hid, w->gate_up, st->act, I, T, I, hid, s, nt);
+        else gemm_share(st->normed, hid, w->gate_up, 0, st->gate_up, 2 * I, T, 2 * I, hid, s, nt);
+        break;
+    case STACK_SILU:
+        for (int r = lo; r < hi; r++)
+            silu_mul_row(st->gate_up + (int64_t)r * 2 * I, st->gate_up + (int64_t)r * 2 * I + I, st->act + (int64_t)r * I, I);
+        break;
+    case STACK_DOWN:
+        gemm_share(st->act, I, w->down, 0, st->h, hid, T, hid, I, s, nt);
+        break;
+    }
+}
+
+static void stack_body(uint32_t gen, int self) {
+    const decoder_layer_f32 *layers = stack_call.layers;
+    const decoder_step_f32 *st = stack_call.s;
+    const int L = stack_call.num_layers, nt = stack_call.nt, fused = stack_call.silu_in_gemm;
+    for (int i = 0; i < L && i < TEAM_MAX_PHASES / STACK_PHASES; i++)
+        for (int k = 0; k < STACK_PHASES; k++)
+            if (k != STACK_SILU || !fused)
+                TEAM_PHASE(gen, i * STACK_PHASES + k, self, stack_phase(layers + i, st, i, k, s, nt, fused));
+}
+#endif
+
 /* Returns 1, or 0 (nothing done) where this build or these shapes have no kernel for it. */
 int decoder_layers_f32(const decoder_layer_f32 *layers, int num_layers, const decoder_step_f32 *s) {
 #if defined(VW)
     if (!(s->D == 64 || s->D == 128) || s->BS > 16 || s->H > MAXH || s->H % s->KVH) return 0;
-    const int T = s->T, hid = s->hidden, H = s->H, KVH = s->KVH, D = s->D, I = s->inter;
-    const int nqkv = (H + 2 * KVH) * D;
-    const int64_t half = s->nb1 * (int64_t)KVH * s->BS * D;
     if (num_layers <= 0) return 1;
-    int next_row[num_layers];  /* each layer's attention: the next row to claim */
-    memset(next_row, 0, sizeof(next_row));
+    if (num_layers > TEAM_MAX_PHASES / STACK_PHASES) return 0;
+    const int T = s->T, I = s->inter;
     /* SiLU·mul in the gate/up GEMM (gemm_silu_share) where its panels pair up, from two row groups
      * on (a prefill's rows): the same bits, without the [T, 2 I] buffer's round trip through L3
      * (offline cold traffic at 64 sequences +5 %: bench/RESULTS.md, 2026-12-07, `26e2bad`) */
     const int silu_in_gemm = I % GEMM_NR == 0 && T > GEMM_RG;
-    #pragma omp parallel
-    {
-        for (int i = 0; i < num_layers; i++) {
-            const decoder_layer_f32 *w = layers + i;
-            add_rmsnorm_rows(s->h, hid, i ? s->residual : 0, hid, s->residual, hid, w->input_norm, s->normed, hid,
-                             T, hid, s->eps);
-            gemm_share(s->normed, hid, w->qkv, w->qkv_bias, s->qkv, nqkv, T, nqkv, hid);
-            #pragma omp barrier
-            rope_rows_f32(s->qkv, nqkv, s->cos, s->sin, T, H + KVH, D);  /* q and k: adjacent heads of a row */
-            kv_write_rows_f32(s->qkv + (int64_t)H * D, nqkv, s->qkv + (int64_t)(H + KVH) * D, nqkv, w->kv_layer,
-                              half, s->slots, T, KVH, s->BS, D, s->nb1 * s->BS);
-            decode_rows_f32(s->qkv, nqkv, w->kv_layer, s->block_tables, s->seq_lens, s->row_order, s->attn, T, H,
-                            KVH, D, s->BS, s->max_blocks, s->nb1, s->scale, 0, 0.0f, next_row + i);
-            gemm_share(s->attn, (int64_t)H * D, w->o, w->o_bias, s->o_out, hid, T, hid, H * D);
-            #pragma omp barrier
-            add_rmsnorm_rows(s->o_out, hid, s->residual, hid, s->residual, hid, w->post_attention_norm, s->normed,
-                             hid, T, hid, s->eps);
-            if (silu_in_gemm) {
-                gemm_silu_share(s->normed, hid, w->gate_up, s->act, I, T, I, hid);
-                #pragma omp barrier
-            } else {
-                gemm_share(s->normed, hid, w->gate_up, 0, s->gate_up, 2 * I, T, 2 * I, hid);
-                #pragma omp barrier
-                silu_mul_rows(s->gate_up, 2 * I, s->act, I, T, I);  /* (its omp for ends at a barrier) */
-            }
-            gemm_share(s->act, I, w->down, 0, s->h, hid, T, hid, I);
-            #pragma omp barrier
-        }
-    }
+    pthread_mutex_lock(&team_lock);
+    stack_call.layers = layers, stack_call.s = s, stack_call.num_layers = num_layers;
+    stack_call.nt = team_threads(), stack_call.silu_in_gemm = silu_in_gemm;
+    memset(stack_next_row, 0, sizeof(int) * num_layers);
+    team_run(stack_body, num_layers * STACK_PHASES, stack_call.nt);
+    pthread_mutex_unlock(&team_lock);
     return 1;
 #else
     (void)layers; (void)num_layers; (void)s;
