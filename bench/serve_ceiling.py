@@ -179,11 +179,11 @@ def print_summary(doc: dict) -> None:
     runs move with the machine too), the median of those."""
     print(f"\n{doc['command']}\nload average {doc['loadavg_start']} -> {doc.get('loadavg_end')}")
     print("| streams | system | served tok/s | offline tok/s | served / offline (median of the rounds') | "
-          "CPU s: front / engine / load generator (in its requests) |\n|---|---|---|---|---|---|")
+          "CPU s: front / engine / load generator (in its requests, where recorded) |\n|---|---|---|---|---|---|")
     for row in doc["summary"]:
         cpu = {"front": float("nan"), "engine": float("nan"), "load_generator": float("nan"),
                "load_generator_run": float("nan"),
                **(row.get("cpu_s") or {})}  # older runs lack some (none before `a5a7bd7`)
         print(f"| {row['streams']} | {row['system']} | {row['served']:.0f} | {row['offline']:.0f} | {row['ratio']:.2f} | "
-              f"{cpu['front']:.2f} / {cpu['engine']:.2f} / {cpu['load_generator']:.2f} "
-              f"({cpu['load_generator_run']:.2f}) |")
+              f"{cpu['front']:.2f} / {cpu['engine']:.2f} / {cpu['load_generator']:.2f}"
+              f"{'' if cpu['load_generator_run'] != cpu['load_generator_run'] else ' (%.2f)' % cpu['load_generator_run']} |")

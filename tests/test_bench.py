@@ -208,7 +208,10 @@ def test_report_prints_a_recorded_http_run_and_ceiling():
     http = RESULTS_DIR / "http-2026-12-06-xeon-f476b9d" / "http-cold-r3.json"
     ceiling = RESULTS_DIR / "http-ceiling-2026-12-06-xeon-f476b9d" / "ceiling-si4.json"
     old_ceiling = RESULTS_DIR / "http-ceiling-2026-12-05-zen3-1ccc4dd" / "ceiling.json"  # no CPU times recorded
-    proc = subprocess.run([sys.executable, "-m", "bench.report", str(http), str(ceiling), str(old_ceiling)],
+    # the load generator's CPU inside its requests recorded too
+    new_ceiling = RESULTS_DIR / "http-ceiling-2026-12-07-xeon-cab4f31" / "s64.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.report", str(http), str(ceiling), str(old_ceiling),
+                           str(new_ceiling)],
                           cwd=RESULTS_DIR.parents[1], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
@@ -216,7 +219,8 @@ def test_report_prints_a_recorded_http_run_and_ceiling():
     assert "| cold | 64 | llama | 1.05 | 67 | 5237 / 35418 | 823.3 / 944.7 | 527.2 | 3.15x | 94% |" in out
     assert "| 64 | prefixkv | 10695 | 14335 | 0.77 | 0.18 / 0.96 / 0.79 |" in out
     assert "| 64 | vllm | 4940 | 14335 | 0.35 | 0.32 / 3.07 / 0.82 |" in out
-    assert out.count("### ") == 3 and "nan / nan / nan |" in out
+    assert "| 64 | prefixkv | 9097 | 14795 | 0.64 | 0.36 / 1.97 / 0.95 (0.37) |" in out
+    assert out.count("### ") == 4 and "nan / nan / nan |" in out
 
 
 def test_retention_bench_at_tiny_sizes(tiny_llama, tmp_path):

@@ -117,11 +117,11 @@ def test_silu_in_the_gate_up_gemm_on_1_to_3_threads(models, monkeypatch):
 
 
 @pytest.mark.parametrize("delay_us", [300, 30_000])
-def test_the_callers_thread_takes_the_shares_of_helpers_that_start_late(models, monkeypatch, delay_us):
+def test_the_callers_thread_takes_the_shares_of_workers_that_start_late(models, monkeypatch, delay_us):
     """The layer stack and the LM head run on cpu_ops.c's team: the caller's thread takes every
-    share no helper has claimed, and a helper that arrives after its call is over claims nothing.
-    Helpers held back 0.3 ms (they join calls midway) or 30 ms (the caller does every share, and
-    each helper wakes into a call that is over or a later one), on 2 and 3 threads: the same
+    share no worker has claimed, and a worker that arrives after its call is over claims nothing.
+    Workers held back 0.3 ms (they join calls midway) or 30 ms (the caller does every share, and
+    each worker wakes into a call that is over or a later one), on 2 and 3 threads: the same
     bits as the Python loop."""
     import torch
 
@@ -134,12 +134,12 @@ def test_the_callers_thread_takes_the_shares_of_helpers_that_start_late(models, 
     try:
         for n in (2, 3):
             torch.set_num_threads(n)
-            lib.team_set_helper_delay_us(delay_us)
+            lib.team_set_worker_delay_us(delay_us)
             got, calls, _ = _run(monkeypatch, path, vocab, True)
-            lib.team_set_helper_delay_us(0)
+            lib.team_set_worker_delay_us(0)
             assert calls["n"] > 0 and got == want, n
     finally:
-        lib.team_set_helper_delay_us(0)
+        lib.team_set_worker_delay_us(0)
         torch.set_num_threads(threads)
 
 

@@ -1459,12 +1459,12 @@ int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bia
  * behind another process (the HTTP front end, its client) held the step while the caller's CPU
  * idled (bench/RESULTS.md, 2026-12-07: the served ceiling's idle CPU).
  *
- * The helpers are pthreads, started at first use: omp_get_max_threads() - 1 of them (what
- * torch.set_num_threads set), at most TEAM_MAX_THREADS in all. Between calls a helper spins
- * briefly, then sleeps on a futex. Each claim word and done word carries its call's generation:
- * a helper that arrives after its call is over (or reads a later call's state half-written)
+ * The workers are pthreads, started at first use: omp_get_max_threads() - 1 of them (what
+ * torch.set_num_threads set), at most TEAM_MAX_THREADS in all. Between calls, and at a phase's
+ * end, a thread spins briefly, then sleeps on a futex. Each claim word and done word carries its call's generation:
+ * a worker that arrives after its call is over (or reads a later call's state half-written)
  * claims nothing, so it never touches a call's data, and goes back to waiting. One call at a time
- * (a mutex); a forked child starts its own helpers.
+ * (a mutex); a forked child starts its own workers.
  * ---------------------------------------------------------------------------------------------- */
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -1472,17 +1472,17 @@ int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bia
 
 #define TEAM_MAX_THREADS 32   /* a claim word's share bits */
 #define TEAM_MAX_PHASES 8192
-#define TEAM_SPIN 1000        /* pause iterations before a helper sleeps or a waiter yields */
+#define TEAM_SPIN 1000        /* pause iterations before a waiting thread sleeps on a futex */
 
 static uint64_t team_claims[TEAM_MAX_PHASES];  /* (gen << 32) | a bit a share claimed (bits >= nt set from the start) */
 static uint64_t team_dones[TEAM_MAX_PHASES];   /* (gen << 32) | (nt << 16) | the number of shares done */
-static uint32_t team_gen;                      /* the current call's generation: the helpers' futex word */
-static int team_sleepers;                      /* helpers asleep on it (or about to be) */
+static uint32_t team_gen;                      /* the current call's generation: the workers' futex word */
+static int team_sleepers;                      /* workers asleep on it (or about to be) */
 static int team_waiters;                       /* threads asleep on a phase's done word (or about to be) */
 static void (*team_body)(uint32_t gen, int self);
 static int team_nt;                            /* the current call's shares a phase */
-static int team_helpers;                       /* helper threads started */
-static int team_helper_delay_us;               /* tests: each helper joins each call this late */
+static int team_workers;                       /* worker threads started */
+static int team_worker_delay_us;               /* tests: each worker joins each call this late */
 static pthread_mutex_t team_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static inline void team_relax(void) {
@@ -1510,7 +1510,7 @@ static inline uint32_t *team_done_futex(int p) {
     return (uint32_t *)&team_dones[p] + (__BYTE_ORDER__ == __ORDER_BIG_ENDIAN__);
 }
 
-/* Until all shares of phase p are done: 1, or 0 when call gen is over (a late helper). After a
+/* Until all shares of phase p are done: 1, or 0 when call gen is over (a late worker). After a
  * short spin the thread sleeps (a share's thread was preempted: its CPU goes to whatever else
  * waits for one) until a share's end wakes it. */
 static inline int team_wait(uint32_t gen, int p) {
@@ -1548,7 +1548,7 @@ static inline void team_share_done(int p) {
         if (s == -2 || !team_wait(gen, p)) return;                                           \
     } while (0)
 
-static void *team_helper(void *arg) {
+static void *team_worker(void *arg) {
     const int self = (int)(intptr_t)arg;
     uint32_t seen = __atomic_load_n(&team_gen, __ATOMIC_ACQUIRE);
     for (;;) {
@@ -1566,7 +1566,7 @@ static void *team_helper(void *arg) {
             i = 0;
         }
         seen = gen;
-        const int delay = __atomic_load_n(&team_helper_delay_us, __ATOMIC_RELAXED);
+        const int delay = __atomic_load_n(&team_worker_delay_us, __ATOMIC_RELAXED);
         if (delay > 0) usleep((useconds_t)delay);
         void (*body)(uint32_t, int) = team_body;  /* (a later call's, if it was written meanwhile: its claims fail) */
         if (self < __atomic_load_n(&team_nt, __ATOMIC_RELAXED) && body) body(gen, self);
@@ -1575,13 +1575,13 @@ static void *team_helper(void *arg) {
 }
 
 static void team_after_fork(void) {
-    team_helpers = 0;
+    team_workers = 0;
     team_sleepers = 0;
     team_waiters = 0;
     pthread_mutex_init(&team_lock, NULL);
 }
 
-/* Run body(gen, 0) on this thread, nt - 1 helpers taking part; its nphases phases of nt shares.
+/* Run body(gen, 0) on this thread, nt - 1 workers taking part; its nphases phases of nt shares.
  * The caller holds team_lock and has written the call's parameters. Returns when every phase is
  * done. */
 static void team_run(void (*body)(uint32_t, int), int nphases, int nt) {
@@ -1590,16 +1590,16 @@ static void team_run(void (*body)(uint32_t, int), int nphases, int nt) {
         pthread_atfork(NULL, NULL, team_after_fork);
         registered = 1;
     }
-    while (team_helpers < nt - 1) {
+    while (team_workers < nt - 1) {
         pthread_t th;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        const int ok = pthread_create(&th, &attr, team_helper, (void *)(intptr_t)(team_helpers + 1)) == 0;
+        const int ok = pthread_create(&th, &attr, team_worker, (void *)(intptr_t)(team_workers + 1)) == 0;
         pthread_attr_destroy(&attr);
         if (!ok) break;  /* the shares stay nt: the threads there are take them all */
         pthread_setname_np(th, "prefixkv-team");
-        team_helpers++;
+        team_workers++;
     }
     const uint32_t gen = team_gen + 1;
     const uint32_t absent = nt >= 32 ? 0 : ~((1u << nt) - 1);  /* shares nt .. 31: never claimable */
@@ -1615,9 +1615,9 @@ static void team_run(void (*body)(uint32_t, int), int nphases, int nt) {
     body(gen, 0);
 }
 
-/* Tests: every helper starts on each call us microseconds after it is posted (0: at once), so that
- * the caller takes some or all of the helpers' shares, and helpers arrive after their call is over. */
-void team_set_helper_delay_us(int us) { __atomic_store_n(&team_helper_delay_us, us < 0 ? 0 : us, __ATOMIC_RELAXED); }
+/* Tests: every worker starts on each call us microseconds after it is posted (0: at once), so that
+ * the caller takes some or all of the workers' shares, and workers arrive after their call is over. */
+void team_set_worker_delay_us(int us) { __atomic_store_n(&team_worker_delay_us, us < 0 ? 0 : us, __ATOMIC_RELAXED); }
 
 /* The shares of a team call: nt = omp_get_max_threads() (torch's), at most TEAM_MAX_THREADS. */
 static int team_threads(void) {
