@@ -990,9 +990,10 @@ int paged_decode_takes_order(void) { return 1; }
  * kv_write_rows_* below, each with its row on its own for the team's shares further down). One
  * body for every caller (noinline): the compiler may vectorize the sum of squares differently where
  * it inlines it, and the fused layer stack must give the separate kernel's bits. */
-static __attribute__((noinline)) void add_rmsnorm_row(const float *x, int64_t ld_x, const float *residual, int64_t ld_res,
-                                   float *residual_out, int64_t ld_res_out, const float *weight, float *out,
-                                   int64_t ld_out, int r, int n, float eps) {
+static __attribute__((noinline)) void add_rmsnorm_row(const float *x, int64_t ld_x, const float *residual,
+                                                      int64_t ld_res, float *residual_out, int64_t ld_res_out,
+                                                      const float *weight, float *out, int64_t ld_out, int r, int n,
+                                                      float eps) {
     {
         const float *xr = x + r * ld_x;
         float *hr = residual_out ? residual_out + r * ld_res_out : out + r * ld_out;
@@ -1128,7 +1129,8 @@ static void kv_write_rows_##SUFFIX(const T *k, int64_t ld_k, const T *v, int64_t
                                   int64_t half, const int64_t *slots, int ntok, int KVH, int BS, int D,  \
                                   int64_t nslots) {                                              \
     _Pragma("omp for schedule(static)")                                                          \
-    for (int t = 0; t < ntok; t++) kv_write_row_##SUFFIX(k, ld_k, v, ld_v, kv_layer, half, slots, t, KVH, BS, D, nslots); \
+    for (int t = 0; t < ntok; t++)                                                               \
+        kv_write_row_##SUFFIX(k, ld_k, v, ld_v, kv_layer, half, slots, t, KVH, BS, D, nslots);   \
 }                                                                                                \
 void kv_write_##SUFFIX(const T *k, int64_t ld_k, const T *v, int64_t ld_v, T *kv_layer, int64_t half, \
                        const int64_t *slots, int ntok, int KVH, int BS, int D, int64_t nslots) { \
@@ -1461,10 +1463,10 @@ int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bia
  *
  * The workers are pthreads, started at first use: omp_get_max_threads() - 1 of them (what
  * torch.set_num_threads set), at most TEAM_MAX_THREADS in all. Between calls, and at a phase's
- * end, a thread spins briefly, then sleeps on a futex. Each claim word and done word carries its call's generation:
- * a worker that arrives after its call is over (or reads a later call's state half-written)
- * claims nothing, so it never touches a call's data, and goes back to waiting. One call at a time
- * (a mutex); a forked child starts its own workers.
+ * end, a thread spins briefly, then sleeps on a futex. Each claim word and done word carries its
+ * call's generation: a worker that arrives after its call is over (or reads a later call's state
+ * half-written) claims nothing, so it never touches a call's data, and goes back to waiting. One
+ * call at a time (a mutex); a forked child starts its own workers.
  * ---------------------------------------------------------------------------------------------- */
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -1474,7 +1476,7 @@ int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bia
 #define TEAM_MAX_PHASES 8192
 #define TEAM_SPIN 1000        /* pause iterations before a waiting thread sleeps on a futex */
 
-static uint64_t team_claims[TEAM_MAX_PHASES];  /* (gen << 32) | a bit a share claimed (bits >= nt set from the start) */
+static uint64_t team_claims[TEAM_MAX_PHASES];  /* (gen << 32) | a bit a share claimed (from nt on: set) */
 static uint64_t team_dones[TEAM_MAX_PHASES];   /* (gen << 32) | (nt << 16) | the number of shares done */
 static uint32_t team_gen;                      /* the current call's generation: the workers' futex word */
 static int team_sleepers;                      /* workers asleep on it (or about to be) */
@@ -1535,9 +1537,10 @@ static inline void team_share_done(int p) {
         syscall(SYS_futex, team_done_futex(p), FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
 }
 
-/* Phase p of call gen: the body (the macro's last arguments) once for each share s claimed (s in scope), then the wait for the
- * others; the body function returns when the call is over for this thread. A body reads the
- * call's parameters, but uses them only inside a phase's body: a claim is proof that the call is current. */
+/* Phase p of call gen: the phase's body (the macro's last arguments) once for each share s claimed
+ * (s in scope), then the wait for the others; the calling function returns when the call is over
+ * for this thread. A body function may read the call's parameters before, but uses them only inside
+ * a phase's body: a claim is proof that the call is current. */
 #define TEAM_PHASE(gen, p, self, ...)                                                          \
     do {                                                                                     \
         int s;                                                                               \
@@ -1793,7 +1796,8 @@ static void stack_phase(const decoder_layer_f32 *w, const decoder_step_f32 *st, 
         break;
     case STACK_SILU:
         for (int r = lo; r < hi; r++)
-            silu_mul_row(st->gate_up + (int64_t)r * 2 * I, st->gate_up + (int64_t)r * 2 * I + I, st->act + (int64_t)r * I, I);
+            silu_mul_row(st->gate_up + (int64_t)r * 2 * I, st->gate_up + (int64_t)r * 2 * I + I,
+                         st->act + (int64_t)r * I, I);
         break;
     case STACK_DOWN:
         gemm_share(st->act, I, w->down, 0, st->h, hid, T, hid, I, s, nt);
