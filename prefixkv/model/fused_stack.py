@@ -2,11 +2,13 @@
 
 ``decoder_layers_f32`` (prefixkv/csrc/cpu_ops.c) runs every layer's kernels — residual-add +
 RMSNorm, the qkv GEMM, RoPE, the KV write, decode attention, o_proj, RMSNorm, gate/up, SiLU·mul,
-down — in the order LlamaModel.forward's Python loop calls them, inside one OpenMP parallel
-region. The loop costs ~11 ctypes calls a layer, each with its wrapper's checks, one or two
-allocations and a parallel region of its own; on a 2-core VM that is several milliseconds of a
-decode step (bench/RESULTS.md, 2026-12-02, `7122a1b`). Every kernel computes each row (or panel, or
-element) on its own, so the results are bitwise those of the Python loop (tests/test_fused_stack.py).
+down — in the order LlamaModel.forward's Python loop calls them, in one call on cpu_ops.c's team
+of threads (a phase a kernel, shares taken by whichever thread runs: the calling thread never
+waits for one the OS has not started). The loop costs ~11 ctypes calls a layer, each with its
+wrapper's checks, one or two allocations and a parallel region of its own; on a 2-core VM that is
+several milliseconds of a decode step (bench/RESULTS.md, 2026-12-02, `7122a1b`). Every kernel
+computes each row (or panel, or element) on its own, so the results are bitwise those of the
+Python loop (tests/test_fused_stack.py).
 
 It takes the steps the C decode kernel serves alone: every row one query token with its own
 block-table row and context length, i.e. decode steps, and in batch-invariant mode (the CPU
