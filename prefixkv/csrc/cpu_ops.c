@@ -1477,7 +1477,7 @@ int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bia
 #define TEAM_SPIN 1000        /* pause iterations before a waiting thread sleeps on a futex */
 
 static uint64_t team_claims[TEAM_MAX_PHASES];  /* (gen << 32) | a bit a share claimed (from nt on: set) */
-static uint64_t team_dones[TEAM_MAX_PHASES];   /* (gen << 32) | (nt << 16) | the number of shares done */
+static uint64_t team_dones[TEAM_MAX_PHASES];   /* (gen << 32) | (gen & 255) << 24 | nt << 8 | shares done */
 static uint32_t team_gen;                      /* the current call's generation: the workers' futex word */
 static int team_sleepers;                      /* workers asleep on it (or about to be) */
 static int team_waiters;                       /* threads asleep on a phase's done word (or about to be) */
@@ -1507,7 +1507,8 @@ static inline int team_claim(uint32_t gen, int p, int self) {
     }
 }
 
-/* The low half of phase p's done word (its count and nt: what a share's end changes), a futex. */
+/* The low half of phase p's done word (the count, nt and the generation's low byte: what a share's
+ * end and the next call change), a futex. */
 static inline uint32_t *team_done_futex(int p) {
     return (uint32_t *)&team_dones[p] + (__BYTE_ORDER__ == __ORDER_BIG_ENDIAN__);
 }
@@ -1519,7 +1520,7 @@ static inline int team_wait(uint32_t gen, int p) {
     for (int i = 0;; i++) {
         const uint64_t w = __atomic_load_n(&team_dones[p], __ATOMIC_ACQUIRE);
         if ((uint32_t)(w >> 32) != gen) return 0;
-        if ((w & 0xffff) >= (w >> 16 & 0xffff)) return 1;
+        if ((w & 0xff) >= (w >> 8 & 0xff)) return 1;
         if (i < TEAM_SPIN) {
             team_relax();
             continue;
@@ -1539,8 +1540,8 @@ static inline void team_share_done(int p) {
 
 /* Phase p of call gen: the phase's body (the macro's last arguments) once for each share s claimed
  * (s in scope), then the wait for the others; the calling function returns when the call is over
- * for this thread. A body function may read the call's parameters before, but uses them only inside
- * a phase's body: a claim is proof that the call is current. */
+ * for this thread. A phase's body reads the call's parameters: a claim is proof that the call is
+ * current. Every phase of a call runs, so that a call once over has nothing left to claim. */
 #define TEAM_PHASE(gen, p, self, ...)                                                          \
     do {                                                                                     \
         int s;                                                                               \
@@ -1608,7 +1609,8 @@ static void team_run(void (*body)(uint32_t, int), int nphases, int nt) {
     const uint32_t absent = nt >= 32 ? 0 : ~((1u << nt) - 1);  /* shares nt .. 31: never claimable */
     for (int p = 0; p < nphases; p++) {
         __atomic_store_n(&team_claims[p], (uint64_t)gen << 32 | absent, __ATOMIC_RELAXED);
-        __atomic_store_n(&team_dones[p], (uint64_t)gen << 32 | (uint64_t)nt << 16, __ATOMIC_RELAXED);
+        __atomic_store_n(&team_dones[p], (uint64_t)gen << 32 | (uint64_t)(gen & 255) << 24 | (uint64_t)nt << 8,
+                         __ATOMIC_RELAXED);
     }
     __atomic_store_n(&team_nt, nt, __ATOMIC_RELAXED);
     __atomic_store_n(&team_body, body, __ATOMIC_RELAXED);
@@ -1643,16 +1645,22 @@ static struct {
     int M, N, K, nt;
 } lm_call;
 
+static void lm_head_norm(int s) {
+    SHARE_ROWS(lm_call.M, s, lm_call.nt, lo, hi);
+    for (int r = lo; r < hi; r++)
+        add_rmsnorm_row(lm_call.x, lm_call.ld_x, lm_call.residual, lm_call.ld_res, 0, 0, lm_call.norm_w,
+                        lm_call.normed, lm_call.K, r, lm_call.K, lm_call.eps);
+}
+
+static void lm_head_gemm(int s) {
+    const int M = lm_call.M;
+    gemm_share_to(lm_call.normed, lm_call.K, lm_call.packed, lm_call.bias, 0, 0, M, lm_call.N, lm_call.K,
+                  lm_call.best + (int64_t)s * M, lm_call.idx + (int64_t)s * M, s, lm_call.nt);
+}
+
 static void lm_head_body(uint32_t gen, int self) {
-    const int M = lm_call.M, N = lm_call.N, K = lm_call.K, nt = lm_call.nt;
-    TEAM_PHASE(gen, 0, self, {
-        SHARE_ROWS(M, s, nt, lo, hi);
-        for (int r = lo; r < hi; r++)
-            add_rmsnorm_row(lm_call.x, lm_call.ld_x, lm_call.residual, lm_call.ld_res, 0, 0, lm_call.norm_w,
-                            lm_call.normed, K, r, K, lm_call.eps);
-    });
-    TEAM_PHASE(gen, 1, self, gemm_share_to(lm_call.normed, K, lm_call.packed, lm_call.bias, 0, 0, M, N, K,
-                                           lm_call.best + (int64_t)s * M, lm_call.idx + (int64_t)s * M, s, nt));
+    TEAM_PHASE(gen, 0, self, lm_head_norm(s));
+    TEAM_PHASE(gen, 1, self, lm_head_gemm(s));
 }
 
 /* Greedy decoding's last step, M rows of float32: h = x + residual, normed = rmsnorm(h) * norm_w
@@ -1751,13 +1759,15 @@ static struct {
     const decoder_layer_f32 *layers;
     const decoder_step_f32 *s;
     int num_layers, nt;
-    int silu_in_gemm;  /* SiLU·mul inside the gate/up GEMM (STACK_SILU skipped) */
+    int silu_in_gemm;  /* SiLU·mul inside the gate/up GEMM (STACK_SILU empty) */
 } stack_call;
 static int stack_next_row[TEAM_MAX_PHASES / STACK_PHASES];  /* each layer's attention: the next row to claim */
 
-/* Share s of nt of phase k of layer i (w). */
-static void stack_phase(const decoder_layer_f32 *w, const decoder_step_f32 *st, int i, int k, int s, int nt,
-                        int silu_in_gemm) {
+/* Share s of phase k of layer i, the call's parameters read here (a claim is made). */
+static void stack_phase(int i, int k, int s) {
+    const decoder_layer_f32 *w = stack_call.layers + i;
+    const decoder_step_f32 *st = stack_call.s;
+    const int nt = stack_call.nt, silu_in_gemm = stack_call.silu_in_gemm;
     const int T = st->T, hid = st->hidden, H = st->H, KVH = st->KVH, D = st->D, I = st->inter;
     const int nqkv = (H + 2 * KVH) * D;
     const int64_t half = st->nb1 * (int64_t)KVH * st->BS * D;
@@ -1794,10 +1804,11 @@ static void stack_phase(const decoder_layer_f32 *w, const decoder_step_f32 *st, 
         if (silu_in_gemm) gemm_silu_share(st->normed, hid, w->gate_up, st->act, I, T, I, hid, s, nt);
         else gemm_share(st->normed, hid, w->gate_up, 0, st->gate_up, 2 * I, T, 2 * I, hid, s, nt);
         break;
-    case STACK_SILU:
-        for (int r = lo; r < hi; r++)
-            silu_mul_row(st->gate_up + (int64_t)r * 2 * I, st->gate_up + (int64_t)r * 2 * I + I,
-                         st->act + (int64_t)r * I, I);
+    case STACK_SILU:  /* (nothing where it ran inside the gate/up GEMM) */
+        if (!silu_in_gemm)
+            for (int r = lo; r < hi; r++)
+                silu_mul_row(st->gate_up + (int64_t)r * 2 * I, st->gate_up + (int64_t)r * 2 * I + I,
+                             st->act + (int64_t)r * I, I);
         break;
     case STACK_DOWN:
         gemm_share(st->act, I, w->down, 0, st->h, hid, T, hid, I, s, nt);
@@ -1806,15 +1817,21 @@ static void stack_phase(const decoder_layer_f32 *w, const decoder_step_f32 *st, 
 }
 
 static void stack_body(uint32_t gen, int self) {
-    const decoder_layer_f32 *layers = stack_call.layers;
-    const decoder_step_f32 *st = stack_call.s;
-    const int L = stack_call.num_layers, nt = stack_call.nt, fused = stack_call.silu_in_gemm;
+    const int L = stack_call.num_layers;  /* (a later call's, if it was written meanwhile: its claims fail) */
     for (int i = 0; i < L && i < TEAM_MAX_PHASES / STACK_PHASES; i++)
         for (int k = 0; k < STACK_PHASES; k++)
-            if (k != STACK_SILU || !fused)
-                TEAM_PHASE(gen, i * STACK_PHASES + k, self, stack_phase(layers + i, st, i, k, s, nt, fused));
+            TEAM_PHASE(gen, i * STACK_PHASES + k, self, stack_phase(i, k, s));
 }
 #endif
+
+/* The most layers decoder_layers_f32 takes (its team's phases). */
+int decoder_layers_max(void) {
+#if defined(VW)
+    return TEAM_MAX_PHASES / STACK_PHASES;
+#else
+    return 0;
+#endif
+}
 
 /* Returns 1, or 0 (nothing done) where this build or these shapes have no kernel for it. */
 int decoder_layers_f32(const decoder_layer_f32 *layers, int num_layers, const decoder_step_f32 *s) {

@@ -51,6 +51,8 @@ def blocker(model: "LlamaModel") -> str | None:
         return "sliding windows or per-layer RoPE tables"
     if s.head_dim not in (64, 128) or s.num_heads > lib.limits[0] or s.num_heads % s.num_kv_heads:
         return f"head_dim {s.head_dim}, {s.num_heads} heads"
+    if s.num_layers > lib.decoder_layers_max():
+        return f"{s.num_layers} layers (the C call takes {lib.decoder_layers_max()})"
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
         if not (a.fused_rope and m.fused_act and layer.input_layernorm.fused and layer.post_attention_layernorm.fused):
