@@ -166,3 +166,8 @@ def test_blocker_names_what_stands_in_the_way(models, monkeypatch):
     monkeypatch.setenv("PREFIXKV_FUSED_STACK", "0")
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
     assert fused_stack.blocker(llm.engine.runner.model) == "PREFIXKV_FUSED_STACK=0"
+    monkeypatch.delenv("PREFIXKV_FUSED_STACK")
+    if gemm_available():  # more layers than the C call takes (its team's phases)
+        monkeypatch.setattr(cpu_ops.load(), "decoder_layers_max", lambda: 1)
+        model = llm.engine.runner.model
+        assert fused_stack.blocker(model) == f"{model.shape.num_layers} layers (the C call takes 1)"
