@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -186,4 +187,4 @@ def print_summary(doc: dict) -> None:
                **(row.get("cpu_s") or {})}  # older runs lack some (none before `a5a7bd7`)
         print(f"| {row['streams']} | {row['system']} | {row['served']:.0f} | {row['offline']:.0f} | {row['ratio']:.2f} | "
               f"{cpu['front']:.2f} / {cpu['engine']:.2f} / {cpu['load_generator']:.2f}"
-              f"{'' if cpu['load_generator_run'] != cpu['load_generator_run'] else ' (%.2f)' % cpu['load_generator_run']} |")
+              f"{'' if math.isnan(cpu['load_generator_run']) else ' (%.2f)' % cpu['load_generator_run']} |")

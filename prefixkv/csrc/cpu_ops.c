@@ -1642,11 +1642,11 @@ static struct {
     int64_t *idx;
     int64_t ld_x, ld_res;
     float eps;
-    int M, N, K, nt;
+    int M, N, K;
 } lm_call;
 
 static void lm_head_norm(int s) {
-    SHARE_ROWS(lm_call.M, s, lm_call.nt, lo, hi);
+    SHARE_ROWS(lm_call.M, s, team_nt, lo, hi);
     for (int r = lo; r < hi; r++)
         add_rmsnorm_row(lm_call.x, lm_call.ld_x, lm_call.residual, lm_call.ld_res, 0, 0, lm_call.norm_w,
                         lm_call.normed, lm_call.K, r, lm_call.K, lm_call.eps);
@@ -1655,7 +1655,7 @@ static void lm_head_norm(int s) {
 static void lm_head_gemm(int s) {
     const int M = lm_call.M;
     gemm_share_to(lm_call.normed, lm_call.K, lm_call.packed, lm_call.bias, 0, 0, M, lm_call.N, lm_call.K,
-                  lm_call.best + (int64_t)s * M, lm_call.idx + (int64_t)s * M, s, lm_call.nt);
+                  lm_call.best + (int64_t)s * M, lm_call.idx + (int64_t)s * M, s, team_nt);
 }
 
 static void lm_head_body(uint32_t gen, int self) {
@@ -1686,7 +1686,7 @@ int lm_head_argmax_f32(const float *x, int64_t ld_x, const float *residual, int6
     lm_call.x = x, lm_call.residual = residual, lm_call.norm_w = norm_w, lm_call.packed = packed;
     lm_call.bias = bias, lm_call.normed = normed, lm_call.best = best, lm_call.idx = idx;
     lm_call.ld_x = ld_x, lm_call.ld_res = ld_res, lm_call.eps = eps;
-    lm_call.M = M, lm_call.N = N, lm_call.K = K, lm_call.nt = nt;
+    lm_call.M = M, lm_call.N = N, lm_call.K = K;
     team_run(lm_head_body, 2, nt);
     pthread_mutex_unlock(&team_lock);
     for (int m = 0; m < M; m++) {  /* the shares' results in order, by the same rule as one value each */
@@ -1758,16 +1758,17 @@ enum { STACK_NORM, STACK_QKV, STACK_ROPE_KV, STACK_ATTN, STACK_O, STACK_NORM2, S
 static struct {
     const decoder_layer_f32 *layers;
     const decoder_step_f32 *s;
-    int num_layers, nt;
+    int num_layers;
     int silu_in_gemm;  /* SiLU·mul inside the gate/up GEMM (STACK_SILU empty) */
 } stack_call;
-static int stack_next_row[TEAM_MAX_PHASES / STACK_PHASES];  /* each layer's attention: the next row to claim */
+#define STACK_MAX_LAYERS (TEAM_MAX_PHASES / STACK_PHASES)
+static int stack_next_row[STACK_MAX_LAYERS];  /* each layer's attention: the next row to claim */
 
 /* Share s of phase k of layer i, the call's parameters read here (a claim is made). */
 static void stack_phase(int i, int k, int s) {
     const decoder_layer_f32 *w = stack_call.layers + i;
     const decoder_step_f32 *st = stack_call.s;
-    const int nt = stack_call.nt, silu_in_gemm = stack_call.silu_in_gemm;
+    const int nt = team_nt, silu_in_gemm = stack_call.silu_in_gemm;
     const int T = st->T, hid = st->hidden, H = st->H, KVH = st->KVH, D = st->D, I = st->inter;
     const int nqkv = (H + 2 * KVH) * D;
     const int64_t half = st->nb1 * (int64_t)KVH * st->BS * D;
@@ -1818,7 +1819,7 @@ static void stack_phase(int i, int k, int s) {
 
 static void stack_body(uint32_t gen, int self) {
     const int L = stack_call.num_layers;  /* (a later call's, if it was written meanwhile: its claims fail) */
-    for (int i = 0; i < L && i < TEAM_MAX_PHASES / STACK_PHASES; i++)
+    for (int i = 0; i < L && i < STACK_MAX_LAYERS; i++)
         for (int k = 0; k < STACK_PHASES; k++)
             TEAM_PHASE(gen, i * STACK_PHASES + k, self, stack_phase(i, k, s));
 }
@@ -1827,7 +1828,7 @@ static void stack_body(uint32_t gen, int self) {
 /* The most layers decoder_layers_f32 takes (its team's phases). */
 int decoder_layers_max(void) {
 #if defined(VW)
-    return TEAM_MAX_PHASES / STACK_PHASES;
+    return STACK_MAX_LAYERS;
 #else
     return 0;
 #endif
@@ -1838,7 +1839,7 @@ int decoder_layers_f32(const decoder_layer_f32 *layers, int num_layers, const de
 #if defined(VW)
     if (!(s->D == 64 || s->D == 128) || s->BS > 16 || s->H > MAXH || s->H % s->KVH) return 0;
     if (num_layers <= 0) return 1;
-    if (num_layers > TEAM_MAX_PHASES / STACK_PHASES) return 0;
+    if (num_layers > STACK_MAX_LAYERS) return 0;
     const int T = s->T, I = s->inter;
     /* SiLU·mul in the gate/up GEMM (gemm_silu_share) where its panels pair up, from two row groups
      * on (a prefill's rows): the same bits, without the [T, 2 I] buffer's round trip through L3
@@ -1846,9 +1847,9 @@ int decoder_layers_f32(const decoder_layer_f32 *layers, int num_layers, const de
     const int silu_in_gemm = I % GEMM_NR == 0 && T > GEMM_RG;
     pthread_mutex_lock(&team_lock);
     stack_call.layers = layers, stack_call.s = s, stack_call.num_layers = num_layers;
-    stack_call.nt = team_threads(), stack_call.silu_in_gemm = silu_in_gemm;
+    stack_call.silu_in_gemm = silu_in_gemm;
     memset(stack_next_row, 0, sizeof(int) * num_layers);
-    team_run(stack_body, num_layers * STACK_PHASES, stack_call.nt);
+    team_run(stack_body, num_layers * STACK_PHASES, team_threads());
     pthread_mutex_unlock(&team_lock);
     return 1;
 #else
