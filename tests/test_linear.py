@@ -90,8 +90,10 @@ def test_c_gemm_rows_do_not_depend_on_the_batch_or_threads(n_in, n_out):
 def test_lm_head_argmax_is_argmax_of_the_written_logits(n_in, n_out, bias):
     """cpu_ops.lm_head_argmax (greedy decoding's norm + LM head + argmax in one call, the logits
     never written) gives each row torch.argmax of the logits the norm and the C GEMM return: ties
-    (duplicated weight rows, in one panel of 48 columns and across panels and threads) go to the
-    first index, a NaN logit wins (the first NaN), -inf rows give index 0; 1-3 threads."""
+    (duplicated weight rows, in one panel of 48 columns and across panels and shares) go to the
+    first index, a NaN logit wins (the first NaN), -inf rows give index 0; 1-3 threads, the GEMM in
+    up to 32 shares (6,144 columns: 128 panels), with the team's workers joining at once or 0.3 ms
+    late (the caller's thread takes shares from the top of a worker's range)."""
     g = torch.Generator().manual_seed(n_out)
     m = _linear(n_in, n_out, bias, seed=n_out)
     w = m.weight.detach().clone()
@@ -115,13 +117,16 @@ def test_lm_head_argmax_is_argmax_of_the_written_logits(n_in, n_out, bias):
     logits = m(normed)
     ref = logits.argmax(dim=-1)
     assert ref[10].item() == 5 and ref[11].item() == n_out // 2 and ref[7].item() == 0  # what the rows test
-    threads = torch.get_num_threads()
+    threads, lib = torch.get_num_threads(), cpu_ops.load()
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            got = cpu_ops.lm_head_argmax(x, residual, norm_w, 1e-5, m.packed, n_out, m.bias)
-            assert torch.equal(got, ref), (n, (got != ref).nonzero())
+            for delay_us in (0, 300):
+                lib.team_set_worker_delay_us(delay_us)
+                got = cpu_ops.lm_head_argmax(x, residual, norm_w, 1e-5, m.packed, n_out, m.bias)
+                assert torch.equal(got, ref), (n, delay_us, (got != ref).nonzero())
     finally:
+        lib.team_set_worker_delay_us(0)
         torch.set_num_threads(threads)
     nan_w = w.clone()
     nan_w[n_out - 2] = float("nan")  # two NaN columns: every row's argmax is the first (row 7: all NaN, 0)

@@ -1453,13 +1453,17 @@ int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bia
 
 /* ----------------------------------------------------------------------------------------------
  * The team: the threads of the LM head (lm_head_argmax_f32) and of the fused layer stack
- * (decoder_layers_f32). A call is a sequence of phases, each split into nt shares: share s is what
- * thread s of an OpenMP team of nt computes, so the bits are the same whoever computes it. A
- * thread takes its own share of a phase first, then any share still unclaimed; a phase is over
- * when all its shares are done, whoever did them. The calling thread takes part and never waits
- * for a thread that has not started. With OpenMP's barriers it did: a worker the OS left queued
- * behind another process (the HTTP front end, its client) held the step while the caller's CPU
- * idled (bench/RESULTS.md, 2026-12-07: the served ceiling's idle CPU).
+ * (decoder_layers_f32). A call is a sequence of phases, each split into shares (nt, one a thread,
+ * or for a GEMM up to TEAM_MAX_SHARES: team_gemm_shares); each row, panel or element of a share is
+ * computed as in the kernel's own call, so the bits are the same whoever computes it and however
+ * the phase is split. A thread takes its own shares of a phase first (the lowest unclaimed of its
+ * range), then the highest unclaimed one of the others'; a phase is over when all its shares are
+ * done, whoever did them. The calling thread takes part and never waits for a thread that has not
+ * started. With OpenMP's barriers it did: a worker the OS left queued behind another process (the
+ * HTTP front end, its client) held the step while the caller's CPU idled (bench/RESULTS.md,
+ * 2026-12-07: the served ceiling's idle CPU). A worker the OS preempts in the middle of a share
+ * still holds the phase until it runs again: a GEMM's small shares leave it holding little, the
+ * rest taken by the others.
  *
  * The workers are pthreads, started at first use: omp_get_max_threads() - 1 of them (what
  * torch.set_num_threads set), at most TEAM_MAX_THREADS in all. Between calls, and at a phase's
@@ -1472,17 +1476,19 @@ int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bia
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define TEAM_MAX_THREADS 32   /* a claim word's share bits */
+#define TEAM_MAX_SHARES 32    /* a claim word's share bits */
+#define TEAM_MAX_THREADS TEAM_MAX_SHARES
 #define TEAM_MAX_PHASES 8192
 #define TEAM_SPIN 1000        /* pause iterations before a waiting thread sleeps on a futex */
 
-static uint64_t team_claims[TEAM_MAX_PHASES];  /* (gen << 32) | a bit a share claimed (from nt on: set) */
-static uint64_t team_dones[TEAM_MAX_PHASES];   /* (gen << 32) | (gen & 255) << 24 | nt << 8 | shares done */
+static uint64_t team_claims[TEAM_MAX_PHASES];  /* (gen << 32) | a bit a share claimed (from its shares on: set) */
+static uint64_t team_dones[TEAM_MAX_PHASES];   /* (gen << 32) | (gen & 255) << 24 | shares << 8 | shares done */
+static uint8_t team_shares[TEAM_MAX_PHASES];   /* the next call's shares of each phase (its caller writes them) */
 static uint32_t team_gen;                      /* the current call's generation: the workers' futex word */
 static int team_sleepers;                      /* workers asleep on it (or about to be) */
 static int team_waiters;                       /* threads asleep on a phase's done word (or about to be) */
 static void (*team_body)(uint32_t gen, int self);
-static int team_nt;                            /* the current call's shares a phase */
+static int team_nt;                            /* the current call's threads */
 static int team_workers;                       /* worker threads started */
 static int team_worker_delay_us;               /* tests: each worker joins each call this late */
 static pthread_mutex_t team_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -1493,15 +1499,26 @@ static inline void team_relax(void) {
 #endif
 }
 
-/* Share s of phase p for a thread of call gen: self's own first, then the lowest unclaimed; -1 when
- * none is left, -2 when the call is over. */
-static inline int team_claim(uint32_t gen, int p, int self) {
+/* Share s of phase p for a thread of call gen, and the phase's shares in *n: the lowest unclaimed
+ * of self's range (shares n self / nt .. n (self + 1) / nt - 1), else the highest unclaimed (the end
+ * of another thread's range, which that thread reaches last); -1 when none is left, -2 when the
+ * call is over. */
+static inline int team_claim(uint32_t gen, int p, int self, int *n) {
+    const uint64_t d = __atomic_load_n(&team_dones[p], __ATOMIC_ACQUIRE);
+    if ((uint32_t)(d >> 32) != gen) return -2;
+    *n = (int)(d >> 8 & 0xff);
+    const int nt = __atomic_load_n(&team_nt, __ATOMIC_RELAXED);  /* (only where to look first) */
+    uint32_t own = 0;
+    if (self < nt) {
+        const int lo = *n * self / nt, hi = *n * (self + 1) / nt;
+        own = (uint32_t)(((hi >= 32 ? 0ull : 1ull << hi) - (1ull << lo)) & 0xffffffffu);
+    }
     uint64_t w = __atomic_load_n(&team_claims[p], __ATOMIC_ACQUIRE);
     for (;;) {
         if ((uint32_t)(w >> 32) != gen) return -2;
         const uint32_t open = ~(uint32_t)w;
         if (!open) return -1;
-        const int s = self < TEAM_MAX_THREADS && (open >> self & 1) ? self : __builtin_ctz(open);
+        const int s = open & own ? __builtin_ctz(open & own) : 31 - __builtin_clz(open);
         if (__atomic_compare_exchange_n(&team_claims[p], &w, w | (1ull << s), 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
             return s;
     }
@@ -1538,14 +1555,15 @@ static inline void team_share_done(int p) {
         syscall(SYS_futex, team_done_futex(p), FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
 }
 
-/* Phase p of call gen: the phase's body (the macro's last arguments) once for each share s claimed
- * (s in scope), then the wait for the others; the calling function returns when the call is over
- * for this thread. A phase's body reads the call's parameters: a claim is proof that the call is
- * current. Every phase of a call runs, so that a call once over has nothing left to claim. */
+/* Phase p of call gen: the phase's body (the macro's last arguments) once for each share s of n
+ * claimed (s and n in scope), then the wait for the others; the calling function returns when the
+ * call is over for this thread. A phase's body reads the call's parameters: a claim is proof that
+ * the call is current. Every phase of a call runs, so that a call once over has nothing left to
+ * claim. */
 #define TEAM_PHASE(gen, p, self, ...)                                                          \
     do {                                                                                     \
-        int s;                                                                               \
-        while ((s = team_claim(gen, p, self)) >= 0) {                                        \
+        int s, n;                                                                            \
+        while ((s = team_claim(gen, p, self, &n)) >= 0) {                                    \
             __VA_ARGS__;                                                                     \
             team_share_done(p);                                                              \
         }                                                                                    \
@@ -1585,9 +1603,9 @@ static void team_after_fork(void) {
     pthread_mutex_init(&team_lock, NULL);
 }
 
-/* Run body(gen, 0) on this thread, nt - 1 workers taking part; its nphases phases of nt shares.
- * The caller holds team_lock and has written the call's parameters. Returns when every phase is
- * done. */
+/* Run body(gen, 0) on this thread, nt - 1 workers taking part; its nphases phases of
+ * team_shares[p] shares each (1 .. TEAM_MAX_SHARES). The caller holds team_lock and has written the
+ * call's parameters and shares. Returns when every phase is done. */
 static void team_run(void (*body)(uint32_t, int), int nphases, int nt) {
     static int registered;
     if (!registered) {
@@ -1606,10 +1624,11 @@ static void team_run(void (*body)(uint32_t, int), int nphases, int nt) {
         team_workers++;
     }
     const uint32_t gen = team_gen + 1;
-    const uint32_t absent = nt >= 32 ? 0 : ~((1u << nt) - 1);  /* shares nt .. 31: never claimable */
     for (int p = 0; p < nphases; p++) {
+        const int n = team_shares[p];
+        const uint32_t absent = n >= 32 ? 0 : ~((1u << n) - 1);  /* shares n .. 31: never claimable */
         __atomic_store_n(&team_claims[p], (uint64_t)gen << 32 | absent, __ATOMIC_RELAXED);
-        __atomic_store_n(&team_dones[p], (uint64_t)gen << 32 | (uint64_t)(gen & 255) << 24 | (uint64_t)nt << 8,
+        __atomic_store_n(&team_dones[p], (uint64_t)gen << 32 | (uint64_t)(gen & 255) << 24 | (uint64_t)n << 8,
                          __ATOMIC_RELAXED);
     }
     __atomic_store_n(&team_nt, nt, __ATOMIC_RELAXED);
@@ -1624,10 +1643,18 @@ static void team_run(void (*body)(uint32_t, int), int nphases, int nt) {
  * the caller takes some or all of the workers' shares, and workers arrive after their call is over. */
 void team_set_worker_delay_us(int us) { __atomic_store_n(&team_worker_delay_us, us < 0 ? 0 : us, __ATOMIC_RELAXED); }
 
-/* The shares of a team call: nt = omp_get_max_threads() (torch's), at most TEAM_MAX_THREADS. */
+/* The threads of a team call: omp_get_max_threads() (torch's), at most TEAM_MAX_THREADS. */
 static int team_threads(void) {
     const int nt = omp_get_max_threads();
     return nt < 1 ? 1 : nt > TEAM_MAX_THREADS ? TEAM_MAX_THREADS : nt;
+}
+
+/* The shares of a GEMM phase of P panels on nt threads: a panel or more each, as many as a claim
+ * word holds (a multiple of nt), at least nt. */
+static int team_gemm_shares(int P, int nt) {
+    if (nt <= 1) return 1;
+    const int most = TEAM_MAX_SHARES / nt * nt;
+    return P < nt ? nt : P < most ? P : most;
 }
 
 /* Rows lo .. hi - 1 of n: share s of nt. */
@@ -1645,22 +1672,22 @@ static struct {
     int M, N, K;
 } lm_call;
 
-static void lm_head_norm(int s) {
-    SHARE_ROWS(lm_call.M, s, team_nt, lo, hi);
+static void lm_head_norm(int s, int n) {
+    SHARE_ROWS(lm_call.M, s, n, lo, hi);
     for (int r = lo; r < hi; r++)
         add_rmsnorm_row(lm_call.x, lm_call.ld_x, lm_call.residual, lm_call.ld_res, 0, 0, lm_call.norm_w,
                         lm_call.normed, lm_call.K, r, lm_call.K, lm_call.eps);
 }
 
-static void lm_head_gemm(int s) {
+static void lm_head_gemm(int s, int n) {
     const int M = lm_call.M;
     gemm_share_to(lm_call.normed, lm_call.K, lm_call.packed, lm_call.bias, 0, 0, M, lm_call.N, lm_call.K,
-                  lm_call.best + (int64_t)s * M, lm_call.idx + (int64_t)s * M, s, team_nt);
+                  lm_call.best + (int64_t)s * M, lm_call.idx + (int64_t)s * M, s, n);
 }
 
 static void lm_head_body(uint32_t gen, int self) {
-    TEAM_PHASE(gen, 0, self, lm_head_norm(s));
-    TEAM_PHASE(gen, 1, self, lm_head_gemm(s));
+    TEAM_PHASE(gen, 0, self, lm_head_norm(s, n));
+    TEAM_PHASE(gen, 1, self, lm_head_gemm(s, n));
 }
 
 /* Greedy decoding's last step, M rows of float32: h = x + residual, normed = rmsnorm(h) * norm_w
@@ -1673,16 +1700,17 @@ int lm_head_argmax_f32(const float *x, int64_t ld_x, const float *residual, int6
                        float eps, float *normed, const float *packed, const float *bias, int M, int N, int K,
                        int64_t *out) {
     if (M <= 0) return 1;
-    const int nt = team_threads();
-    float *best = malloc(sizeof(float) * (size_t)nt * M);
-    int64_t *idx = malloc(sizeof(int64_t) * (size_t)nt * M);
+    const int nt = team_threads(), ns = team_gemm_shares((N + GEMM_NR - 1) / GEMM_NR, nt);
+    float *best = malloc(sizeof(float) * (size_t)ns * M);
+    int64_t *idx = malloc(sizeof(int64_t) * (size_t)ns * M);
     if (!best || !idx) {
         free(best);
         free(idx);
         return 0;
     }
-    for (int64_t i = 0; i < (int64_t)nt * M; i++) idx[i] = -1;  /* (a share without columns keeps -1) */
+    for (int64_t i = 0; i < (int64_t)ns * M; i++) idx[i] = -1;  /* (a share without columns keeps -1) */
     pthread_mutex_lock(&team_lock);
+    team_shares[0] = (uint8_t)nt, team_shares[1] = (uint8_t)ns;
     lm_call.x = x, lm_call.residual = residual, lm_call.norm_w = norm_w, lm_call.packed = packed;
     lm_call.bias = bias, lm_call.normed = normed, lm_call.best = best, lm_call.idx = idx;
     lm_call.ld_x = ld_x, lm_call.ld_res = ld_res, lm_call.eps = eps;
@@ -1692,7 +1720,7 @@ int lm_head_argmax_f32(const float *x, int64_t ld_x, const float *residual, int6
     for (int m = 0; m < M; m++) {  /* the shares' results in order, by the same rule as one value each */
         float b = -INFINITY;
         int64_t j = -1;
-        for (int t = 0; t < nt; t++)
+        for (int t = 0; t < ns; t++)
             if (idx[(int64_t)t * M + m] >= 0) argmax_update(best + (int64_t)t * M + m, 1, idx[(int64_t)t * M + m], &b, &j);
         out[m] = j < 0 ? 0 : j;
     }
@@ -1764,11 +1792,11 @@ static struct {
 #define STACK_MAX_LAYERS (TEAM_MAX_PHASES / STACK_PHASES)
 static int stack_next_row[STACK_MAX_LAYERS];  /* each layer's attention: the next row to claim */
 
-/* Share s of phase k of layer i, the call's parameters read here (a claim is made). */
-static void stack_phase(int i, int k, int s) {
+/* Share s of nt of phase k of layer i, the call's parameters read here (a claim is made). */
+static void stack_phase(int i, int k, int s, int nt) {
     const decoder_layer_f32 *w = stack_call.layers + i;
     const decoder_step_f32 *st = stack_call.s;
-    const int nt = team_nt, silu_in_gemm = stack_call.silu_in_gemm;
+    const int silu_in_gemm = stack_call.silu_in_gemm;
     const int T = st->T, hid = st->hidden, H = st->H, KVH = st->KVH, D = st->D, I = st->inter;
     const int nqkv = (H + 2 * KVH) * D;
     const int64_t half = st->nb1 * (int64_t)KVH * st->BS * D;
@@ -1791,7 +1819,7 @@ static void stack_phase(int i, int k, int s) {
         break;
     case STACK_ATTN:  /* every share's thread claims groups of rows until none is left */
         decode_rows_f32(st->qkv, nqkv, w->kv_layer, st->block_tables, st->seq_lens, st->row_order, st->attn, T, H,
-                        KVH, D, st->BS, st->max_blocks, st->nb1, st->scale, 0, 0.0f, stack_next_row + i, nt);
+                        KVH, D, st->BS, st->max_blocks, st->nb1, st->scale, 0, 0.0f, stack_next_row + i, team_nt);
         break;
     case STACK_O:
         gemm_share(st->attn, (int64_t)H * D, w->o, w->o_bias, st->o_out, hid, T, hid, H * D, s, nt);
@@ -1821,7 +1849,7 @@ static void stack_body(uint32_t gen, int self) {
     const int L = stack_call.num_layers;  /* (a later call's, if it was written meanwhile: its claims fail) */
     for (int i = 0; i < L && i < STACK_MAX_LAYERS; i++)
         for (int k = 0; k < STACK_PHASES; k++)
-            TEAM_PHASE(gen, i * STACK_PHASES + k, self, stack_phase(i, k, s));
+            TEAM_PHASE(gen, i * STACK_PHASES + k, self, stack_phase(i, k, s, n));
 }
 #endif
 
@@ -1845,11 +1873,19 @@ int decoder_layers_f32(const decoder_layer_f32 *layers, int num_layers, const de
      * on (a prefill's rows): the same bits, without the [T, 2 I] buffer's round trip through L3
      * (offline cold traffic at 64 sequences +5 %: bench/RESULTS.md, 2026-12-07, `26e2bad`) */
     const int silu_in_gemm = I % GEMM_NR == 0 && T > GEMM_RG;
+    const int nt = team_threads(), nqkv = (s->H + 2 * s->KVH) * s->D;
+    uint8_t shares[STACK_PHASES];  /* a layer's: the GEMMs' by their panels (gate/up's: its pairs where fused) */
+    for (int k = 0; k < STACK_PHASES; k++) shares[k] = (uint8_t)nt;
+    shares[STACK_QKV] = (uint8_t)team_gemm_shares((nqkv + GEMM_NR - 1) / GEMM_NR, nt);
+    shares[STACK_O] = (uint8_t)team_gemm_shares((s->hidden + GEMM_NR - 1) / GEMM_NR, nt);
+    shares[STACK_GATE_UP] = (uint8_t)team_gemm_shares(silu_in_gemm ? I / GEMM_NR : (2 * I + GEMM_NR - 1) / GEMM_NR, nt);
+    shares[STACK_DOWN] = shares[STACK_O];
     pthread_mutex_lock(&team_lock);
     stack_call.layers = layers, stack_call.s = s, stack_call.num_layers = num_layers;
     stack_call.silu_in_gemm = silu_in_gemm;
     memset(stack_next_row, 0, sizeof(int) * num_layers);
-    team_run(stack_body, num_layers * STACK_PHASES, team_threads());
+    for (int i = 0; i < num_layers; i++) memcpy(team_shares + i * STACK_PHASES, shares, sizeof(shares));
+    team_run(stack_body, num_layers * STACK_PHASES, nt);
     pthread_mutex_unlock(&team_lock);
     return 1;
 #else
