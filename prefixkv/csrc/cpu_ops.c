@@ -1378,6 +1378,10 @@ static inline __attribute__((always_inline)) void gemm_group_panel(const float *
     }
 }
 
+/* Items (rows, panels) lo .. hi - 1 of n: share s of nt. */
+#define SHARE_RANGE(n, s, nt, lo, hi) \
+    const int lo = (int)((int64_t)(n) * (s) / (nt)), hi = (int)((int64_t)(n) * ((s) + 1) / (nt))
+
 /* Share t of nt of the GEMM (thread t of a parallel region of nt threads, or a team's share): a
  * contiguous range of panels; the row groups outside the panels, so a group's GEMM_RG rows of x
  * stay in L2 while the share's panels go by (from memory for the first group, then from L3). No
@@ -1393,7 +1397,7 @@ static void gemm_share_to(const float *x, int64_t ld_x, const float *packed, con
                           int64_t ld_y, int M, int N, int K, float *am_best, int64_t *am_idx, int t, int nt) {
     const int P = (N + GEMM_NR - 1) / GEMM_NR;
     {
-        const int p0 = (int)((int64_t)P * t / nt), p1 = (int)((int64_t)P * (t + 1) / nt);
+        SHARE_RANGE(P, t, nt, p0, p1);
         float total[GEMM_RG * GEMM_NR] __attribute__((aligned(64)));
         for (int g0 = 0; g0 < M; g0 += GEMM_RG) {
             const int rows = M - g0 < GEMM_RG ? M - g0 : GEMM_RG;
@@ -1427,7 +1431,7 @@ static void gemm_share_to(const float *x, int64_t ld_x, const float *packed, con
 static void gemm_silu_share(const float *x, int64_t ld_x, const float *packed, float *act, int64_t ld_act,
                             int M, int I, int K, int t, int nt) {
     const int Q = I / GEMM_NR;
-    const int q0 = (int)((int64_t)Q * t / nt), q1 = (int)((int64_t)Q * (t + 1) / nt);
+    SHARE_RANGE(Q, t, nt, q0, q1);
     const int64_t stride = (int64_t)K * GEMM_NR;
     float gate[GEMM_RG * GEMM_NR] __attribute__((aligned(64)));
     float up[GEMM_RG * GEMM_NR] __attribute__((aligned(64)));
@@ -1657,11 +1661,6 @@ static int team_gemm_shares(int P, int nt) {
     return P < nt ? nt : P < most ? P : most;
 }
 
-/* Rows lo .. hi - 1 of n: share s of nt. */
-#define SHARE_ROWS(n, s, nt, lo, hi) \
-    const int lo = (int)((int64_t)(n) * (s) / (nt)), hi = (int)((int64_t)(n) * ((s) + 1) / (nt))
-
-
 /* lm_head_argmax_f32's call, for the team's threads */
 static struct {
     const float *x, *residual, *norm_w, *packed, *bias;
@@ -1673,7 +1672,7 @@ static struct {
 } lm_call;
 
 static void lm_head_norm(int s, int n) {
-    SHARE_ROWS(lm_call.M, s, n, lo, hi);
+    SHARE_RANGE(lm_call.M, s, n, lo, hi);
     for (int r = lo; r < hi; r++)
         add_rmsnorm_row(lm_call.x, lm_call.ld_x, lm_call.residual, lm_call.ld_res, 0, 0, lm_call.norm_w,
                         lm_call.normed, lm_call.K, r, lm_call.K, lm_call.eps);
@@ -1800,7 +1799,7 @@ static void stack_phase(int i, int k, int s, int nt) {
     const int T = st->T, hid = st->hidden, H = st->H, KVH = st->KVH, D = st->D, I = st->inter;
     const int nqkv = (H + 2 * KVH) * D;
     const int64_t half = st->nb1 * (int64_t)KVH * st->BS * D;
-    SHARE_ROWS(T, s, nt, lo, hi);
+    SHARE_RANGE(T, s, nt, lo, hi);
     switch (k) {
     case STACK_NORM:  /* layer 0: residual = h */
         for (int r = lo; r < hi; r++)
