@@ -1678,15 +1678,28 @@ static void lm_head_norm(int s, int n) {
                         lm_call.normed, lm_call.K, r, lm_call.K, lm_call.eps);
 }
 
-static void lm_head_gemm(int s, int n) {
+/* Share s of n; *prev: the share this thread did before in this phase (-1: none). A share after a lower
+ * one starts from that one's running maxima: its result is then the argmax over both, which the
+ * combination in share order (lm_head_argmax_f32) takes the same way, and a row meets a new maximum
+ * about ln(panels) + 1 times in a thread's whole range instead of in every share (each one a
+ * mispredicted branch and a search of the panel). */
+static void lm_head_gemm(int s, int n, int *prev) {
     const int M = lm_call.M;
-    gemm_share_to(lm_call.normed, lm_call.K, lm_call.packed, lm_call.bias, 0, 0, M, lm_call.N, lm_call.K,
-                  lm_call.best + (int64_t)s * M, lm_call.idx + (int64_t)s * M, s, n);
+    float *best = lm_call.best + (int64_t)s * M;
+    int64_t *idx = lm_call.idx + (int64_t)s * M;
+    if (*prev >= 0 && *prev < s) {
+        memcpy(best, lm_call.best + (int64_t)*prev * M, sizeof(float) * M);
+        memcpy(idx, lm_call.idx + (int64_t)*prev * M, sizeof(int64_t) * M);
+    }
+    gemm_share_to(lm_call.normed, lm_call.K, lm_call.packed, lm_call.bias, 0, 0, M, lm_call.N, lm_call.K, best, idx,
+                  s, n);
+    *prev = s;
 }
 
 static void lm_head_body(uint32_t gen, int self) {
+    int prev = -1;
     TEAM_PHASE(gen, 0, self, lm_head_norm(s, n));
-    TEAM_PHASE(gen, 1, self, lm_head_gemm(s, n));
+    TEAM_PHASE(gen, 1, self, lm_head_gemm(s, n, &prev));
 }
 
 /* Greedy decoding's last step, M rows of float32: h = x + residual, normed = rmsnorm(h) * norm_w
