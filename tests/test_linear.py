@@ -92,16 +92,25 @@ def test_lm_head_argmax_is_argmax_of_the_written_logits(n_in, n_out, bias):
     never written) gives each row torch.argmax of the logits the norm and the C GEMM return: ties
     (duplicated weight rows, in one panel of 48 columns and across panels and shares) go to the
     first index, a NaN logit wins (the first NaN), -inf rows give index 0; 1-3 threads, the GEMM in
-    up to 32 shares (6,144 columns: 128 panels), with the team's workers joining at once or 0.3 ms
-    late (the caller's thread takes shares from the top of a worker's range)."""
+    up to 32 shares (6,144 columns: 128 panels), with the team's workers joining at once, 0.3 ms or
+    30 ms late (the caller's thread takes shares from the top of a worker's range; a share after a
+    lower one of the same thread starts from its running maxima, one taken from the top does not)."""
     g = torch.Generator().manual_seed(n_out)
     m = _linear(n_in, n_out, bias, seed=n_out)
     w = m.weight.detach().clone()
     w[n_out - 3] = w[5]  # a tie across panels (and threads): argmax must be 5 where row 5 wins
     w[n_out // 2 + 1] = w[n_out // 2]  # a tie inside one panel
+    tie2 = 200 if n_out > 400 else n_out - 3  # a tie across two shares of one thread (the second starts from the first's maxima)
+    w[tie2] = w[5]
+    # row 12's largest logit at 3100 and 3300 only: a worker's shares that the caller takes from the top
+    # down (workers 30 ms late) must not start from a higher share's maxima
+    tie3 = (3100, 3300) if n_out > 4000 else (n_out // 2, n_out // 2 + 1)
+    w[tie3[1]] = w[tie3[0]]
     if bias:
         m.bias.data[n_out - 3] = m.bias.data[5]
+        m.bias.data[tie2] = m.bias.data[5]
         m.bias.data[n_out // 2 + 1] = m.bias.data[n_out // 2]
+        m.bias.data[tie3[1]] = m.bias.data[tie3[0]]
     m.weight = torch.nn.Parameter(w, requires_grad=False)
     norm_w = torch.rand(n_in, generator=g) + 0.5
     x, residual = torch.randn(40, n_in, generator=g), torch.randn(40, n_in, generator=g)
@@ -112,16 +121,19 @@ def test_lm_head_argmax_is_argmax_of_the_written_logits(n_in, n_out, bias):
     x[10], residual[10] = 3.0 * unit, 0.0 * unit
     unit2 = w[n_out // 2] / norm_w
     x[11], residual[11] = 3.0 * unit2, 0.0 * unit2
+    unit3 = w[tie3[0]] / norm_w
+    x[12], residual[12] = 3.0 * unit3, 0.0 * unit3
     m.prepack("c")
     normed, _ = cpu_ops.add_rmsnorm(x, residual, norm_w, 1e-5)
     logits = m(normed)
     ref = logits.argmax(dim=-1)
     assert ref[10].item() == 5 and ref[11].item() == n_out // 2 and ref[7].item() == 0  # what the rows test
+    assert ref[12].item() == tie3[0]
     threads, lib = torch.get_num_threads(), cpu_ops.load()
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            for delay_us in (0, 300):
+            for delay_us in (0, 300, 30_000):
                 lib.team_set_worker_delay_us(delay_us)
                 got = cpu_ops.lm_head_argmax(x, residual, norm_w, 1e-5, m.packed, n_out, m.bias)
                 assert torch.equal(got, ref), (n, delay_us, (got != ref).nonzero())
