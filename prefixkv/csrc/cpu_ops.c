@@ -1221,9 +1221,12 @@ void argmax_rows_f32(const float *x, int64_t ld, int rows, int n, int64_t *out) 
 
 int gemm_panel_width(void) { return GEMM_NR; }
 
+/* The panels of GEMM_NR columns that n output columns take (the last one padded). */
+static inline int gemm_panels(int n) { return (n + GEMM_NR - 1) / GEMM_NR; }
+
 /* w [N, K] (rows ld_w apart) -> packed [ceil(N / GEMM_NR), K, GEMM_NR]. */
 void gemm_pack_f32(const float *w, int64_t ld_w, int N, int K, float *packed) {
-    const int P = (N + GEMM_NR - 1) / GEMM_NR;
+    const int P = gemm_panels(N);
     #pragma omp parallel for schedule(static)
     for (int p = 0; p < P; p++) {
         float *dst = packed + (int64_t)p * K * GEMM_NR;
@@ -1395,7 +1398,7 @@ static void gemm_share(const float *x, int64_t ld_x, const float *packed, const 
 }
 static void gemm_share_to(const float *x, int64_t ld_x, const float *packed, const float *bias, float *y,
                           int64_t ld_y, int M, int N, int K, float *am_best, int64_t *am_idx, int t, int nt) {
-    const int P = (N + GEMM_NR - 1) / GEMM_NR;
+    const int P = gemm_panels(N);
     {
         SHARE_RANGE(P, t, nt, p0, p1);
         float total[GEMM_RG * GEMM_NR] __attribute__((aligned(64)));
@@ -1481,7 +1484,7 @@ int gemm_f32(const float *x, int64_t ld_x, const float *packed, const float *bia
 #include <unistd.h>
 
 #define TEAM_MAX_SHARES 32    /* a claim word's share bits */
-#define TEAM_MAX_THREADS TEAM_MAX_SHARES
+#define TEAM_MAX_THREADS TEAM_MAX_SHARES  /* (a share a thread at least) */
 #define TEAM_MAX_PHASES 8192
 #define TEAM_SPIN 1000        /* pause iterations before a waiting thread sleeps on a futex */
 
@@ -1712,7 +1715,7 @@ int lm_head_argmax_f32(const float *x, int64_t ld_x, const float *residual, int6
                        float eps, float *normed, const float *packed, const float *bias, int M, int N, int K,
                        int64_t *out) {
     if (M <= 0) return 1;
-    const int nt = team_threads(), ns = team_gemm_shares((N + GEMM_NR - 1) / GEMM_NR, nt);
+    const int nt = team_threads(), ns = team_gemm_shares(gemm_panels(N), nt);
     float *best = malloc(sizeof(float) * (size_t)ns * M);
     int64_t *idx = malloc(sizeof(int64_t) * (size_t)ns * M);
     if (!best || !idx) {
@@ -1888,9 +1891,9 @@ int decoder_layers_f32(const decoder_layer_f32 *layers, int num_layers, const de
     const int nt = team_threads(), nqkv = (s->H + 2 * s->KVH) * s->D;
     uint8_t shares[STACK_PHASES];  /* a layer's: the GEMMs' by their panels (gate/up's: its pairs where fused) */
     for (int k = 0; k < STACK_PHASES; k++) shares[k] = (uint8_t)nt;
-    shares[STACK_QKV] = (uint8_t)team_gemm_shares((nqkv + GEMM_NR - 1) / GEMM_NR, nt);
-    shares[STACK_O] = (uint8_t)team_gemm_shares((s->hidden + GEMM_NR - 1) / GEMM_NR, nt);
-    shares[STACK_GATE_UP] = (uint8_t)team_gemm_shares(silu_in_gemm ? I / GEMM_NR : (2 * I + GEMM_NR - 1) / GEMM_NR, nt);
+    shares[STACK_QKV] = (uint8_t)team_gemm_shares(gemm_panels(nqkv), nt);
+    shares[STACK_O] = (uint8_t)team_gemm_shares(gemm_panels(s->hidden), nt);
+    shares[STACK_GATE_UP] = (uint8_t)team_gemm_shares(silu_in_gemm ? I / GEMM_NR : gemm_panels(2 * I), nt);
     shares[STACK_DOWN] = shares[STACK_O];
     pthread_mutex_lock(&team_lock);
     stack_call.layers = layers, stack_call.s = s, stack_call.num_layers = num_layers;
