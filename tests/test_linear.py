@@ -264,12 +264,14 @@ def test_prepacked_model_logits_close_to_plain_and_same_greedy_tokens(tiny_llama
 @needs_c_gemm
 def test_engine_takes_greedy_tokens_from_the_c_head_only_where_sampling_is_the_argmax(tiny_llama, tiny_qwen2,
                                                                                     monkeypatch):
-    """A step whose every token is greedy with nothing else asked (no logprobs, penalties, masks)
-    takes its tokens from cpu_ops.lm_head_argmax (no logits); the tokens are those of the logits
-    path (the same model with it off), Qwen2's LM head included; a request with logprobs, or one
-    sampling, in the batch sends the step through the logits."""
+    """A step whose every sampled token is greedy with nothing else asked (no logprobs, penalties,
+    masks) takes its tokens from cpu_ops.lm_head_argmax (no logits), a prefill step's last prompt
+    rows and the decodes beside them included; the tokens are those of the logits path (the same
+    model with it off), Qwen2's LM head included; a request with logprobs, or one sampling, in the
+    batch sends the step through the logits."""
     from prefixkv import LLM, SamplingParams
     from prefixkv.model.llama import LlamaModel
+    from prefixkv.runner import model_runner
 
     calls = []
     real = cpu_ops.lm_head_argmax
@@ -282,7 +284,9 @@ def test_engine_takes_greedy_tokens_from_the_c_head_only_where_sampling_is_the_a
         assert llm.engine.runner.model.greedy_head_ok
         calls.clear()
         fused = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-        assert len(calls) == 11 and set(calls) == {4}  # the 11 decode steps (the prefill step: logits of 4 rows of 134)
+        if path == tiny_llama:
+            fused_llama = fused
+        assert calls == [4] * 12  # the prefill step (its 4 last prompt rows of 134), then the 11 decode steps
         with monkeypatch.context() as mp:
             mp.setattr(LlamaModel, "greedy_head_ok", property(lambda self: False))
             assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == fused
@@ -292,6 +296,31 @@ def test_engine_takes_greedy_tokens_from_the_c_head_only_where_sampling_is_the_a
         calls.clear()
         mixed = [greedy] * 3 + [SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True)]
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, mixed)][:3] == fused[:3] and calls == []
+    # prompts in chunks of a 16-token budget beside the decodes of the others: every step through the
+    # C head (the sampler never called), the tokens of the logits path
+    sampled, steps_greedy = [], []
+    real_sample, real_forward = model_runner.sample, LlamaModel.forward
+    monkeypatch.setattr(model_runner, "sample", lambda *a, **k: sampled.append(a[0].shape[0]) or real_sample(*a, **k))
+
+    def forward(self, input_ids, *a, greedy=False, **k):  # (tokens of the step, rows of logits) of the C head's
+        if greedy:
+            steps_greedy.append((input_ids.shape[0], None if a[4] is None else a[4].shape[0]))
+        return real_forward(self, input_ids, *a, greedy=greedy, **k)
+    monkeypatch.setattr(LlamaModel, "forward", forward)
+    for head_ok in (True, False):
+        with monkeypatch.context() as mp:
+            if not head_ok:
+                mp.setattr(LlamaModel, "greedy_head_ok", property(lambda self: False))
+            chunked = LLM(model=str(tiny_llama), block_size=4, num_kv_blocks=256, max_num_batched_tokens=16)
+            calls.clear(), sampled.clear(), steps_greedy.clear()
+            assert [o.outputs[0].token_ids for o in chunked.generate(prompts, greedy)] == fused_llama
+            steps = chunked.engine.num_steps
+            if head_ok:  # one call a step but the steps that only computed prompt chunks
+                assert sampled == [] and 0 < len(calls) < steps and sum(calls) == 4 * 12
+                # steps that finished a prompt beside decodes: more tokens than rows, more than one row
+                assert any(rows is not None and 1 < rows < t for t, rows in steps_greedy)
+            else:
+                assert calls == [] and sum(sampled) == 4 * 12
     with monkeypatch.context() as mp:  # the C scratch not allocated: the same tokens through logits
         mp.setattr(cpu_ops, "lm_head_argmax", lambda *a, **k: calls.append(-1) and None)
         calls.clear()

@@ -363,10 +363,13 @@ class ModelRunner:
                 repeats.append(s.num_samples)
         batch = self.sampling_batch(rows) if rows else None
         graph = self._graph_step(out)
-        if (batch is not None and logits_rows is None and not graph and len(rows) == input_ids.shape[0]
+        num_logit_rows = input_ids.shape[0] if logits_rows is None else logits_rows.shape[0]
+        if (batch is not None and not prompt_rows and not graph and len(rows) == num_logit_rows
                 and argmax_only(batch) and self.model.greedy_head_ok):
-            # every token samples, each its argmax: the model's C LM head takes it, no logits written
-            tokens = self.model(input_ids, positions, self.layer_caches, layer_metas, self.backend, None, greedy=True)
+            # every row of logits samples one token, its argmax (a decode step's rows, or a prefill
+            # step's last prompt rows and decodes): the model's C LM head takes it, no logits written
+            tokens = self.model(input_ids, positions, self.layer_caches, layer_metas, self.backend, logits_rows,
+                                greedy=True)
             return self._split(out, SamplerOutput(tokens.tolist(), None, None, None, None))
         if graph:
             logits = self.graphs.replay(input_ids, positions, metas[0])
